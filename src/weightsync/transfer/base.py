@@ -1,0 +1,446 @@
+"""The receiver-side contract every transfer backend implements, and the data it exchanges.
+
+A backend moves a trainer's named tensors into an inference worker. The worker owns a
+[`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer talks to it
+through two plain-dict payloads that can travel over any control channel (a pipe, HTTP):
+
+- the *init info*, given once to
+  [`init_transfer_engine`][weightsync.transfer.base.WeightTransferEngine.init_transfer_engine];
+- the *update info* ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo]),
+  given to [`receive_weights`][weightsync.transfer.base.WeightTransferEngine.receive_weights] for
+  every update: the names, dtypes and shapes that are about to arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+__all__ = [
+    "LoadWeightsFn",
+    "TensorSpec",
+    "TransferStats",
+    "WeightSyncError",
+    "WeightTransferEngine",
+    "WeightTransferError",
+    "WeightTransferInitInfo",
+    "WeightTransferTimeout",
+    "WeightTransferUpdateInfo",
+    "WeightValidationError",
+    "dtype_from_name",
+    "dtype_name",
+    "parse_info",
+    "validate_specs",
+]
+
+LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+"""Receives a batch of `(name, tensor)` pairs and copies them into the model.
+
+The tensors may be views of a reusable transfer buffer: copy them before returning.
+"""
+
+
+class WeightSyncError(Exception):
+    """Base class of every error weightsync raises on purpose."""
+
+
+class WeightValidationError(WeightSyncError, ValueError):
+    """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
+
+
+class WeightTransferError(WeightSyncError, RuntimeError):
+    """A transfer failed while bytes were moving (a peer died, a collective failed).
+
+    Attributes:
+        partially_applied: True when some tensors of the update may already have been written into
+            the receiver's weights, which are then torn until a complete update lands.
+    """
+
+    def __init__(self, message: str, *, partially_applied: bool = False) -> None:
+        super().__init__(message)
+        self.partially_applied = partially_applied
+
+
+class WeightTransferTimeout(WeightTransferError, TimeoutError):
+    """A blocking step of a transfer (rendezvous, broadcast, hand-off) ran past its timeout."""
+
+
+# Dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
+# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
+_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+    "complex128",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+)
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Returns the wire name of `dtype` (`torch.bfloat16` -> `"bfloat16"`).
+
+    Raises:
+        WeightValidationError: `dtype` cannot be transferred.
+
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    name = str(dtype).removeprefix("torch.")
+    if _DTYPES.get(name) is not dtype:
+        raise WeightValidationError(
+            f"dtype {dtype} cannot be transferred; supported: {', '.join(_DTYPES)}"
+        )
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Returns the torch dtype for a wire name (`"bfloat16"` -> `torch.bfloat16`).
+
+    Raises:
+        WeightValidationError: `name` is not a supported dtype name.
+    """
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise WeightValidationError(
+            f"unknown dtype name {name!r}; expected one of: {', '.join(_DTYPES)}"
+        )
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor: what a receiver must know before bytes arrive."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        """Returns the spec of `tensor` under `name`."""
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        """Returns `dtype[shape]`, the form error messages use."""
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+
+@dataclass
+class TransferStats:
+    """What one update moved, as seen by one side.
+
+    Attributes:
+        num_tensors: Tensors moved.
+        num_bytes: Payload bytes (tensor data, without alignment padding).
+        num_buckets: Buckets (packed mode) or broadcasts (unpacked mode) used.
+        direct_buckets: Buckets sent or received in place, without a pack or unpack copy.
+        seconds: Wall time of the update on this side, handshake included.
+    """
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    direct_buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+_InfoT = TypeVar("_InfoT")
+
+
+def parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
+    """Builds the dataclass `cls` from a plain dict, as received over a control channel.
+
+    Args:
+        cls: The dataclass to build.
+        data: A mapping of field names to values, or an instance of `cls` (returned as is).
+        what: How the payload is called in error messages, e.g. `"init_info"`.
+
+    Raises:
+        WeightValidationError: `data` is not a mapping, has unknown keys, lacks required ones, or
+            holds values the dataclass rejects. The message names every offending key.
+    """
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise WeightValidationError(
+            f"{what} must be a JSON object (dict) or {cls.__name__}, got {type(data).__name__}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(
+        name
+        for name, f in fields.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    problems = []
+    if unknown:
+        problems.append(f"unknown keys {unknown}")
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if problems:
+        raise WeightValidationError(
+            f"invalid {what} for {cls.__name__}: {'; '.join(problems)}; "
+            f"expected keys: {sorted(fields)}"
+        )
+    try:
+        return cls(**data)
+    except WeightValidationError as exc:
+        raise WeightValidationError(f"invalid {what}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise WeightValidationError(f"invalid {what} for {cls.__name__}: {exc}") from None
+
+
+@dataclass
+class WeightTransferInitInfo:
+    """Base class of the per-backend init infos: what a receiver needs to join a transfer."""
+
+
+@dataclass
+class WeightTransferUpdateInfo:
+    """What the trainer is about to send: parallel lists, one entry per tensor, in send order.
+
+    Attributes:
+        names: Tensor names, unique, e.g. `"model.layers.0.self_attn.q_proj.weight"`.
+        dtype_names: Wire dtype names (see [`dtype_name`][weightsync.transfer.base.dtype_name]).
+        shapes: Shapes as lists of non-negative ints (`[]` for a 0-d tensor).
+        weight_version: Optional label of the weights being sent (the trainer's step, say).
+
+    Raises:
+        WeightValidationError: The lists differ in length, a name repeats, a dtype is unknown or
+            a shape is malformed.
+
+    >>> info = WeightTransferUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[2, 3]])
+    >>> info.specs()[0].nbytes
+    24
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    weight_version: str | int | None = None
+    _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lengths = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        for key, value in lengths.items():
+            if not isinstance(value, list | tuple):
+                raise WeightValidationError(f"{key} must be a list, got {type(value).__name__}")
+        if len({len(v) for v in lengths.values()}) != 1:
+            sizes = ", ".join(f"{k}={len(v)}" for k, v in lengths.items())
+            raise WeightValidationError(f"names, dtype_names and shapes must have equal lengths, got {sizes}")
+        specs = []
+        seen: set[str] = set()
+        for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes):
+            if not isinstance(name, str) or not name:
+                raise WeightValidationError(f"tensor names must be non-empty strings, got {name!r}")
+            if name in seen:
+                raise WeightValidationError(f"tensor name {name!r} appears twice in names")
+            seen.add(name)
+            if not isinstance(shape, list | tuple) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise WeightValidationError(
+                    f"shape of {name!r} must be a list of non-negative ints, got {shape!r}"
+                )
+            specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
+        if self.weight_version is not None and not isinstance(self.weight_version, str | int):
+            raise WeightValidationError(
+                f"weight_version must be a string, an int or null, got {type(self.weight_version).__name__}"
+            )
+        self._specs = specs
+
+    @classmethod
+    def from_specs(
+        cls, specs: Iterable[TensorSpec], *, weight_version: str | int | None = None
+    ) -> WeightTransferUpdateInfo:
+        """Builds the update info announcing `specs`, in order."""
+        specs = list(specs)
+        return cls(
+            names=[s.name for s in specs],
+            dtype_names=[dtype_name(s.dtype) for s in specs],
+            shapes=[list(s.shape) for s in specs],
+            weight_version=weight_version,
+        )
+
+    @classmethod
+    def from_named_tensors(
+        cls,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | int | None = None,
+    ) -> WeightTransferUpdateInfo:
+        """Builds the update info announcing these tensors, e.g. `model.named_parameters()`.
+
+        Only metadata is read; no tensor data is touched.
+        """
+        return cls.from_specs(
+            (TensorSpec.of(name, t) for name, t in named_tensors), weight_version=weight_version
+        )
+
+    def specs(self) -> list[TensorSpec]:
+        """Returns one [`TensorSpec`][weightsync.transfer.base.TensorSpec] per tensor, in order."""
+        return list(self._specs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-safe dict form, the inverse of `parse_info`."""
+        return {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [list(s) for s in self.shapes],
+            "weight_version": self.weight_version,
+        }
+
+
+def validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
+    """Checks announced tensors against what the receiving model holds.
+
+    Every announced name must be known, with the same shape and dtype. An update may cover a
+    subset of the model.
+
+    Raises:
+        WeightValidationError: Listing every unknown name and every shape or dtype mismatch.
+    """
+    problems = []
+    for spec in incoming:
+        want = expected.get(spec.name)
+        if want is None:
+            problems.append(f"unknown name {spec.name!r}")
+        elif want.shape != spec.shape or want.dtype != spec.dtype:
+            problems.append(f"{spec.name!r}: model has {want.describe()}, update has {spec.describe()}")
+    if problems:
+        shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
+        raise WeightValidationError(
+            f"update rejected before any byte moved: {len(problems)} of {len(incoming)} tensors "
+            "do not match the model:\n  " + "\n  ".join(shown)
+        )
+
+
+class WeightTransferEngine(ABC):
+    """Receiver side of a transfer backend, owned by one inference worker.
+
+    Lifecycle: `init_transfer_engine` once, then any number of `receive_weights`, then `shutdown`.
+    After a failed transfer the engine is shut down and must be initialized again.
+
+    Args:
+        expected_specs: What the receiving model holds, by name. Every update is validated against
+            it before any byte moves. Defaults to the specs of `params`, if given.
+        params: The receiving model's tensors, by name. Backends may write straight into them when
+            their memory layout allows; such tensors are then not passed to `load_weights`.
+    """
+
+    init_info_cls: ClassVar[type[WeightTransferInitInfo]] = WeightTransferInitInfo
+    update_info_cls: ClassVar[type[WeightTransferUpdateInfo]] = WeightTransferUpdateInfo
+
+    def __init__(
+        self,
+        *,
+        expected_specs: Mapping[str, TensorSpec] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        if expected_specs is None and params is not None:
+            expected_specs = {name: TensorSpec.of(name, t) for name, t in params.items()}
+        self.expected_specs = dict(expected_specs) if expected_specs is not None else None
+        self.params = dict(params) if params is not None else None
+
+    def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
+        """Parses a plain dict into this backend's init info dataclass."""
+        return parse_info(self.init_info_cls, init_info, what="init_info")
+
+    def parse_update_info(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+    ) -> Any:
+        """Parses a plain dict into this backend's update info dataclass."""
+        return parse_info(self.update_info_cls, update_info, what="update_info")
+
+    def check_update(self, update_info: WeightTransferUpdateInfo) -> list[TensorSpec]:
+        """Returns the update's specs after checking them against `expected_specs`, if set.
+
+        Raises:
+            WeightValidationError: Some announced tensor does not match the model.
+        """
+        specs = update_info.specs()
+        if self.expected_specs is not None:
+            validate_specs(specs, self.expected_specs)
+        return specs
+
+    @property
+    @abstractmethod
+    def is_initialized(self) -> bool:
+        """Whether `init_transfer_engine` succeeded and no failure or shutdown happened since."""
+
+    @abstractmethod
+    def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
+        """Joins the transfer described by `init_info` (a dict or the backend's dataclass).
+
+        Raises:
+            WeightValidationError: `init_info` is malformed.
+            WeightTransferTimeout: The trainer did not show up within the timeout.
+        """
+
+    @abstractmethod
+    def receive_weights(
+        self,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+        load_weights: LoadWeightsFn,
+    ) -> TransferStats:
+        """Receives one update, handing tensors to `load_weights` as they arrive.
+
+        Returns:
+            What was received and how fast.
+
+        Raises:
+            WeightValidationError: The update does not match the model (nothing was moved).
+            WeightTransferError: The transfer failed; check `partially_applied`.
+            WeightTransferTimeout: A step ran past the timeout.
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Releases the backend's resources. Safe to call twice."""
+
+    def __enter__(self) -> WeightTransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -1,0 +1,218 @@
+"""The broadcast protocol both ends of an `nccl` / `gloo` transfer follow.
+
+One update is:
+
+1. **Handshake.** The trainer broadcasts a header (update sequence number, tensor count, total
+   bytes and a digest of the announced metadata). Every receiver compares it with the update
+   info it got over the control channel and validates that info against its model. All ranks
+   then all-reduce a status vector, so a rejection anywhere stops everyone before any tensor
+   byte moves; the rejecting rank's message travels through the group's store.
+2. **Data.** Packed: the buckets of [`plan_buckets`][weightsync.transfer.packing.plan_buckets],
+   at most `num_buffers` in flight. Unpacked: one broadcast per non-empty tensor.
+
+On a failure mid-transfer a rank writes its reason to the store and closes the group; its
+peers' next collective then fails at once and they report that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.transfer.base import (
+    TensorSpec,
+    WeightTransferError,
+    WeightTransferInitInfo,
+    WeightValidationError,
+    dtype_name,
+)
+from weightsync.transfer.group import BroadcastGroup
+from weightsync.transfer.packing import Bucket, Slot, plan_buckets
+
+__all__ = [
+    "DEFAULT_BUCKET_SIZE_BYTES",
+    "DEFAULT_NUM_BUFFERS",
+    "DEFAULT_TIMEOUT_S",
+    "NCCLWeightTransferInitInfo",
+]
+
+DEFAULT_BUCKET_SIZE_BYTES = 1 << 30
+"""Default bucket size of packed transfers: 1 GiB."""
+DEFAULT_NUM_BUFFERS = 2
+"""Default number of buckets in flight (and of reusable bucket buffers) per side."""
+DEFAULT_TIMEOUT_S = 300.0
+"""Default limit, in seconds, for the rendezvous and for each collective."""
+
+_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
+
+
+@dataclass
+class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
+    """How a worker joins a trainer's broadcast group; built by the trainer, never by hand.
+
+    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl.TrainerGroup.init_info]:
+    the wire parameters (`packed` to `timeout_s`) are decided by the trainer and checked again
+    against the trainer's own copy when the worker joins.
+
+    Attributes:
+        master_address: Host of the trainer (it runs the group's store).
+        master_port: Port of the trainer's store.
+        world_size: 1 (the trainer) + the number of workers.
+        rank_offset: Rank of the first worker; worker `i` is rank `rank_offset + i`.
+        backend: `"nccl"` (CUDA tensors) or `"gloo"` (CPU tensors).
+        packed: Whether tensors travel packed into buckets (True) or one broadcast each.
+        bucket_size_bytes: Bucket size in bytes (packed mode).
+        num_buffers: Buckets in flight at once; also the number of reusable bucket buffers.
+        timeout_s: Limit for the rendezvous and each collective, in seconds.
+    """
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    backend: str = "nccl"
+    packed: bool = True
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    num_buffers: int = DEFAULT_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise WeightValidationError(
+                f"master_address must be a non-empty host name, got {self.master_address!r}"
+            )
+        for key, low in (("master_port", 1), ("world_size", 2), ("rank_offset", 1)):
+            value = getattr(self, key)
+            if not _is_int(value) or value < low:
+                raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
+        check_wire_params(
+            packed=self.packed,
+            bucket_size_bytes=self.bucket_size_bytes,
+            num_buffers=self.num_buffers,
+            timeout_s=self.timeout_s,
+        )
+
+    def wire_params(self) -> dict[str, object]:
+        """Returns the parameters both sides must agree on."""
+        return {key: getattr(self, key) for key in _WIRE_KEYS}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_wire_params(*, packed: bool, bucket_size_bytes: int, num_buffers: int, timeout_s: float) -> None:
+    """Validates the trainer-chosen wire parameters.
+
+    Raises:
+        WeightValidationError: Naming the first bad parameter.
+    """
+    if not isinstance(packed, bool):
+        raise WeightValidationError(f"packed must be a bool, got {packed!r}")
+    if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0:
+        raise WeightValidationError(f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}")
+    if not _is_int(num_buffers) or num_buffers < 1:
+        raise WeightValidationError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise WeightValidationError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
+def plan(specs: Sequence[TensorSpec], info: NCCLWeightTransferInitInfo) -> list[Bucket]:
+    """The buckets of one update: packed per `bucket_size_bytes`, or one per tensor."""
+    if info.packed:
+        return plan_buckets(specs, info.bucket_size_bytes)
+    return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
+
+
+def metadata_digest(specs: Sequence[TensorSpec]) -> int:
+    """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
+    text = json.dumps([[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def handshake(
+    group: BroadcastGroup,
+    seq: int,
+    specs: Sequence[TensorSpec] | None,
+    problem: Exception | None,
+) -> None:
+    """Runs the pre-transfer handshake on any rank (see the module docstring).
+
+    Args:
+        group: This rank's end of the group.
+        seq: The update's sequence number on this side (1 for the first update).
+        specs: The announced tensors as this side understood them; None if they were unusable.
+        problem: This rank's reason to reject the update, if any.
+
+    Raises:
+        WeightValidationError: Some rank rejected the update; the message names it and says why.
+        WeightTransferError: The handshake itself failed (a peer died, the group timed out).
+    """
+    header = torch.full((3,), -1, dtype=torch.int64, device=group.device)
+    if group.rank == 0 and specs is not None:
+        header.copy_(torch.tensor([seq, len(specs), metadata_digest(specs)]))
+    group.broadcast(header, "the update handshake").wait()
+    trainer_seq, trainer_count, trainer_digest = header.tolist()
+    # trainer_seq -1: the trainer rejects the update itself and says why in the status round.
+    if group.rank != 0 and problem is None and specs is not None and trainer_seq != -1:
+        mine = metadata_digest(specs)
+        if trainer_seq != seq:
+            problem = WeightValidationError(
+                f"update sequence mismatch: the trainer sends update #{trainer_seq}, this worker "
+                f"expects #{seq}; a worker missed an update or took one twice: re-initialize the group"
+            )
+        elif trainer_count != len(specs) or trainer_digest != mine:
+            problem = WeightValidationError(
+                f"the update info this worker got ({len(specs)} tensors) differs from what the "
+                f"trainer sends ({trainer_count} tensors): send both sides the same update_info"
+            )
+    status = torch.zeros(group.world_size, dtype=torch.int64, device=group.device)
+    if problem is not None:
+        group.set(f"reject/{seq}/{group.rank}", str(problem))
+        status[group.rank] = 1
+    group.all_reduce(status)
+    rejecting = [rank for rank, flag in enumerate(status.tolist()) if flag]
+    if problem is not None:
+        raise problem
+    if rejecting:
+        reasons = [f"rank {r}: {group.get(f'reject/{seq}/{r}')}" for r in rejecting]
+        raise WeightValidationError(
+            "update rejected before any byte moved by " + "; ".join(reasons)
+        )
+
+
+def abort(group: BroadcastGroup, reason: BaseException) -> None:
+    """Publishes why this rank gives up on the group, then closes it."""
+    try:
+        group.set(f"abort/{group.rank}", f"{type(reason).__name__}: {reason}")
+    except Exception:  # the store may be gone with the trainer; closing matters more
+        pass
+    group.close()
+
+
+def peer_reasons(group: BroadcastGroup) -> str:
+    """Collects the reasons peers published when aborting, for an error message."""
+    found = []
+    for rank in range(group.world_size):
+        if rank != group.rank:
+            reason = group.try_get(f"abort/{rank}")
+            if reason is not None:
+                found.append(f"rank {rank} aborted: {reason}")
+    return "; ".join(found)
+
+
+def transfer_failed(group: BroadcastGroup, exc: Exception, *, partially_applied: bool) -> WeightTransferError:
+    """Closes the group after a mid-transfer failure and returns the error to raise."""
+    abort(group, exc)
+    reasons = peer_reasons(group)
+    side = "trainer" if group.rank == 0 else f"worker rank {group.rank}"
+    message = f"weight transfer failed on the {side}: {exc}"
+    if reasons:
+        message += f" ({reasons})"
+    message += "; the group is closed: initialize a new one before the next update"
+    error_cls = type(exc) if isinstance(exc, WeightTransferError) else WeightTransferError
+    return error_cls(message, partially_applied=partially_applied)

@@ -1,0 +1,248 @@
+"""A broadcast group made only for weight transfer, with timeouts and clear errors.
+
+The group is built from its own `TCPStore` and a backend process group constructed directly
+(gloo or NCCL), so it never touches torch.distributed's default group: a trainer already running
+FSDP or DDP keeps its own. The trainer is rank 0 and hosts the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.transfer.base import (
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightValidationError,
+)
+
+__all__ = ["BroadcastGroup", "BroadcastWork", "check_backend"]
+
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
+_T = TypeVar("_T")
+
+
+def check_backend(backend: str) -> torch.device:
+    """Returns the device a backend's tensors live on, or raises if it cannot run here.
+
+    Raises:
+        WeightValidationError: Unknown backend, or `nccl` without CUDA (nothing falls back).
+    """
+    if backend not in _BACKEND_DEVICES:
+        raise WeightValidationError(
+            f"backend must be one of {sorted(_BACKEND_DEVICES)}, got {backend!r}"
+        )
+    if backend == "nccl":
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise WeightValidationError(
+                "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
+                "neither; use backend 'gloo' for CPU tensors"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def _translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
+    """Maps a torch.distributed failure onto weightsync's error classes."""
+    if _is_timeout(exc):
+        return WeightTransferTimeout(
+            f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
+            f"was never told to take part; {type(exc).__name__}: {exc}"
+        )
+    return WeightTransferError(
+        f"{what} failed, most likely because a peer process died or closed the group; "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+class BroadcastWork:
+    """A pending collective; `wait()` blocks at most the group's timeout and raises clearly."""
+
+    def __init__(self, work: Any, what: str, timeout_s: float) -> None:
+        self._work = work
+        self._what = what
+        self._timeout_s = timeout_s
+
+    def wait(self) -> None:
+        """Blocks until the collective is done on this rank.
+
+        Raises:
+            WeightTransferTimeout: It ran past the group's timeout.
+            WeightTransferError: It failed (typically a peer died).
+        """
+        try:
+            self._work.wait(datetime.timedelta(seconds=self._timeout_s))
+        except Exception as exc:
+            raise _translate(self._what, exc, self._timeout_s) from exc
+
+
+class BroadcastGroup:
+    """One end of a trainer-rooted group: rank 0 is the trainer, ranks 1..N the workers.
+
+    Args:
+        backend: `"gloo"` (CPU tensors) or `"nccl"` (CUDA tensors).
+        master_address: Host of the trainer's store.
+        master_port: Port of the store; 0 lets the trainer pick a free one (see `port`).
+        rank: This process's rank; 0 is the trainer, which hosts the store.
+        world_size: 1 + the number of workers.
+        timeout_s: Limit for the rendezvous and for every collective, in seconds.
+
+    Raises:
+        WeightValidationError: Bad rank, world size, timeout or backend.
+        WeightTransferTimeout: The store cannot be reached within `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 2:
+            raise WeightValidationError(
+                f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
+            )
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise WeightValidationError(
+                f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
+                "the trainer (rank 0) plus every worker (rank_offset + worker index)"
+            )
+        if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise WeightValidationError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        self.backend = backend
+        self.device = check_backend(backend)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg: Any = None
+        self._store = self._call(
+            f"connecting to the transfer store at {master_address}:{master_port}",
+            lambda: dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                rank == 0,
+                timeout=self._timeout,
+                wait_for_workers=False,
+            ),
+        )
+        self.port: int = self._store.port
+
+    # --- store: small control messages beside the data -------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except WeightTransferError:
+            raise
+        except Exception as exc:
+            raise _translate(what, exc, self.timeout_s) from exc
+
+    def set(self, key: str, value: Any) -> None:
+        """Publishes a JSON-safe value under `key` in the group's store."""
+        self._call(f"writing {key!r} to the transfer store", lambda: self._store.set(key, json.dumps(value)))
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+
+        def read() -> Any:
+            self._store.wait([key], datetime.timedelta(seconds=limit))
+            return json.loads(self._store.get(key))
+
+        return self._call(f"reading {key!r} from the transfer store", read)
+
+    def try_get(self, key: str) -> Any:
+        """Returns the value under `key` if present and the store is reachable, else None."""
+        try:
+            if not self._store.check([key]):
+                return None
+            return json.loads(self._store.get(key))
+        except Exception:  # a dead trainer takes the store with it; there is nothing to read
+            return None
+
+    def claim_rank(self) -> None:
+        """Registers this rank in the store; a second process claiming it is refused."""
+        count = self._call("claiming a rank", lambda: self._store.add(f"rank/{self.rank}", 1))
+        if count > 1:
+            raise WeightValidationError(
+                f"rank {self.rank} was claimed by another process already: each worker needs a "
+                "distinct worker_index (rank = rank_offset + worker_index)"
+            )
+
+    # --- collectives --------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Forms the process group; blocks until every rank has joined or the timeout passes."""
+        if self._pg is not None:
+            return
+        prefix = dist.PrefixStore("weightsync", self._store)
+        if self.backend == "gloo":
+            self._pg = self._call(
+                f"forming the gloo group (rank {self.rank} of {self.world_size})",
+                lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self._timeout),
+            )
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+            self._pg = self._call(
+                f"forming the NCCL group (rank {self.rank} of {self.world_size})",
+                lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options),
+            )
+            # NCCL connects lazily; a tiny collective makes the rendezvous happen (and time out) here.
+            probe = torch.zeros(1, device=self.device)
+            self.all_reduce(probe)
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the process group is formed and not closed."""
+        return self._pg is not None
+
+    def _require_pg(self) -> Any:
+        if self._pg is None:
+            raise WeightTransferError(
+                "the transfer group is not connected (never formed, or closed after a failure)"
+            )
+        return self._pg
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> BroadcastWork:
+        """Starts broadcasting `tensor` from rank 0 into the same-sized tensor on every rank."""
+        pg = self._require_pg()
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        work = self._call(what, lambda: pg.broadcast([tensor], options))
+        return BroadcastWork(work, what, self.timeout_s)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over all ranks, in place, and waits for it."""
+        pg = self._require_pg()
+        work = self._call("all-reduce", lambda: pg.allreduce([tensor], dist.AllreduceOptions()))
+        BroadcastWork(work, "all-reduce of the update status", self.timeout_s).wait()
+
+    def close(self) -> None:
+        """Drops the process group; peers blocked on this rank then fail fast.
+
+        The store stays up (on the trainer) so that peers can still read why the group closed.
+        """
+        if self._pg is not None and self.backend == "nccl":
+            try:
+                self._pg.abort()
+            except Exception:  # the group may be broken already; we are closing it anyway
+                pass
+        self._pg = None
