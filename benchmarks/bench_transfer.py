@@ -17,10 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["gloo", "ipc"], default="gloo")
-    parser.add_argument("--size-mb", type=int, default=1024, help="model size in MiB (default ~1 GiB)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per figure (best is kept)")
+    parser.add_argument(
+        "--size-mb", type=int, default=1024, help="model size in MiB (default ~1 GiB)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repetitions per figure (best is kept)"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     if args.backend == "gloo":

@@ -104,7 +104,7 @@ def parse_dataclass_arg(
                 parsed = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise WeightValidationError(
-                    f"{flag} must be a JSON object like '{{\"backend\": \"gloo\"}}': {exc.msg} at "
+                    f'{flag} must be a JSON object like \'{{"backend": "gloo"}}\': {exc.msg} at '
                     f"column {exc.colno} of {value!r}"
                 ) from None
             if not isinstance(parsed, dict):
@@ -122,7 +122,9 @@ def parse_dataclass_arg(
     return parse_info(cls, values, what=flag), rest
 
 
-def parse_weight_transfer_config(argv: Sequence[str]) -> tuple[WeightTransferConfig | None, list[str]]:
+def parse_weight_transfer_config(
+    argv: Sequence[str],
+) -> tuple[WeightTransferConfig | None, list[str]]:
     """Reads `--weight-transfer-config` (JSON or dotted keys) out of `argv`.
 
     >>> parse_weight_transfer_config(['--weight-transfer-config', '{"backend": "gloo"}'])[0]

@@ -96,7 +96,9 @@ _DTYPE_NAMES = (
     "bool",
 )
 _DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+    name: getattr(torch, name)
+    for name in _DTYPE_NAMES
+    if isinstance(getattr(torch, name, None), torch.dtype)
 }
 
 
@@ -262,16 +264,22 @@ class WeightTransferUpdateInfo:
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lengths = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        lengths: dict[str, Sequence[Any]] = {
+            "names": self.names,
+            "dtype_names": self.dtype_names,
+            "shapes": self.shapes,
+        }
         for key, value in lengths.items():
             if not isinstance(value, list | tuple):
                 raise WeightValidationError(f"{key} must be a list, got {type(value).__name__}")
         if len({len(v) for v in lengths.values()}) != 1:
             sizes = ", ".join(f"{k}={len(v)}" for k, v in lengths.items())
-            raise WeightValidationError(f"names, dtype_names and shapes must have equal lengths, got {sizes}")
+            raise WeightValidationError(
+                f"names, dtype_names and shapes must have equal lengths, got {sizes}"
+            )
         specs = []
         seen: set[str] = set()
-        for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes):
+        for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True):
             if not isinstance(name, str) or not name:
                 raise WeightValidationError(f"tensor names must be non-empty strings, got {name!r}")
             if name in seen:
@@ -347,9 +355,13 @@ def validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tensor
         if want is None:
             problems.append(f"unknown name {spec.name!r}")
         elif want.shape != spec.shape or want.dtype != spec.dtype:
-            problems.append(f"{spec.name!r}: model has {want.describe()}, update has {spec.describe()}")
+            problems.append(
+                f"{spec.name!r}: model has {want.describe()}, update has {spec.describe()}"
+            )
     if problems:
-        shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
+        shown = problems[:50] + (
+            [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
+        )
         raise WeightValidationError(
             f"update rejected before any byte moved: {len(problems)} of {len(incoming)} tensors "
             "do not match the model:\n  " + "\n  ".join(shown)
@@ -387,9 +399,7 @@ class WeightTransferEngine(ABC):
         """Parses a plain dict into this backend's init info dataclass."""
         return parse_info(self.init_info_cls, init_info, what="init_info")
 
-    def parse_update_info(
-        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
-    ) -> Any:
+    def parse_update_info(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> Any:
         """Parses a plain dict into this backend's update info dataclass."""
         return parse_info(self.update_info_cls, update_info, what="update_info")
 

@@ -16,6 +16,7 @@ peers' next collective then fails at once and they report that reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -105,7 +106,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_wire_params(*, packed: bool, bucket_size_bytes: int, num_buffers: int, timeout_s: float) -> None:
+def check_wire_params(
+    *, packed: bool, bucket_size_bytes: int, num_buffers: int, timeout_s: float
+) -> None:
     """Validates the trainer-chosen wire parameters.
 
     Raises:
@@ -114,11 +117,15 @@ def check_wire_params(*, packed: bool, bucket_size_bytes: int, num_buffers: int,
     if not isinstance(packed, bool):
         raise WeightValidationError(f"packed must be a bool, got {packed!r}")
     if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0:
-        raise WeightValidationError(f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}")
+        raise WeightValidationError(
+            f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
+        )
     if not _is_int(num_buffers) or num_buffers < 1:
         raise WeightValidationError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise WeightValidationError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        raise WeightValidationError(
+            f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
+        )
 
 
 def plan(specs: Sequence[TensorSpec], info: NCCLWeightTransferInitInfo) -> list[Bucket]:
@@ -187,10 +194,9 @@ def handshake(
 
 def abort(group: BroadcastGroup, reason: BaseException) -> None:
     """Publishes why this rank gives up on the group, then closes it."""
-    try:
+    # The store may be gone with the trainer; closing the group matters more than the note.
+    with contextlib.suppress(Exception):
         group.set(f"abort/{group.rank}", f"{type(reason).__name__}: {reason}")
-    except Exception:  # the store may be gone with the trainer; closing matters more
-        pass
     group.close()
 
 
@@ -205,7 +211,9 @@ def peer_reasons(group: BroadcastGroup) -> str:
     return "; ".join(found)
 
 
-def transfer_failed(group: BroadcastGroup, exc: Exception, *, partially_applied: bool) -> WeightTransferError:
+def transfer_failed(
+    group: BroadcastGroup, exc: Exception, *, partially_applied: bool
+) -> WeightTransferError:
     """Closes the group after a mid-transfer failure and returns the error to raise."""
     abort(group, exc)
     reasons = peer_reasons(group)

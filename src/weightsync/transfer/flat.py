@@ -79,6 +79,6 @@ def flat_tensors(
     buffer = torch.zeros(align_up(end), dtype=torch.uint8, device=device)
     views = {
         spec.name: buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        for spec, offset in zip(specs, offsets)
+        for spec, offset in zip(specs, offsets, strict=True)
     }
     return buffer, views

@@ -7,6 +7,7 @@ FSDP or DDP keeps its own. The trainer is rank 0 and hosts the store.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from collections.abc import Callable
@@ -132,7 +133,7 @@ class BroadcastGroup:
         self._pg: Any = None
         self._store = self._call(
             f"connecting to the transfer store at {master_address}:{master_port}",
-            lambda: dist.TCPStore(
+            lambda: dist.TCPStore(  # type: ignore[attr-defined]
                 master_address,
                 master_port,
                 world_size,
@@ -155,7 +156,10 @@ class BroadcastGroup:
 
     def set(self, key: str, value: Any) -> None:
         """Publishes a JSON-safe value under `key` in the group's store."""
-        self._call(f"writing {key!r} to the transfer store", lambda: self._store.set(key, json.dumps(value)))
+        self._call(
+            f"writing {key!r} to the transfer store",
+            lambda: self._store.set(key, json.dumps(value)),
+        )
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
@@ -191,7 +195,7 @@ class BroadcastGroup:
         """Forms the process group; blocks until every rank has joined or the timeout passes."""
         if self._pg is not None:
             return
-        prefix = dist.PrefixStore("weightsync", self._store)
+        prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
         if self.backend == "gloo":
             self._pg = self._call(
                 f"forming the gloo group (rank {self.rank} of {self.world_size})",
@@ -241,8 +245,7 @@ class BroadcastGroup:
         The store stays up (on the trainer) so that peers can still read why the group closed.
         """
         if self._pg is not None and self.backend == "nccl":
-            try:
+            # NCCL needs an explicit abort to unblock peers; a broken group may refuse it.
+            with contextlib.suppress(Exception):
                 self._pg.abort()
-            except Exception:  # the group may be broken already; we are closing it anyway
-                pass
         self._pg = None

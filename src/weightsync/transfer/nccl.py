@@ -33,7 +33,13 @@ from weightsync.transfer.base import (
 )
 from weightsync.transfer.broadcast import NCCLWeightTransferInitInfo
 from weightsync.transfer.group import BroadcastGroup, BroadcastWork, check_backend
-from weightsync.transfer.packing import Bucket, DirectRegion, direct_region, pack_bucket, unpack_bucket
+from weightsync.transfer.packing import (
+    Bucket,
+    DirectRegion,
+    direct_region,
+    pack_bucket,
+    unpack_bucket,
+)
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -162,9 +168,15 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         )
         try:
             trainer_wire = group.get("wire")
-            mismatched = {k: (v, trainer_wire.get(k)) for k, v in info.wire_params().items() if trainer_wire.get(k) != v}
+            mismatched = {
+                k: (v, trainer_wire.get(k))
+                for k, v in info.wire_params().items()
+                if trainer_wire.get(k) != v
+            }
             if mismatched:
-                details = ", ".join(f"{k}: worker {w!r} vs trainer {t!r}" for k, (w, t) in mismatched.items())
+                details = ", ".join(
+                    f"{k}: worker {w!r} vs trainer {t!r}" for k, (w, t) in mismatched.items()
+                )
                 raise WeightValidationError(
                     f"init_info disagrees with the trainer's group ({details}): pass the worker "
                     "the trainer's TrainerGroup.init_info unchanged"
@@ -230,7 +242,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         stats.seconds = time.perf_counter() - start
         logger.info(
             "received %d tensors, %.1f MB in %.3f s (%.2f GB/s)",
-            stats.num_tensors, stats.num_bytes / 1e6, stats.seconds, stats.gbps,
+            stats.num_tensors,
+            stats.num_bytes / 1e6,
+            stats.seconds,
+            stats.gbps,
         )
         return stats
 
@@ -246,7 +261,9 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         if region is not None:
             saved = region.save_gaps()
-            return _InFlight(group.broadcast(region.data, what), bucket, region.data, None, region, saved)
+            return _InFlight(
+                group.broadcast(region.data, what), bucket, region.data, None, region, saved
+            )
         assert self._pool is not None
         index, data = self._pool.take(bucket.nbytes)
         return _InFlight(group.broadcast(data, what), bucket, data, index)
@@ -255,7 +272,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         """Waits for a posted bucket and loads it; returns True (the model was written)."""
         if item.work is None:  # only empty tensors: nothing on the wire
             load_weights(
-                [(s.spec.name, torch.empty(s.spec.shape, dtype=s.spec.dtype, device=self.device)) for s in item.bucket.slots]
+                [
+                    (s.spec.name, torch.empty(s.spec.shape, dtype=s.spec.dtype, device=self.device))
+                    for s in item.bucket.slots
+                ]
             )
             return True
         item.work.wait()
@@ -316,7 +336,9 @@ class TrainerGroup:
             WeightTransferError: The group was closed after a failure.
         """
         if self._closed:
-            raise WeightTransferError("this trainer group was closed after a failure: call trainer_init again")
+            raise WeightTransferError(
+                "this trainer group was closed after a failure: call trainer_init again"
+            )
         try:
             self._group.connect()
         except WeightTransferError as exc:
@@ -377,7 +399,10 @@ def trainer_init(
     >>> group.close()
     """
     broadcast.check_wire_params(
-        packed=packed, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s
+        packed=packed,
+        bucket_size_bytes=bucket_size_bytes,
+        num_buffers=num_buffers,
+        timeout_s=timeout_s,
     )
     group = BroadcastGroup(
         backend=backend,
@@ -422,7 +447,11 @@ class NCCLTrainerSendWeightsArgs:
 class _CheckedTensors:
     """Yields the iterator's tensors, checking each against the announced spec, in order."""
 
-    def __init__(self, pairs: Iterator[tuple[str, torch.Tensor]], post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        pairs: Iterator[tuple[str, torch.Tensor]],
+        post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
+    ) -> None:
         self._pairs = pairs
         self._post = post
 
@@ -437,10 +466,14 @@ class _CheckedTensors:
         if self._post is not None:
             tensor = self._post(pair)
         if name != spec.name:
-            raise WeightValidationError(f"tensor #{index} is {name!r} but the update announced {spec.name!r}")
+            raise WeightValidationError(
+                f"tensor #{index} is {name!r} but the update announced {spec.name!r}"
+            )
         got = TensorSpec.of(name, tensor)
         if got.shape != spec.shape or got.dtype != spec.dtype:
-            raise WeightValidationError(f"tensor {name!r} is {got.describe()} but the update announced {spec.describe()}")
+            raise WeightValidationError(
+                f"tensor {name!r} is {got.describe()} but the update announced {spec.describe()}"
+            )
         return tensor
 
     def check_exhausted(self, count: int) -> None:
@@ -480,7 +513,9 @@ def trainer_send_weights(
     specs: list[TensorSpec] | None = None
     problem: WeightValidationError | None = None
     try:
-        specs = parse_info(WeightTransferUpdateInfo, trainer_args.update_info, what="update_info").specs()
+        specs = parse_info(
+            WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
+        ).specs()
     except WeightValidationError as exc:
         problem = exc
     trainer._seq += 1
@@ -494,7 +529,9 @@ def trainer_send_weights(
     assert specs is not None
     buckets = broadcast.plan(specs, info)
     tensors = _CheckedTensors(iter(iterator), trainer_args.post_iter_func)
-    stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs), num_buckets=len(buckets))
+    stats = TransferStats(
+        num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs), num_buckets=len(buckets)
+    )
     pool = trainer._pool
     pool.reset()
     window: deque[_InFlight] = deque()
@@ -526,14 +563,23 @@ def trainer_send_weights(
     stats.seconds = time.perf_counter() - start
     logger.info(
         "sent %d tensors, %.1f MB to %d workers in %.3f s (%.2f GB/s, %d of %d buckets in place)",
-        stats.num_tensors, stats.num_bytes / 1e6, info.world_size - 1, stats.seconds, stats.gbps,
-        stats.direct_buckets, stats.num_buckets,
+        stats.num_tensors,
+        stats.num_bytes / 1e6,
+        info.world_size - 1,
+        stats.seconds,
+        stats.gbps,
+        stats.direct_buckets,
+        stats.num_buckets,
     )
     return stats
 
 
 def _post_send(
-    group: BroadcastGroup, pool: _BufferPool, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats
+    group: BroadcastGroup,
+    pool: _BufferPool,
+    bucket: Bucket,
+    tensors: list[torch.Tensor],
+    stats: TransferStats,
 ) -> _InFlight:
     what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
     region = direct_region(bucket, tensors) if tensors[0].device == group.device else None

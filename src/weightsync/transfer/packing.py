@@ -107,7 +107,9 @@ def _typed_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     return raw.view(slot.spec.dtype).view(slot.spec.shape)
 
 
-def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+def pack_bucket(
+    bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor
+) -> torch.Tensor:
     """Copies `tensors` (one per slot, any layout or device) into `buffer` at the plan's offsets.
 
     Returns:
@@ -174,9 +176,9 @@ def direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> DirectRegi
     if base + bucket.nbytes > storage.nbytes():
         return None
     data = torch.empty(0, dtype=torch.uint8, device=first.device)
-    data.set_(storage, base, (bucket.nbytes,))
+    data.set_(storage, base, (bucket.nbytes,), (1,))
     gaps = []
-    for prev, nxt in zip(bucket.slots, bucket.slots[1:]):
+    for prev, nxt in zip(bucket.slots, bucket.slots[1:], strict=False):
         if nxt.offset > prev.end:
             gaps.append((prev.end, nxt.offset))
     return DirectRegion(data, gaps)

@@ -26,7 +26,9 @@ class EngineRegistry:
     def __init__(self) -> None:
         self._engines: dict[str, type[WeightTransferEngine] | str] = {}
 
-    def register(self, name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False) -> None:
+    def register(
+        self, name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False
+    ) -> None:
         """Registers `engine` (a class, or `"module:Class"` imported lazily) under `name`.
 
         Raises:
@@ -35,7 +37,9 @@ class EngineRegistry:
         if not isinstance(name, str) or not name:
             raise WeightValidationError(f"backend name must be a non-empty string, got {name!r}")
         if isinstance(engine, str) and engine.count(":") != 1:
-            raise WeightValidationError(f"lazy engine must look like 'package.module:ClassName', got {engine!r}")
+            raise WeightValidationError(
+                f"lazy engine must look like 'package.module:ClassName', got {engine!r}"
+            )
         if name in self._engines and not replace:
             raise WeightValidationError(
                 f"backend {name!r} is already registered; pass replace=True to override it"
@@ -76,8 +80,13 @@ default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEn
 default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
 
 
-def register_engine(name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False) -> None:
-    """Registers a backend in the default registry (see [`EngineRegistry.register`][weightsync.transfer.registry.EngineRegistry.register])."""
+def register_engine(
+    name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False
+) -> None:
+    """Registers a backend in the default registry.
+
+    See [`EngineRegistry.register`][weightsync.transfer.registry.EngineRegistry.register].
+    """
     default_registry.register(name, engine, replace=replace)
 
 

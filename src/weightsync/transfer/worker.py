@@ -9,6 +9,7 @@ tensors or code crosses the pipe), and every wait for a reply has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -22,7 +23,13 @@ import torch
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.flat import flat_tensors
 
-__all__ = ["ReceiverProcess", "TrainerProcess", "WorkerProcessError", "fill_tensors", "tensor_digests"]
+__all__ = [
+    "ReceiverProcess",
+    "TrainerProcess",
+    "WorkerProcessError",
+    "fill_tensors",
+    "tensor_digests",
+]
 
 
 class WorkerProcessError(RuntimeError):
@@ -39,7 +46,9 @@ class WorkerProcessError(RuntimeError):
         self.reply = reply
 
 
-def allocate_tensors(specs: list[TensorSpec], *, flat: bool, device: str = "cpu") -> dict[str, torch.Tensor]:
+def allocate_tensors(
+    specs: list[TensorSpec], *, flat: bool, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Zeroed tensors for `specs`: one flat buffer in the bucket layout, or one tensor each."""
     if flat:
         return flat_tensors(specs, device=device)[1]
@@ -54,18 +63,22 @@ def fill_tensors(tensors: dict[str, torch.Tensor], seed: int) -> None:
             continue
         if tensor.dtype == torch.bool:
             values = torch.randint(0, 2, tensor.shape, generator=generator).bool()
-        elif tensor.dtype.is_floating_point:
+        elif tensor.dtype.is_floating_point or tensor.dtype.is_complex:
             values = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
         else:
             info = torch.iinfo(tensor.dtype)
-            values = torch.randint(max(info.min, -100), min(info.max, 100), tensor.shape, generator=generator).to(tensor.dtype)
+            values = torch.randint(
+                max(info.min, -100), min(info.max, 100), tensor.shape, generator=generator
+            ).to(tensor.dtype)
         tensor.copy_(values)
 
 
 def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """SHA-256 of each tensor's bytes, by name: equal digests mean bitwise-equal tensors."""
     return {
-        name: hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        name: hashlib.sha256(
+            t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
         for name, t in tensors.items()
     }
 
@@ -78,9 +91,11 @@ def _peak_rss_bytes() -> int:
     return 0
 
 
-def _reset_peak_rss() -> None:
+def _reset_peak_rss() -> dict[str, int]:
+    """Restarts peak-RSS tracking (Linux) and returns the current RSS as the new baseline."""
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
+    return {"rss": _peak_rss_bytes()}
 
 
 def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -106,12 +121,24 @@ def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
         conn.send_bytes(json.dumps(reply).encode())
 
 
-def _receiver_main(conn: Connection, backend: str, update_info: dict[str, Any], worker_index: int, flat: bool, in_place: bool) -> None:
+def _receiver_main(
+    conn: Connection,
+    backend: str,
+    update_info: dict[str, Any],
+    worker_index: int,
+    flat: bool,
+    in_place: bool,
+) -> None:
     from weightsync.transfer.registry import create_engine
 
     specs = WeightTransferUpdateInfo(**update_info).specs()
     params = allocate_tensors(specs, flat=flat)
-    engine = create_engine(backend, worker_index=worker_index, params=params if in_place else None, expected_specs={s.name: s for s in specs})
+    engine = create_engine(
+        backend,
+        worker_index=worker_index,
+        params=params if in_place else None,
+        expected_specs={s.name: s for s in specs},
+    )
 
     def load_weights(pairs: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:
@@ -124,24 +151,36 @@ def _receiver_main(conn: Connection, backend: str, update_info: dict[str, Any], 
     def init(init_info: dict[str, Any]) -> None:
         engine.init_transfer_engine(init_info)
 
-    _serve(conn, {
-        "init": init,
-        "update": update,
-        "digests": lambda: {"digests": tensor_digests(params)},
-        "reset_peak": lambda: (_reset_peak_rss(), {"rss": _peak_rss_bytes()})[1],
-        "peak": lambda: {"peak_rss": _peak_rss_bytes()},
-        "shutdown": engine.shutdown,
-    })
+    _serve(
+        conn,
+        {
+            "init": init,
+            "update": update,
+            "digests": lambda: {"digests": tensor_digests(params)},
+            "reset_peak": _reset_peak_rss,
+            "peak": lambda: {"peak_rss": _peak_rss_bytes()},
+            "shutdown": engine.shutdown,
+        },
+    )
     engine.shutdown()
 
 
-def _trainer_main(conn: Connection, update_info: dict[str, Any], flat: bool, init_default_group: bool) -> None:
-    from weightsync.transfer.nccl import NCCLTrainerSendWeightsArgs, TrainerGroup, trainer_init, trainer_send_weights
+def _trainer_main(
+    conn: Connection, update_info: dict[str, Any], flat: bool, init_default_group: bool
+) -> None:
+    from weightsync.transfer.nccl import (
+        NCCLTrainerSendWeightsArgs,
+        TrainerGroup,
+        trainer_init,
+        trainer_send_weights,
+    )
 
-    if init_default_group:  # like a trainer already running DDP/FSDP: the transfer must not touch it
+    if (
+        init_default_group
+    ):  # like a trainer already running DDP/FSDP: the transfer must not touch it
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     specs = WeightTransferUpdateInfo(**update_info).specs()
     tensors = allocate_tensors(specs, flat=flat)
@@ -160,7 +199,9 @@ def _trainer_main(conn: Connection, update_info: dict[str, Any], flat: bool, ini
                 torch.multiprocessing.Event().wait()
             return pair[1]
 
-        args = NCCLTrainerSendWeightsArgs(groups[0], update_info, stall if stall_at_tensor is not None else None)
+        args = NCCLTrainerSendWeightsArgs(
+            groups[0], update_info, stall if stall_at_tensor is not None else None
+        )
         stats = trainer_send_weights(tensors.items(), args)
         result: dict[str, Any] = {"stats": {**vars(stats), "gbps": stats.gbps}}
         if init_default_group:
@@ -169,17 +210,23 @@ def _trainer_main(conn: Connection, update_info: dict[str, Any], flat: bool, ini
             result["default_group_size"] = dist.get_world_size()
         return result
 
-    _serve(conn, {
-        "init": init,
-        "send": send,
-        "digests": lambda: {"digests": tensor_digests(tensors)},
-    })
+    _serve(
+        conn,
+        {
+            "init": init,
+            "connect": lambda: groups[0].connect(),
+            "send": send,
+            "digests": lambda: {"digests": tensor_digests(tensors)},
+        },
+    )
 
 
 class _Process:
     """Parent-side handle of a worker process: JSON commands in, JSON replies out."""
 
-    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], timeout_s: float) -> None:
+    def __init__(
+        self, target: Callable[..., None], args: tuple[Any, ...], timeout_s: float
+    ) -> None:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self.process = context.Process(target=target, args=(child, *args), daemon=True)
@@ -225,10 +272,8 @@ class _Process:
     def close(self) -> None:
         """Asks the process to exit; kills it if it does not within the timeout."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError, TimeoutError, EOFError):
                 self.call("exit")
-            except (OSError, TimeoutError, EOFError):
-                pass
             self.process.join(self.timeout_s)
         if self.process.is_alive():
             self.kill()
@@ -250,14 +295,25 @@ class ReceiverProcess(_Process):
         timeout_s: Limit for each reply, in seconds.
     """
 
-    def __init__(self, *, backend: str, update_info: dict[str, Any], worker_index: int = 0, flat: bool = False, in_place: bool = True, timeout_s: float = 120.0) -> None:
-        super().__init__(_receiver_main, (backend, update_info, worker_index, flat, in_place), timeout_s)
+    def __init__(
+        self,
+        *,
+        backend: str,
+        update_info: dict[str, Any],
+        worker_index: int = 0,
+        flat: bool = False,
+        in_place: bool = True,
+        timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(
+            _receiver_main, (backend, update_info, worker_index, flat, in_place), timeout_s
+        )
 
 
 class TrainerProcess(_Process):
     """A process holding tensors for `update_info` that it fills from a seed and sends.
 
-    Commands: `init` (the keyword arguments of `trainer_init`), `send` (`seed`, optional
+    Commands: `init` (the keyword arguments of `trainer_init`), `connect`, `send` (`seed`, optional
     `stall_at_tensor` to hang before that tensor, for failure drills), `digests`, `exit`.
 
     Args:
@@ -267,6 +323,12 @@ class TrainerProcess(_Process):
         timeout_s: Limit for each reply, in seconds.
     """
 
-    def __init__(self, *, update_info: dict[str, Any], flat: bool = False, init_default_group: bool = False, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        *,
+        update_info: dict[str, Any],
+        flat: bool = False,
+        init_default_group: bool = False,
+        timeout_s: float = 120.0,
+    ) -> None:
         super().__init__(_trainer_main, (update_info, flat, init_default_group), timeout_s)
-
