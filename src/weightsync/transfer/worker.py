@@ -24,10 +24,13 @@ from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.flat import flat_tensors
 
 __all__ = [
+    "CommandProcess",
     "ReceiverProcess",
     "TrainerProcess",
     "WorkerProcessError",
+    "allocate_tensors",
     "fill_tensors",
+    "serve_commands",
     "tensor_digests",
 ]
 
@@ -98,8 +101,12 @@ def _reset_peak_rss() -> dict[str, int]:
     return {"rss": _peak_rss_bytes()}
 
 
-def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
-    """Answers JSON commands on `conn` until `exit`; errors are replies, not crashes."""
+def serve_commands(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
+    """Answers JSON commands on `conn` until `exit`; errors are replies, not crashes.
+
+    Each command is a JSON object `{"op": name, **kwargs}`; `handlers[name](**kwargs)` runs and
+    its dict result (or `{"ok": false, "error_type", "message", ...}`) is the reply.
+    """
     torch.set_num_threads(1)  # several processes share the cores; oversubscription costs more
     while True:
         command = json.loads(conn.recv_bytes())
@@ -151,7 +158,7 @@ def _receiver_main(
     def init(init_info: dict[str, Any]) -> None:
         engine.init_transfer_engine(init_info)
 
-    _serve(
+    serve_commands(
         conn,
         {
             "init": init,
@@ -210,7 +217,7 @@ def _trainer_main(
             result["default_group_size"] = dist.get_world_size()
         return result
 
-    _serve(
+    serve_commands(
         conn,
         {
             "init": init,
@@ -221,8 +228,14 @@ def _trainer_main(
     )
 
 
-class _Process:
-    """Parent-side handle of a worker process: JSON commands in, JSON replies out."""
+class CommandProcess:
+    """Parent-side handle of a spawned process that runs `serve_commands`.
+
+    Args:
+        target: Spawn-safe function `target(conn, *args)` that ends in `serve_commands`.
+        args: Its further arguments (JSON-like values).
+        timeout_s: Default limit for each reply, in seconds.
+    """
 
     def __init__(
         self, target: Callable[..., None], args: tuple[Any, ...], timeout_s: float
@@ -280,7 +293,7 @@ class _Process:
         self._conn.close()
 
 
-class ReceiverProcess(_Process):
+class ReceiverProcess(CommandProcess):
     """A process holding zeroed tensors for `update_info` and a receiver engine of `backend`.
 
     Commands: `init` (`init_info`), `update` (`update_info`), `digests`, `reset_peak`, `peak`,
@@ -310,7 +323,7 @@ class ReceiverProcess(_Process):
         )
 
 
-class TrainerProcess(_Process):
+class TrainerProcess(CommandProcess):
     """A process holding tensors for `update_info` that it fills from a seed and sends.
 
     Commands: `init` (the keyword arguments of `trainer_init`), `connect`, `send` (`seed`, optional
