@@ -61,6 +61,7 @@ def build_model(hidden: int, layers: int, vocab: int) -> nn.Module:
 
 
 def main() -> int:
+    """Runs the demo; returns the process exit code (non-zero when a worker's bytes differ)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
     parser.add_argument("--layers", type=int, default=8, help="decoder blocks (default 8)")
