@@ -86,6 +86,12 @@ def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
+def _use_device(device: str) -> None:
+    """Makes `device` this process's current CUDA device (NCCL needs it); CPU needs nothing."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+
+
 def _peak_rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -135,11 +141,13 @@ def _receiver_main(
     worker_index: int,
     flat: bool,
     in_place: bool,
+    device: str,
 ) -> None:
     from weightsync.transfer.registry import create_engine
 
+    _use_device(device)
     specs = WeightTransferUpdateInfo(**update_info).specs()
-    params = allocate_tensors(specs, flat=flat)
+    params = allocate_tensors(specs, flat=flat, device=device)
     engine = create_engine(
         backend,
         worker_index=worker_index,
@@ -173,7 +181,11 @@ def _receiver_main(
 
 
 def _trainer_main(
-    conn: Connection, update_info: dict[str, Any], flat: bool, init_default_group: bool
+    conn: Connection,
+    update_info: dict[str, Any],
+    flat: bool,
+    init_default_group: bool,
+    device: str,
 ) -> None:
     from weightsync.transfer.nccl import (
         NCCLTrainerSendWeightsArgs,
@@ -182,15 +194,14 @@ def _trainer_main(
         trainer_send_weights,
     )
 
-    if (
-        init_default_group
-    ):  # like a trainer already running DDP/FSDP: the transfer must not touch it
+    _use_device(device)
+    if init_default_group:  # like a DDP/FSDP trainer: the transfer must leave this group alone
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, 1, True)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     specs = WeightTransferUpdateInfo(**update_info).specs()
-    tensors = allocate_tensors(specs, flat=flat)
+    tensors = allocate_tensors(specs, flat=flat, device=device)
     groups: list[TrainerGroup] = []
 
     def init(**kwargs: Any) -> dict[str, Any]:
@@ -305,6 +316,7 @@ class ReceiverProcess(CommandProcess):
         worker_index: Its index among the group's workers.
         flat: Lay its tensors out in one flat buffer (bucket layout) instead of one tensor each.
         in_place: Offer its tensors to the engine so buckets can land in place.
+        device: Where its tensors live (`"cuda:1"` for the `nccl` backend).
         timeout_s: Limit for each reply, in seconds.
     """
 
@@ -316,11 +328,11 @@ class ReceiverProcess(CommandProcess):
         worker_index: int = 0,
         flat: bool = False,
         in_place: bool = True,
+        device: str = "cpu",
         timeout_s: float = 120.0,
     ) -> None:
-        super().__init__(
-            _receiver_main, (backend, update_info, worker_index, flat, in_place), timeout_s
-        )
+        args = (backend, update_info, worker_index, flat, in_place, device)
+        super().__init__(_receiver_main, args, timeout_s)
 
 
 class TrainerProcess(CommandProcess):
@@ -333,6 +345,7 @@ class TrainerProcess(CommandProcess):
         update_info: Dict form of the tensors it holds.
         flat: Lay its tensors out in one flat buffer (sends without a pack copy).
         init_default_group: Call `torch.distributed.init_process_group` first, like a DDP trainer.
+        device: Where its tensors live (`"cuda:0"` for the `nccl` backend).
         timeout_s: Limit for each reply, in seconds.
     """
 
@@ -342,6 +355,8 @@ class TrainerProcess(CommandProcess):
         update_info: dict[str, Any],
         flat: bool = False,
         init_default_group: bool = False,
+        device: str = "cpu",
         timeout_s: float = 120.0,
     ) -> None:
-        super().__init__(_trainer_main, (update_info, flat, init_default_group), timeout_s)
+        args = (update_info, flat, init_default_group, device)
+        super().__init__(_trainer_main, args, timeout_s)
