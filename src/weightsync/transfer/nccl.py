@@ -226,15 +226,17 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         self._pool.reset()
         buckets = broadcast.plan(specs, info)
         window: deque[_InFlight] = deque()
-        touched = False
+        touched = False  # whether any byte of the model may have been overwritten
         try:
             for bucket in buckets:
                 if len(window) >= info.num_buffers:
-                    touched |= self._land(window.popleft(), load_weights, stats)
+                    touched = True
+                    self._land(window.popleft(), load_weights, stats)
                 window.append(self._post(group, bucket))
                 touched |= window[-1].region is not None
             while window:
-                touched |= self._land(window.popleft(), load_weights, stats)
+                touched = True
+                self._land(window.popleft(), load_weights, stats)
         except Exception as exc:
             window.clear()  # in-flight work pins the group's connections open
             raise broadcast.transfer_failed(group, exc, partially_applied=touched) from exc
@@ -268,26 +270,21 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         index, data = self._pool.take(bucket.nbytes)
         return _InFlight(group.broadcast(data, what), bucket, data, index)
 
-    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> bool:
-        """Waits for a posted bucket and loads it; returns True (the model was written)."""
-        if item.work is None:  # only empty tensors: nothing on the wire
-            load_weights(
-                [
-                    (s.spec.name, torch.empty(s.spec.shape, dtype=s.spec.dtype, device=self.device))
-                    for s in item.bucket.slots
-                ]
-            )
-            return True
-        item.work.wait()
+    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
+        """Waits for a posted bucket, then loads it (unless it landed in place)."""
+        if item.work is not None:  # None: a bucket of empty tensors, nothing on the wire
+            item.work.wait()
         if item.region is not None:
             assert item.saved_gaps is not None
             item.region.restore_gaps(item.saved_gaps)
             stats.direct_buckets += 1
-            return True
-        assert item.data is not None and item.buffer_index is not None and self._pool is not None
-        load_weights(unpack_bucket(item.bucket, item.data))
-        self._pool.give_back(item.buffer_index)
-        return True
+            return
+        data = item.data if item.data is not None else torch.empty(0, dtype=torch.uint8)
+        with torch.no_grad():  # loaders copy into parameters that may require grad
+            load_weights(unpack_bucket(item.bucket, data.to(self.device)))
+        if item.buffer_index is not None:
+            assert self._pool is not None
+            self._pool.give_back(item.buffer_index)
 
     def shutdown(self) -> None:
         """Leaves the group and frees the bucket buffers. Safe to call twice."""
@@ -587,7 +584,8 @@ def _post_send(
         stats.direct_buckets += 1
         return _InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
     index, buffer = pool.take(bucket.nbytes)
-    data = pack_bucket(bucket, tensors, buffer)
+    with torch.no_grad():  # parameters that require grad are copied as plain bytes
+        data = pack_bucket(bucket, tensors, buffer)
     return _InFlight(group.broadcast(data, what), bucket, data, index)
 
 
