@@ -8,6 +8,7 @@ import torch
 from weightsync.transfer.base import (
     TensorSpec,
     WeightTransferError,
+    WeightTransferTimeout,
     WeightTransferUpdateInfo,
     WeightValidationError,
 )
@@ -319,3 +320,30 @@ def test_nccl_without_cuda_fails_clearly():
         NCCLWeightTransferEngine()
     with pytest.raises(WeightValidationError, match="use backend 'gloo' for CPU tensors"):
         trainer_init(world_size=2, backend="nccl")
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_non_contiguous_sources_arrive_by_value(receivers, packed):
+    tensors = allocate_tensors(SPECS, flat=False)
+    fill_tensors(tensors, 21)
+    transposed = tensors["embed.weight"].t().contiguous().t()  # same values, column-major
+    assert not transposed.is_contiguous()
+    pairs = [(n, transposed if n == "embed.weight" else t) for n, t in tensors.items()]
+    group = connect(receivers, packed=packed)
+    _, replies = exchange(group, receivers, tensors, pairs=pairs)
+    assert all(reply["ok"] for reply in replies), replies
+    assert_received(receivers, tensors)
+    group.close()
+
+
+def test_send_times_out_when_workers_never_receive(receivers):
+    group = connect(receivers, timeout_s=1.5)
+    tensors = allocate_tensors(SPECS, flat=False)
+    started = time.monotonic()
+    with pytest.raises(WeightTransferTimeout, match=r"timed out after 1.5 s \(timeout_s\)"):
+        trainer_send_weights(tensors.items(), NCCLTrainerSendWeightsArgs(group, INFO))
+    assert time.monotonic() - started < 20
+    with pytest.raises(
+        WeightTransferError, match="closed after a failure: call trainer_init again"
+    ):
+        trainer_send_weights(tensors.items(), NCCLTrainerSendWeightsArgs(group, INFO))
