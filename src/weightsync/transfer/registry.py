@@ -78,6 +78,7 @@ default_registry = EngineRegistry()
 """The registry [`WeightTransferConfig`][weightsync.config.WeightTransferConfig] resolves against."""
 default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEngine")
 default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
+default_registry.register("ipc", "weightsync.transfer.ipc:IPCWeightTransferEngine")
 
 
 def register_engine(

@@ -1,0 +1,377 @@
+"""Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
+
+The mechanism follows the tensors' device: CUDA tensors travel as CUDA IPC handles, CPU tensors
+as POSIX shared-memory segments. Either way the trainer sends only JSON-safe
+[handle records][weightsync.transfer.ipc_handles.IPCHandle] and each worker copies the bytes
+straight out of the trainer's memory into its model.
+
+This module holds the worker side and the payloads; the trainer side is
+[`weightsync.transfer.ipc_trainer`][weightsync.transfer.ipc_trainer].
+
+**Hand-off.** The trainer owns an
+[`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession]
+and passes `session.init_info` to every worker's `init_transfer_engine`. An update is a series of
+[`IPCWeightTransferUpdateInfo`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo] dicts, each
+given to every worker's `receive_weights` by the `deliver` callable of
+[`IPCTrainerSendWeightsArgs`][weightsync.transfer.ipc_trainer.IPCTrainerSendWeightsArgs] (a pipe, an HTTP
+post, a Ray call), which returns once every worker acknowledged:
+
+1. an *announcement* (`ipc_handles` null): every worker validates the whole update against its
+   model, so a rejection anywhere stops the update before any byte moves on any worker;
+2. one *part* per bucket (packed) or a single part (unpacked), each with the records of the
+   tensors `first_index ..` of the update. The worker's weights are complete after the last part;
+   [`update_in_progress`][weightsync.transfer.ipc.IPCWeightTransferEngine.update_in_progress]
+   says whether that point was reached.
+
+**Packed** mode copies the tensors into `num_buffers` reusable bucket buffers exported once, and
+refills a buffer only after the workers acknowledged its part; while workers copy bucket k, the
+trainer packs bucket k+1. **Unpacked** mode exports the tensors where they are: on CPUs they must
+live in shared memory ([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors],
+[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module] or torch's
+`share_memory_()`), and then the worker's single copy is the whole cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.transfer import shm
+from weightsync.transfer.base import (
+    LoadWeightsFn,
+    TensorSpec,
+    TransferStats,
+    WeightTransferEngine,
+    WeightTransferError,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    WeightValidationError,
+)
+from weightsync.transfer.ipc_handles import IPCHandle, import_cuda_storage
+
+__all__ = [
+    "IPCWeightTransferEngine",
+    "IPCWeightTransferInitInfo",
+    "IPCWeightTransferUpdateInfo",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IPCWeightTransferInitInfo(WeightTransferInitInfo):
+    """How a worker joins a trainer's IPC session; take it from `IPCTrainerSession.init_info`.
+
+    Attributes:
+        session: The trainer's session name; the worker attaches only to its segments (and to
+            torch's shared-memory segments, which a trainer exports in place).
+        backend: Always `"ipc"`.
+    """
+
+    session: str
+    backend: str = "ipc"
+
+    def __post_init__(self) -> None:
+        if self.backend != "ipc":
+            raise WeightValidationError(
+                f"backend is {self.backend!r} but this init info is for 'ipc': create the "
+                f"worker's engine with backend {self.backend!r}"
+            )
+        if not shm.is_session_name(self.session):
+            raise WeightValidationError(
+                f"session must look like 'weightsync-' + 12 hex digits, got {self.session!r}: "
+                "pass the trainer's IPCTrainerSession.init_info unchanged"
+            )
+
+
+@dataclass(kw_only=True)
+class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One delivery of an IPC update: the whole update's metadata plus some tensors' handles.
+
+    `names`, `dtype_names`, `shapes` and `weight_version` describe the whole update, identical
+    in every delivery of it; `ipc_handles` locates the tensors `first_index ..
+    first_index + len(ipc_handles) - 1`. Every field is JSON-safe and
+    [`to_dict`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo.to_dict] round-trips.
+
+    Attributes:
+        update_id: Identifies the update all its deliveries belong to.
+        ipc_handles: One record per tensor of this part (see
+            [`IPCHandle`][weightsync.transfer.ipc_handles.IPCHandle]), or None for the
+            announcement, which moves nothing.
+        first_index: Position in `names` of the first tensor `ipc_handles` covers.
+
+    Raises:
+        WeightValidationError: Malformed metadata or records; the message names the record.
+    """
+
+    update_id: str
+    ipc_handles: list[dict[str, Any]] | None = None
+    first_index: int = 0
+    _handles: list[IPCHandle] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.update_id, str) or not self.update_id:
+            raise WeightValidationError(
+                f"update_id must be a non-empty string, got {self.update_id!r}"
+            )
+        count = len(self.names)
+        if not isinstance(self.first_index, int) or isinstance(self.first_index, bool):
+            raise WeightValidationError(f"first_index must be an int, got {self.first_index!r}")
+        self._handles = []
+        if self.ipc_handles is None:
+            return
+        if not isinstance(self.ipc_handles, list):
+            raise WeightValidationError(
+                f"ipc_handles must be a list or null, got {type(self.ipc_handles).__name__}"
+            )
+        end = self.first_index + len(self.ipc_handles)
+        if self.first_index < 0 or end > count or (count and not self.ipc_handles):
+            raise WeightValidationError(
+                f"ipc_handles covers tensors {self.first_index}..{end - 1} but the update has "
+                f"{count} tensors (first_index {self.first_index}, {len(self.ipc_handles)} records)"
+            )
+        specs = self.specs()
+        for index, record in enumerate(self.ipc_handles, start=self.first_index):
+            where = f"ipc_handles[{index - self.first_index}] ({specs[index].name!r})"
+            self._handles.append(IPCHandle.from_dict(record, where=where, spec=specs[index]))
+
+    @property
+    def is_announcement(self) -> bool:
+        """Whether this delivery only announces the update (no handles)."""
+        return self.ipc_handles is None
+
+    def handles(self) -> list[IPCHandle]:
+        """The checked records of this delivery, in order."""
+        return list(self._handles)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-safe dict form, the inverse of `parse_info`."""
+        return {
+            **super().to_dict(),
+            "update_id": self.update_id,
+            "ipc_handles": None
+            if self.ipc_handles is None
+            else [h.to_dict() for h in self._handles],
+            "first_index": self.first_index,
+        }
+
+
+@dataclass
+class _Progress:
+    """How far a worker got in the update it is receiving."""
+
+    update_id: str
+    metadata: tuple[list[str], list[str], list[list[int]], str | int | None]
+    next_index: int = 0
+    touched: bool = False
+
+
+class IPCWeightTransferEngine(WeightTransferEngine):
+    """Worker side of the `ipc` backend: reads tensors out of the trainer's exported memory.
+
+    Args:
+        worker_index: This worker's index among the trainer's workers (for logs).
+        expected_specs: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine].
+        params: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; only
+            their specs are used (the bytes always arrive through `load_weights`).
+
+    `load_weights` gets views of the trainer's memory; copy them before returning. Shared-memory
+    views are mapped read-only, so a worker can never corrupt the trainer's weights. Mappings are
+    kept between updates (a packed buffer is mapped once) and dropped once unused.
+    """
+
+    backend: ClassVar[str] = "ipc"
+    init_info_cls: ClassVar[type[WeightTransferInitInfo]] = IPCWeightTransferInitInfo
+    update_info_cls: ClassVar[type[WeightTransferUpdateInfo]] = IPCWeightTransferUpdateInfo
+
+    def __init__(
+        self,
+        *,
+        worker_index: int = 0,
+        expected_specs: Mapping[str, TensorSpec] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(expected_specs=expected_specs, params=params)
+        self.worker_index = worker_index
+        self._session: str | None = None
+        self._segments: dict[str, shm.AttachedSegment] = {}
+        self._cuda: dict[tuple[str, int], torch.Tensor] = {}
+        self._used: set[object] = set()
+        self._progress: _Progress | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether `init_transfer_engine` succeeded and no failure or shutdown happened since."""
+        return self._session is not None
+
+    @property
+    def update_in_progress(self) -> bool:
+        """True between an update's announcement and its last part: the weights are incomplete."""
+        return self._progress is not None
+
+    def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
+        """Joins the trainer's session (instant: nothing is mapped until an update arrives).
+
+        Raises:
+            WeightValidationError: Malformed init info or another backend's.
+        """
+        info: IPCWeightTransferInitInfo = self.parse_init_info(init_info)
+        self.shutdown()
+        self._session = info.session
+        logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
+
+    def receive_weights(
+        self,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+        load_weights: LoadWeightsFn,
+    ) -> TransferStats:
+        """Handles one delivery: validates it, then hands its tensors to `load_weights`.
+
+        Every record is checked (known dtype, nbytes = shape x dtype size, offset + nbytes inside
+        the region, segment of this session and existing, CUDA device UUID visible) before any
+        tensor is loaded. A rejected first part leaves the weights as they were.
+
+        Raises:
+            WeightValidationError: The update or a record is invalid; nothing was loaded by this
+                call, and the weights are still whole unless `update_in_progress`.
+            WeightTransferError: Loading failed, or a later part was invalid after earlier parts
+                were loaded (`partially_applied`); the engine is then shut down.
+        """
+        if self._session is None:
+            raise WeightTransferError(
+                "the transfer engine is not initialized (or was shut down after a failure): "
+                "call init_transfer_engine(init_info) first"
+            )
+        start = time.perf_counter()
+        info: IPCWeightTransferUpdateInfo = self.parse_update_info(update_info)
+        metadata = (info.names, info.dtype_names, info.shapes, info.weight_version)
+        progress = self._progress
+        if progress is None or progress.update_id != info.update_id:
+            specs = self.check_update(info)
+            if progress is not None and progress.touched:
+                logger.warning(
+                    "worker %d: update %s was left incomplete; its weights stay torn until update "
+                    "%s completes",
+                    self.worker_index,
+                    progress.update_id,
+                    info.update_id,
+                )
+            progress = self._progress = _Progress(info.update_id, metadata)
+        else:
+            specs = info.specs()
+            if metadata != progress.metadata:
+                raise self._reject(
+                    f"update {info.update_id} changed its names, dtypes, shapes or version "
+                    "between deliveries: send every delivery of an update the same metadata"
+                )
+        stats = TransferStats()
+        if info.is_announcement:
+            if not specs:
+                self._progress = None
+            stats.seconds = time.perf_counter() - start
+            return stats
+        if info.first_index != progress.next_index:
+            raise self._reject(
+                f"update {info.update_id}: this part starts at tensor {info.first_index} but the "
+                f"worker expects tensor {progress.next_index}: deliver parts once each, in order"
+            )
+        handles = info.handles()
+        part = specs[info.first_index : info.first_index + len(handles)]
+        try:
+            tensors = [
+                (spec.name, self._resolve(handle, spec, f"ipc_handles[{i}] ({spec.name!r})"))
+                for i, (handle, spec) in enumerate(zip(handles, part, strict=True))
+            ]
+        except WeightValidationError as exc:
+            raise self._reject(str(exc)) from None
+        try:
+            with torch.no_grad():  # loaders copy into parameters that may require grad
+                load_weights(tensors)
+            for device in {t.device for _, t in tensors if t.is_cuda}:
+                # The trainer refills its buffer once we return: our copies must be done.
+                torch.cuda.synchronize(device)
+        except Exception as exc:
+            raise self._fail(f"load_weights failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            del tensors
+        progress.touched = True
+        progress.next_index += len(handles)
+        if progress.next_index == len(specs):
+            self._progress = None
+            self._drop_unused()
+        stats.num_tensors = len(part)
+        stats.num_bytes = sum(s.nbytes for s in part)
+        stats.num_buckets = 1
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _resolve(self, handle: IPCHandle, spec: TensorSpec, where: str) -> torch.Tensor:
+        """Checks a record against the live memory and returns the tensor it locates."""
+        if handle.nbytes == 0:
+            device = "cuda" if handle.cuda is not None else "cpu"
+            return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        if handle.cuda is not None:
+            key = handle.cuda.cache_key
+            region = import_cuda_storage(handle.cuda, where=where)
+            # Keep the storage open across updates: reopening one handle twice would release
+            # the producer's reference count twice.
+            self._cuda[key] = region
+            self._used.add(key)
+        else:
+            assert handle.segment is not None and self._session is not None
+            region = self._attach(handle.segment, where)
+        try:
+            return handle.view(region)
+        except WeightValidationError as exc:
+            raise WeightValidationError(f"{where}: {exc}") from None
+
+    def _attach(self, name: str, where: str) -> torch.Tensor:
+        """Returns the mapping of segment `name`, reusing a cached one while it is still current."""
+        assert self._session is not None
+        if not shm.segment_belongs_to(name, self._session):
+            raise WeightValidationError(
+                f"{where}.segment {name!r} is not a segment of session {self._session}: "
+                "initialize this worker with the trainer's current init_info"
+            )
+        try:
+            identity = shm.segment_identity(name)
+            cached = self._segments.get(name)
+            if cached is None or cached.identity != identity:
+                cached = self._segments[name] = shm.attach_segment(name)
+        except WeightValidationError as exc:
+            raise WeightValidationError(f"{where}: {exc}") from None
+        self._used.add(name)
+        return cached.tensor
+
+    def _drop_unused(self) -> None:
+        """Unmaps what the update that just completed did not use."""
+        self._segments = {k: v for k, v in self._segments.items() if k in self._used}
+        self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
+        self._used = set()
+
+    def _reject(self, message: str) -> WeightTransferError | WeightValidationError:
+        """The error for an invalid delivery: a validation error while the weights are whole."""
+        if self._progress is not None and self._progress.touched:
+            return self._fail(f"{message} (earlier parts of the update were loaded)")
+        self._progress = None
+        return WeightValidationError(f"update rejected before any byte moved: {message}")
+
+    def _fail(self, message: str) -> WeightTransferError:
+        touched = self._progress is not None
+        self.shutdown()
+        return WeightTransferError(
+            f"worker {self.worker_index}: IPC weight transfer failed: {message}; the weights may "
+            "be torn: initialize the engine again and send a complete update",
+            partially_applied=touched,
+        )
+
+    def shutdown(self) -> None:
+        """Drops every mapping and the session. Safe to call twice."""
+        self._session, self._progress = None, None
+        self._segments, self._cuda, self._used = {}, {}, set()

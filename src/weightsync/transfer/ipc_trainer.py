@@ -1,0 +1,591 @@
+"""Trainer side of the `ipc` backend: export memory, deliver handle records, reuse buffers safely.
+
+An [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession] (from
+[`ipc_trainer_init`][weightsync.transfer.ipc_trainer.ipc_trainer_init]) owns everything the trainer
+exports: the packed bucket buffers and the shared-memory tensors it hands out. It unlinks them on
+`close`, after a failed transfer (bucket buffers), and, through its janitor process, when the
+trainer dies. [`ipc_trainer_send_weights`][weightsync.transfer.ipc_trainer.ipc_trainer_send_weights]
+sends one update through a `deliver` callable; see [`weightsync.transfer.ipc`][weightsync.transfer.ipc]
+for the protocol.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import mmap
+import secrets
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightsync.transfer import shm
+from weightsync.transfer.base import (
+    TensorSpec,
+    TransferStats,
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightTransferUpdateInfo,
+    WeightValidationError,
+    parse_info,
+)
+from weightsync.transfer.broadcast import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+    check_wire_params,
+)
+from weightsync.transfer.ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
+from weightsync.transfer.nccl import _CheckedTensors
+from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
+
+__all__ = [
+    "IPCTrainerSendWeightsArgs",
+    "IPCTrainerSession",
+    "ipc_trainer_init",
+    "ipc_trainer_send_weights",
+]
+
+logger = logging.getLogger(__name__)
+
+DeliverFn = Callable[[dict[str, Any]], None]
+"""Hands one JSON-safe update info dict to every worker's `receive_weights`.
+
+Returns once every worker returned; raises if any failed (a `WeightValidationError` for a
+rejection). Called from one helper thread, one delivery at a time, in order.
+"""
+
+
+def _release(owned: dict[str, shm.SharedSegment], janitor: shm.SegmentJanitor) -> None:
+    for segment in owned.values():
+        segment.unlink()
+    owned.clear()
+    janitor.close()
+
+
+class IPCTrainerSession:
+    """The trainer's end of an IPC transfer: its exported memory and its wire parameters.
+
+    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc_trainer.ipc_trainer_init]; the arguments
+    are the same.
+
+    Args:
+        packed: Copy tensors into reusable bucket buffers (True) or export them in place.
+        bucket_size_bytes: Bucket size in bytes (packed mode); a tensor larger than a bucket gets
+            a bucket of its own. Trainer memory beyond the model: `num_buffers` x this.
+        num_buffers: Bucket buffers; 2 lets the trainer pack one bucket while workers copy the
+            other.
+        timeout_s: Limit, in seconds, for each delivery to be acknowledged.
+
+    Raises:
+        WeightValidationError: A bad argument.
+    """
+
+    def __init__(
+        self,
+        *,
+        packed: bool = True,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        check_wire_params(
+            packed=packed,
+            bucket_size_bytes=bucket_size_bytes,
+            num_buffers=num_buffers,
+            timeout_s=timeout_s,
+        )
+        self.packed = packed
+        self.bucket_size_bytes = bucket_size_bytes
+        self.num_buffers = num_buffers
+        self.timeout_s = float(timeout_s)
+        self.session = shm.new_session_name()
+        self._janitor = shm.SegmentJanitor(self.session)
+        self._counter = itertools.count()
+        self._owned: dict[str, shm.SharedSegment] = {}
+        self._shared: list[shm.SharedSegment] = []
+        self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
+
+    @property
+    def init_info(self) -> dict[str, Any]:
+        """The JSON-safe init info every worker passes to `init_transfer_engine`."""
+        return {"session": self.session, "backend": "ipc"}
+
+    @property
+    def janitor_pid(self) -> int | None:
+        """Process id of the helper that unlinks this session's segments if the trainer dies."""
+        return self._janitor.pid
+
+    def segment_names(self) -> list[str]:
+        """Names of the shared-memory segments this session holds now."""
+        return sorted(self._owned)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightTransferError(
+                "this IPC trainer session is closed: call ipc_trainer_init again"
+            )
+
+    def _new_segment(self, nbytes: int) -> shm.SharedSegment:
+        name = f"{self.session}-{next(self._counter)}"
+        self._janitor.track(name)  # before it exists: a crash right after still gets cleaned up
+        try:
+            segment = shm.SharedSegment(name, max(nbytes, 1))
+        except Exception:
+            self._janitor.forget(name)
+            raise
+        self._owned[name] = segment
+        return segment
+
+    def _drop_segment(self, segment: shm.SharedSegment) -> None:
+        segment.unlink()
+        self._janitor.forget(segment.name)
+        self._owned.pop(segment.name, None)
+
+    def shared_tensors(self, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+        """Allocates zeroed CPU tensors for `specs` in one shared-memory segment of this session.
+
+        Unpacked sends export such tensors in place, without a copy. The tensors stay valid
+        after `close` (which only stops further exports).
+
+        Returns:
+            The tensors by name, views of one segment in the bucket layout.
+
+        >>> from weightsync.transfer.base import TensorSpec
+        >>> session = ipc_trainer_init(packed=False)
+        >>> session.shared_tensors([TensorSpec("w", torch.float32, (2, 3))])["w"].shape
+        torch.Size([2, 3])
+        >>> session.close()
+        """
+        self._check_open()
+        offsets, end = [], 0
+        for spec in specs:
+            offsets.append(align_up(end))
+            end = offsets[-1] + spec.nbytes
+        segment = self._new_segment(align_up(end))
+        self._shared.append(segment)
+        return {
+            spec.name: segment.tensor[offset : offset + spec.nbytes]
+            .view(spec.dtype)
+            .view(spec.shape)
+            for spec, offset in zip(specs, offsets, strict=True)
+        }
+
+    def share_module(self, module: nn.Module) -> None:
+        """Moves the CPU parameters of `module` into shared memory of this session, in place.
+
+        Each `nn.Parameter` object is kept (only its `.data` changes), so create optimizers
+        afterwards. Unpacked sends then export the parameters without copying them.
+
+        Raises:
+            WeightValidationError: A parameter is not on the CPU (CUDA memory is exported as is).
+        """
+        params = list(module.named_parameters())
+        off_cpu = [name for name, p in params if p.device.type != "cpu"]
+        if off_cpu:
+            raise WeightValidationError(
+                f"share_module moves CPU parameters only; not on the CPU: {off_cpu[:5]} "
+                "(CUDA parameters are exported by CUDA IPC without sharing)"
+            )
+        shared = self.shared_tensors([TensorSpec.of(name, p) for name, p in params])
+        with torch.no_grad():
+            for name, param in params:
+                shared[name].copy_(param.data)
+                param.data = shared[name]
+
+    def _locate(self, tensor: torch.Tensor, nbytes: int) -> tuple[str, int] | None:
+        """The segment of this session holding `tensor`, and the tensor's offset in it."""
+        address = int(tensor.data_ptr())
+        for segment in self._shared:
+            if segment.contains(address, nbytes):
+                return segment.name, address - segment.address
+        return None
+
+    def _buffer(
+        self, device: torch.device, index: int, nbytes: int
+    ) -> tuple[torch.Tensor, str | None]:
+        """Bucket buffer `index` on `device`, at least `nbytes` long, and its segment name (CPU)."""
+        buffers = self._buffers.setdefault(device, [None] * self.num_buffers)
+        buffer = buffers[index]
+        if buffer is not None and buffer.numel() >= nbytes:
+            return buffer, self._segment_of(buffer)
+        buffers[index] = None
+        if buffer is not None:
+            self._drop_buffer(buffer)
+        if device.type == "cpu":
+            buffer = self._new_segment(align_up(nbytes, mmap.PAGESIZE)).tensor
+        else:
+            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        buffers[index] = buffer
+        return buffer, self._segment_of(buffer)
+
+    def _segment_of(self, buffer: torch.Tensor) -> str | None:
+        if buffer.device.type != "cpu":
+            return None
+        return next(n for n, s in self._owned.items() if s.tensor.data_ptr() == buffer.data_ptr())
+
+    def _drop_buffer(self, buffer: torch.Tensor) -> None:
+        name = self._segment_of(buffer)
+        if name is not None:
+            self._drop_segment(self._owned[name])
+
+    def drop_buffers(self) -> None:
+        """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
+        for buffers in self._buffers.values():
+            for buffer in buffers:
+                if buffer is not None:
+                    self._drop_buffer(buffer)
+        self._buffers.clear()
+
+    def close(self) -> None:
+        """Unlinks every segment of this session and stops its janitor. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buffers.clear()
+        self._shared.clear()
+        self._finalizer()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> IPCTrainerSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def ipc_trainer_init(
+    *,
+    packed: bool = True,
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> IPCTrainerSession:
+    """Starts the trainer's end of an IPC transfer; pass `session.init_info` to every worker.
+
+    Arguments as for [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession].
+    Nothing is allocated until the first send (or `shared_tensors`).
+
+    >>> session = ipc_trainer_init()
+    >>> session.init_info["backend"]
+    'ipc'
+    >>> session.close()
+    """
+    return IPCTrainerSession(
+        packed=packed,
+        bucket_size_bytes=bucket_size_bytes,
+        num_buffers=num_buffers,
+        timeout_s=timeout_s,
+    )
+
+
+@dataclass
+class IPCTrainerSendWeightsArgs:
+    """Arguments of [`ipc_trainer_send_weights`][weightsync.transfer.ipc_trainer.ipc_trainer_send_weights].
+
+    Attributes:
+        session: The trainer's session from `ipc_trainer_init`.
+        deliver: Gives one JSON-safe update info dict to every worker's `receive_weights` and
+            returns once all of them returned; raises if any failed (a `WeightValidationError`
+            for a rejection). It runs on a helper thread, one delivery at a time, in order.
+        update_info: What the iterator will yield (dict or dataclass), checked tensor by tensor.
+            When None, the iterator is consumed up front and announced as it is.
+        weight_version: Label of the weights being sent (the trainer's step, say).
+        post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to
+            send (e.g. to gather a sharded parameter).
+    """
+
+    session: IPCTrainerSession
+    deliver: DeliverFn
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo | None = None
+    weight_version: str | int | None = None
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+
+
+class _Courier:
+    """Runs deliveries on one helper thread, so the trainer packs while workers copy."""
+
+    def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
+        self._deliver = deliver
+        self._timeout_s = timeout_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="weightsync-ipc"
+        )
+        self._pending: deque[tuple[concurrent.futures.Future[None], str]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, info: dict[str, Any], what: str) -> None:
+        self._pending.append((self._executor.submit(self._deliver, info), what))
+
+    def wait_oldest(self) -> None:
+        future, what = self._pending.popleft()
+        try:
+            future.result(self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the deliver callable raised a timeout of its own
+                raise
+            raise WeightTransferTimeout(
+                f"delivering {what}: the workers did not acknowledge within timeout_s="
+                f"{self._timeout_s:g} s"
+            ) from None
+
+    def raise_if_failed(self) -> None:
+        while self._pending and self._pending[0][0].done():
+            self.wait_oldest()
+
+    def drain(self) -> None:
+        while self._pending:
+            self.wait_oldest()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_place_record(
+    session: IPCTrainerSession,
+    spec: TensorSpec,
+    tensor: torch.Tensor,
+    exports: dict[int, CUDAStorageHandle | tuple[str, int]],
+) -> IPCHandle:
+    """The record exporting `tensor` where it lies (unpacked mode).
+
+    `exports` caches, per storage, its CUDA export or its torch segment and data offset.
+    """
+    if spec.nbytes == 0:
+        return IPCHandle.for_tensor(spec, 0)
+    if not tensor.is_contiguous():
+        raise WeightValidationError(
+            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
+            "contiguous or use packed=True"
+        )
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if tensor.is_cuda:
+        if key not in exports:
+            exports[key] = export_cuda_storage(storage)
+        cuda = exports[key]
+        assert isinstance(cuda, CUDAStorageHandle)
+        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=cuda)
+    found = session._locate(tensor, spec.nbytes)
+    if found is not None:
+        return IPCHandle.for_tensor(spec, found[1], segment=found[0])
+    if storage.is_shared():
+        if key not in exports:
+            # torch shares CPU memory by file descriptor by default: the segment has no name
+            # then, and this moves it once into a named one (`file_system` strategy: no move).
+            _, name_bytes, _ = storage._share_filename_cpu_()
+            if storage.data_ptr() != key:
+                logger.info("moved the shared storage of %r into a named segment (once)", spec.name)
+                key = storage.data_ptr()
+            name = name_bytes.decode().lstrip("/")
+            # torch keeps a reference count in front of the data: the data ends the segment.
+            exports[key] = (name, shm.segment_size(name) - storage.nbytes())
+        entry = exports[key]
+        assert isinstance(entry, tuple)
+        name, data_offset = entry
+        offset = data_offset + tensor.data_ptr() - key
+        return IPCHandle.for_tensor(spec, offset, segment=name)
+    raise WeightValidationError(
+        f"tensor {spec.name!r} is not in shared memory: unpacked IPC exports tensors in place; "
+        "allocate them with session.shared_tensors(), move the model with "
+        "session.share_module(model) or tensor.share_memory_(), or use packed=True"
+    )
+
+
+def _device_of(
+    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device | None
+) -> torch.device:
+    for spec, tensor in zip(specs, tensors, strict=True):
+        device = device or tensor.device
+        if tensor.device != device:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is on {tensor.device} but the update started on {device}: "
+                "IPC follows the tensors' device; send one device per update"
+            )
+    return device or torch.device("cpu")
+
+
+def ipc_trainer_send_weights(
+    iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: IPCTrainerSendWeightsArgs
+) -> TransferStats:
+    """Sends one update to every worker through memory handles.
+
+    First an announcement lets every worker validate the whole update, so a rejection anywhere
+    stops it before any byte moves. Then packed mode copies bucket after bucket into the session's
+    reusable buffers (packing bucket k+1 while workers copy bucket k) and unpacked mode exports
+    every tensor in place in one delivery.
+
+    Args:
+        iterator: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
+        trainer_args: The session, the `deliver` callable and what to announce.
+
+    Returns:
+        What was sent and how fast; `direct_buckets` counts deliveries exported without a copy.
+
+    Raises:
+        WeightValidationError: A worker rejected the update or a tensor cannot be sent as
+            announced; nothing moved.
+        WeightTransferError: A delivery failed after data moved (`partially_applied`); the bucket
+            buffers are unlinked.
+        WeightTransferTimeout: The workers did not acknowledge a delivery within `timeout_s`.
+    """
+    session = trainer_args.session
+    session._check_open()
+    start = time.perf_counter()
+    version = trainer_args.weight_version
+    if trainer_args.update_info is None:
+        post = trainer_args.post_iter_func
+        pairs = [(name, post((name, t)) if post else t) for name, t in iterator]
+        announced = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=version)
+        source = _CheckedTensors(iter(pairs), None)
+    else:
+        announced = parse_info(
+            WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
+        )
+        if version is not None and announced.weight_version not in (None, version):
+            raise WeightValidationError(
+                f"weight_version is {version!r} but update_info says {announced.weight_version!r}"
+            )
+        source = _CheckedTensors(iter(iterator), trainer_args.post_iter_func)
+    specs = announced.specs()
+    header = {
+        **announced.to_dict(),
+        "weight_version": announced.weight_version if version is None else version,
+        "update_id": secrets.token_hex(8),
+    }
+    stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
+    courier = _Courier(trainer_args.deliver, session.timeout_s)
+    try:
+        if session.packed:
+            _send_packed(session, specs, source, header, courier, stats)
+        else:
+            _send_unpacked(session, specs, source, header, courier, stats)
+    finally:
+        courier.close()
+    stats.seconds = time.perf_counter() - start
+    logger.info(
+        "sent %d tensors, %.1f MB in %.3f s (%.2f GB/s, %d parts, %d in place)",
+        stats.num_tensors,
+        stats.num_bytes / 1e6,
+        stats.seconds,
+        stats.gbps,
+        stats.num_buckets,
+        stats.direct_buckets,
+    )
+    return stats
+
+
+def _announce(courier: _Courier, header: dict[str, Any]) -> None:
+    courier.submit({**header, "ipc_handles": None, "first_index": 0}, "the update's announcement")
+    try:
+        courier.wait_oldest()
+    except WeightValidationError as exc:
+        raise WeightValidationError(f"a worker rejected the update; nothing moved: {exc}") from exc
+    except WeightTransferError:
+        raise
+    except Exception as exc:
+        raise WeightTransferError(
+            f"announcing the update failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _data_failed(exc: Exception, *, delivered: bool) -> Exception:
+    if isinstance(exc, WeightValidationError) and not delivered:
+        return exc
+    error_cls = (
+        WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
+    )
+    return error_cls(
+        f"IPC weight transfer failed: {type(exc).__name__}: {exc}; the bucket buffers were unlinked"
+        + ("; workers hold part of the update: send a complete one" if delivered else ""),
+        partially_applied=delivered,
+    )
+
+
+def _send_packed(
+    session: IPCTrainerSession,
+    specs: list[TensorSpec],
+    source: _CheckedTensors,
+    header: dict[str, Any],
+    courier: _Courier,
+    stats: TransferStats,
+) -> None:
+    buckets = plan_buckets(specs, session.bucket_size_bytes)
+    nbytes = max((b.nbytes for b in buckets), default=1)
+    _announce(courier, header)
+    if not buckets:
+        source.check_exhausted(0)
+    device: torch.device | None = None
+    index = 0
+    try:
+        for number, bucket in enumerate(buckets):
+            tensors = [source.take(slot.spec, index + i) for i, slot in enumerate(bucket.slots)]
+            if number == len(buckets) - 1:
+                source.check_exhausted(len(specs))
+            device = _device_of(tensors, [s.spec for s in bucket.slots], device)
+            if len(courier) >= session.num_buffers:
+                courier.wait_oldest()  # its buffer is the one we refill next
+            courier.raise_if_failed()
+            buffer, segment = session._buffer(device, number % session.num_buffers, nbytes)
+            with torch.no_grad():  # parameters that require grad are copied as plain bytes
+                pack_bucket(bucket, tensors, buffer)
+            cuda = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # workers read on their own streams
+                cuda = export_cuda_storage(buffer.untyped_storage())
+            records = [
+                IPCHandle.for_tensor(s.spec, s.offset, segment=segment, cuda=cuda).to_dict()
+                for s in bucket.slots
+            ]
+            what = f"part {number + 1} of {len(buckets)}"
+            courier.submit({**header, "ipc_handles": records, "first_index": index}, what)
+            index += len(bucket.slots)
+            stats.num_buckets += 1
+        courier.drain()
+    except Exception as exc:
+        session.drop_buffers()
+        raise _data_failed(exc, delivered=stats.num_buckets > 0) from exc
+
+
+def _send_unpacked(
+    session: IPCTrainerSession,
+    specs: list[TensorSpec],
+    source: _CheckedTensors,
+    header: dict[str, Any],
+    courier: _Courier,
+    stats: TransferStats,
+) -> None:
+    tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
+    source.check_exhausted(len(specs))
+    _device_of(tensors, specs, None)
+    exports: dict[int, CUDAStorageHandle | tuple[str, int]] = {}
+    records = [
+        _in_place_record(session, s, t, exports).to_dict()
+        for s, t in zip(specs, tensors, strict=True)
+    ]
+    if any(isinstance(e, CUDAStorageHandle) for e in exports.values()):
+        for device in {t.device for t in tensors if t.is_cuda}:
+            torch.cuda.synchronize(device)
+    _announce(courier, header)
+    if not specs:
+        return
+    try:
+        # `tensors` stays referenced until the workers acknowledged: they read its memory.
+        courier.submit({**header, "ipc_handles": records, "first_index": 0}, "the update")
+        stats.num_buckets = stats.direct_buckets = 1
+        courier.drain()
+    except Exception as exc:
+        raise _data_failed(exc, delivered=True) from exc
+    del tensors
