@@ -1,0 +1,246 @@
+"""`AsyncEngine`: an asyncio front over `LLMEngine` that streams outputs and stays responsive.
+
+A background task runs the step loop; each forward pass runs on a dedicated worker thread, so the
+event loop keeps serving `generate` streams and control calls while the model computes. Control
+calls (`pause_generation`, `resume_generation`, `update_weights`) take the same lock as a step,
+so they act exactly between two steps: a pause waits for at most the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from weightsync.engine.errors import EngineStateError, InvalidRequestError
+from weightsync.engine.llm_engine import LLMEngine, Prompt
+from weightsync.engine.outputs import RequestOutput, WeightVersion
+from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.scheduler import PauseMode, PauseState
+from weightsync.transfer.base import TransferStats
+
+__all__ = ["AsyncEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Serves streaming requests from asyncio, with pause/resume and live weight updates.
+
+    Takes the arguments of `LLMEngine` (or wrap an existing one with `from_engine`). Use it from
+    one event loop; `shutdown()` (or `async with`) stops its loop and threads.
+
+    >>> import asyncio
+    >>> async def main():
+    ...     async with AsyncEngine("debug") as engine:
+    ...         async for out in engine.generate("hi", SamplingParams(temperature=0, max_tokens=3)):
+    ...             pass
+    ...         return out.outputs[0].weight_versions
+    >>> asyncio.run(main())
+    [0, 0, 0]
+    """
+
+    def __init__(self, model: Any = "tiny", **engine_kwargs: Any) -> None:
+        self._init(model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_kwargs))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> AsyncEngine:
+        """Wraps an existing `LLMEngine` (which must not be stepped by anyone else)."""
+        return cls(engine)
+
+    def _init(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-step")
+        self._lock = asyncio.Lock()  # held by each step and by each control call
+        self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
+        self._wake = asyncio.Event()
+        self._step_done = asyncio.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._closed:
+            raise EngineStateError("this AsyncEngine was shut down; create a new one")
+        if self._error is not None:
+            raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="weightsync-engine")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._closed:
+                if not self.engine.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                async with self._lock:
+                    if not self.engine.has_work():
+                        continue
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                self._dispatch(outputs)
+                self._step_done.set()
+                self._step_done = asyncio.Event()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("engine step failed; failing every open stream")
+            self._error = exc
+            for queue in self._streams.values():
+                queue.put_nowait(exc)
+            self._step_done.set()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    async def _next_step(self) -> None:
+        """Waits until the loop finishes its next step (or dies)."""
+        await self._step_done.wait()
+        if self._error is not None:
+            raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams one request's cumulative output, one item per step that changed it.
+
+        A request submitted while paused is queued and starts after resume. Leaving the stream
+        early (break, cancellation) aborts the request.
+
+        Raises:
+            InvalidRequestError: A bad prompt, sampling parameters or duplicate `request_id`.
+            EngineStateError: The engine was shut down or its loop died.
+        """
+        self._start()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already streaming; use a unique id")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.engine.add_request(request_id, prompt, sampling_params)
+        self._streams[request_id] = queue
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()  # outputs are cumulative: the newest says it all
+                if isinstance(item, BaseException):
+                    raise EngineStateError(f"the engine loop died: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its stream ends with `finish_reason="abort"`."""
+        self.engine.abort_request(request_id)
+        self._wake.set()
+
+    # --- pause / resume -----------------------------------------------------------------------
+
+    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Pauses at a step boundary and returns once paused; see `LLMEngine.pause_generation`.
+
+        `abort` and `keep` return after at most the step in flight; their aborted streams have
+        received their final output by then. `wait` returns when the running requests finished.
+        Calling it again is harmless. If `resume_generation()` cancels a draining `wait` pause,
+        this returns with the engine running.
+        """
+        self._start()
+        async with self._lock:
+            self.engine.start_pause(mode=mode, clear_cache=clear_cache)
+            if self.engine.is_paused():
+                self._dispatch(self.engine.step())  # paused: delivers aborts, computes nothing
+        self._wake.set()
+        while self.engine.pause_state is PauseState.DRAINING:
+            await self._next_step()
+
+    async def resume_generation(self) -> None:
+        """Resumes generation (harmless when running).
+
+        Raises:
+            TornWeightsError: A failed update left torn weights; land a complete update first.
+        """
+        self._start()
+        async with self._lock:
+            self.engine.resume_generation()
+        self._wake.set()
+
+    async def is_paused(self) -> bool:
+        """Whether generation is paused."""
+        return self.engine.is_paused()
+
+    # --- weights ------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """Version of the current weights."""
+        return self.engine.weight_version
+
+    @property
+    def num_steps(self) -> int:
+        """Forward passes run so far."""
+        return self.engine.num_steps
+
+    async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
+        """Joins a trainer's transfer group (`{"init_info": {...}}`), off the event loop.
+
+        Steps continue meanwhile: joining touches no weights.
+        """
+        self._start()
+        async with self._transfer_lock:
+            await asyncio.to_thread(self.engine.init_weight_transfer_engine, request)
+
+    async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
+        """Receives one update (`{"update_info": {...}}`), off the event loop.
+
+        No step runs until it ends; see `LLMEngine.update_weights` for when it is accepted and
+        what a failure leaves behind.
+        """
+        self._start()
+        async with self._transfer_lock, self._lock:
+            return await asyncio.to_thread(self.engine.update_weights, request)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stops the loop, fails open streams, and releases threads and the transfer engine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        closed = EngineStateError("the engine was shut down")
+        for queue in self._streams.values():
+            queue.put_nowait(closed)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        self.engine.shutdown()
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()

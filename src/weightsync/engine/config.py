@@ -1,0 +1,62 @@
+"""`EngineConfig`: the scheduling and KV-cache limits of one engine, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.engine.errors import EngineConfigError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass
+class EngineConfig:
+    """Limits of the scheduler and the KV cache.
+
+    Attributes:
+        max_num_seqs: Most requests running (holding KV blocks) at once.
+        max_num_batched_tokens: Token budget of one step: decode tokens plus prefill tokens. A
+            prompt longer than what is left is prefilled in chunks over several steps.
+        block_size: Tokens per KV-cache block.
+        num_kv_blocks: Blocks in the KV cache; the cache holds `num_kv_blocks * block_size`
+            tokens over all running requests. When it runs out, the most recently admitted
+            request is preempted and later recomputed from its tokens.
+        enable_prefix_caching: Share and reuse the blocks of identical prompt prefixes.
+        max_model_len: Longest sequence (prompt + output) in tokens; defaults to the model's
+            `max_position_embeddings`.
+        seed: Seeds the sampling of requests that set no seed of their own.
+
+    Raises:
+        EngineConfigError: A value is out of range; the message names the field.
+
+    >>> EngineConfig(max_num_seqs=8).max_num_batched_tokens
+    2048
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so that every running request can decode "
+                "each step; raise the budget or lower max_num_seqs"
+            )
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise EngineConfigError(
+                f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}"
+            )
+        if not isinstance(self.seed, int):
+            raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")

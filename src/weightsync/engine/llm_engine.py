@@ -1,0 +1,437 @@
+"""`LLMEngine`: the synchronous step loop, pause/resume, and the weight-update entry points.
+
+One `step()` schedules a batch, runs it through the model, samples, applies stop conditions and
+returns the changed requests' outputs. Each output token records the weight version that
+generated it. The pause contract (modes, `clear_cache`, queued arrivals, updates only while
+paused or idle, torn weights) is described on `pause_generation` and `update_weights`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.config import WeightTransferConfig
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+)
+from weightsync.engine.kv_cache import BlockManager
+from weightsync.engine.loader import load_hf_directory
+from weightsync.engine.model import PRESETS, LlamaForCausalLM
+from weightsync.engine.model_runner import ModelRunner
+from weightsync.engine.outputs import RequestOutput, WeightVersion
+from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.scheduler import PauseMode, PauseState, ScheduledSequence, Scheduler
+from weightsync.engine.sequence import Sequence as Seq
+from weightsync.engine.tokenizer import ByteTokenizer
+from weightsync.engine.weights import LiveWeights
+from weightsync.transfer.base import TransferStats
+
+__all__ = ["LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+"""A prompt: text (tokenized by the engine's tokenizer) or token ids."""
+
+
+def _unwrap(request: Any, key: str, method: str) -> Any:
+    """Takes `key` out of a vLLM-style request envelope (`{"update_info": {...}}`)."""
+    if isinstance(request, Mapping) and key in request:
+        return request[key]
+    if not isinstance(request, Mapping) and hasattr(request, key):
+        return getattr(request, key)
+    got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
+    raise InvalidRequestError(f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}")
+
+
+class LLMEngine:
+    """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
+
+    Args:
+        model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
+            Hugging Face directory.
+        engine_config: Scheduler and KV-cache limits.
+        tokenizer: Turns text prompts into ids and output ids into text.
+        weight_transfer_config: Transfer backend for `update_weights`; None takes the backend
+            named in the init info.
+        seed: Seed of a preset's random weights.
+        dtype: Parameter dtype of a preset or a loaded directory.
+        weight_version: Version of the initial weights.
+        worker_index: This engine's index among a transfer group's workers.
+
+    Raises:
+        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence).
+
+    >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
+    >>> out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4))[0]
+    >>> len(out.outputs[0].token_ids), out.outputs[0].weight_versions
+    (4, [0, 0, 0, 0])
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM | str = "tiny",
+        *,
+        engine_config: EngineConfig | None = None,
+        tokenizer: ByteTokenizer | None = None,
+        weight_transfer_config: WeightTransferConfig | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        weight_version: WeightVersion = 0,
+        worker_index: int = 0,
+    ) -> None:
+        if isinstance(model, str):
+            model = (
+                LlamaForCausalLM.from_preset(model, seed=seed, dtype=dtype)
+                if model in PRESETS
+                else load_hf_directory(model, dtype=dtype)
+            )
+        self.model = model.eval()
+        self.config = config = engine_config or EngineConfig()
+        max_positions = model.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise EngineConfigError(
+                f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
+        if config.num_kv_blocks * config.block_size < self.max_model_len:
+            raise EngineConfigError(
+                f"the KV cache holds {config.num_kv_blocks * config.block_size} tokens "
+                f"(num_kv_blocks x block_size) but one sequence may reach max_model_len="
+                f"{self.max_model_len}: raise num_kv_blocks or lower max_model_len"
+            )
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.block_manager = BlockManager(
+            num_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks=config.num_kv_blocks, block_size=config.block_size)
+        self.weights = LiveWeights(
+            model,
+            transfer_config=weight_transfer_config,
+            weight_version=weight_version,
+            worker_index=worker_index,
+        )
+        self.num_steps = 0
+        # add_request / abort_request may come from another thread while a step runs: they
+        # only touch these inboxes, which each step drains first.
+        self._lock = threading.Lock()
+        self._inbox: deque[Seq] = deque()
+        self._abort_inbox: set[str] = set()
+        self._live_ids: set[str] = set()
+        self._num_requests = 0
+        self._pending_outputs: list[RequestOutput] = []
+        self._clear_cache_after_drain = False
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Queues a request; it is admitted by a later `step()` (after resume, if paused).
+
+        Safe to call from another thread while a step runs.
+
+        Raises:
+            InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
+                leaves no room for output within `max_model_len`.
+        """
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}), got {prompt!r}")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt to leave room for at least one output token"
+            )
+        with self._lock:
+            if request_id in self._live_ids:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in flight; use a unique id")
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._num_requests
+            self._num_requests += 1
+            seq = Seq(
+                request_id,
+                token_ids,
+                params,
+                generator=torch.Generator().manual_seed(seed),
+                decoder=self.tokenizer.incremental_decoder(),
+                prompt=text,
+            )
+            self._live_ids.add(request_id)
+            self._inbox.append(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Aborts requests by id (unknown or finished ids are ignored); thread-safe.
+
+        Their final outputs, with `finish_reason="abort"`, come from the next `step()`.
+        """
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        with self._lock:
+            self._abort_inbox |= ids
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+            aborts, self._abort_inbox = self._abort_inbox, set()
+        if aborts:
+            self._emit_finished(self.scheduler.abort(aborts))
+
+    def _emit_finished(self, seqs: list[Seq]) -> None:
+        for seq in seqs:
+            self._pending_outputs.append(seq.to_output())
+            with self._lock:
+                self._live_ids.discard(seq.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is queued, running, paused in flight or has an undelivered output."""
+        return bool(self._live_ids or self._pending_outputs)
+
+    def has_work(self) -> bool:
+        """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
+        return bool(
+            self._inbox or self._abort_inbox or self._pending_outputs or self.scheduler.can_schedule()
+        )
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step and returns the outputs of the requests it changed.
+
+        Paused, it only delivers pending outputs (aborts); new requests stay queued.
+        """
+        self._drain_inbox()
+        if self.scheduler.can_schedule():
+            batch = self.scheduler.schedule()
+            if batch:
+                tokens = self.runner.execute(batch)
+                self.num_steps += 1
+                self._postprocess(batch, tokens)
+                self.scheduler.finish_step(batch)
+        if self._clear_cache_after_drain and self.scheduler.state is PauseState.PAUSED:
+            self._clear_cache_after_drain = False
+            self.scheduler.reset_cache()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def _postprocess(self, batch: list[ScheduledSequence], tokens: list[int]) -> None:
+        """Appends sampled tokens with the current weight version and applies stop conditions."""
+        version = self.weights.weight_version
+        sampled = iter(tokens)
+        for item in batch:
+            if not item.samples:
+                continue  # a prefill chunk that does not reach the end yet
+            seq = item.seq
+            token = next(sampled)
+            delta = seq.append_token(token, version)
+            self._check_stop(seq, token, delta)
+            if seq.is_finished:
+                self._emit_finished([seq])
+            else:
+                self._pending_outputs.append(seq.to_output())
+
+    def _check_stop(self, seq: Seq, token: int, delta: str) -> None:
+        params = seq.sampling_params
+        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
+            seq.finish("stop")
+        elif token in params.stop_token_ids:
+            seq.finish("stop", token)
+        elif params.stop and delta:
+            found = []
+            for stop in params.stop:
+                # Only the newest text can complete a stop string.
+                start = max(0, len(seq.output_text) - len(delta) - len(stop) + 1)
+                if (index := seq.output_text.find(stop, start)) >= 0:
+                    found.append((index, stop))
+            if found:
+                index, stop = min(found)
+                seq.output_text = seq.output_text[:index]
+                seq.finish("stop", stop, flush_text=False)
+        if not seq.is_finished and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish("length")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs prompts to completion and returns their final outputs, in order.
+
+        Outputs of other requests produced meanwhile are returned by the next `step()`.
+
+        Raises:
+            EngineStateError: The engine is paused (it would wait forever): resume it first.
+            InvalidRequestError: A bad prompt or sampling parameters.
+        """
+        if self.is_paused() or self.weights.is_torn:
+            raise EngineStateError("the engine is paused, so generate() would wait forever: call resume_generation() first")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt, sp in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, sp)  # type: ignore[arg-type]
+        finals: dict[str, RequestOutput] = {}
+        others: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            if not self.has_work():
+                raise EngineStateError("generate() cannot make progress: the engine was paused")
+            for output in self.step():
+                if output.request_id not in ids:
+                    others[output.request_id] = output
+                elif output.finished:
+                    finals[output.request_id] = output
+        self._pending_outputs[:0] = others.values()
+        return [finals[i] for i in ids]
+
+    # --- pause / resume -----------------------------------------------------------------------
+
+    def start_pause(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Enters a pause without running any step: the non-blocking half of `pause_generation`.
+
+        A `wait` pause is then draining until later steps finish its running requests.
+        """
+        self._drain_inbox()
+        aborted = self.scheduler.pause(mode)
+        self._emit_finished(aborted)
+        if clear_cache:
+            if self.scheduler.state is PauseState.PAUSED:
+                self.scheduler.reset_cache()
+            else:
+                self._clear_cache_after_drain = True
+        logger.info(
+            "pause(mode=%s, clear_cache=%s): %s; %d aborted, %d kept",
+            mode, clear_cache, self.scheduler.state.value, len(aborted), self.scheduler.num_unfinished,
+        )  # fmt: skip
+
+    def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Pauses generation at a step boundary; returns once paused.
+
+        - `abort`: every unfinished request ends now with `finish_reason="abort"` and its
+          partial output (delivered by the next `step()`).
+        - `wait`: nothing new is admitted; running requests run to completion (this call runs
+          the steps; their outputs come from the next `step()`), then the engine pauses.
+        - `keep`: running requests freeze and continue after `resume_generation()`.
+
+        With `clear_cache=True` every KV block and the prefix cache are dropped; kept requests
+        recompute their KV from their tokens on resume, with the weights current then.
+        `clear_cache=False` keeps the old KV (stale after a weight update, but no recompute).
+        Requests added while paused are queued and start after resume. Pausing twice is harmless.
+
+        Raises:
+            InvalidRequestError: Unknown `mode`.
+
+        >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
+        >>> engine.pause_generation(mode="keep")
+        >>> engine.is_paused()
+        True
+        """
+        self.start_pause(mode=mode, clear_cache=clear_cache)
+        while self.scheduler.state is PauseState.DRAINING:
+            self._pending_outputs[:0] = self.step()
+
+    def resume_generation(self) -> None:
+        """Resumes generation (harmless when not paused; cancels a draining `wait` pause).
+
+        Raises:
+            TornWeightsError: A failed update left torn weights; land a complete update first.
+        """
+        if self.weights.is_torn:
+            names = sorted(self.weights.torn_names)
+            raise TornWeightsError(
+                f"refusing to resume: a failed weight update left {len(names)} weights torn "
+                f"(e.g. {names[:3]}); land a complete update with update_weights(...) first"
+            )
+        self._clear_cache_after_drain = False
+        self.scheduler.resume()
+
+    def is_paused(self) -> bool:
+        """Whether generation is paused (a draining `wait` pause is not paused yet)."""
+        return self.scheduler.state is PauseState.PAUSED
+
+    @property
+    def pause_state(self) -> PauseState:
+        """The pause state: unpaused, draining (a `wait` pause in progress) or paused."""
+        return self.scheduler.state
+
+    # --- weights ------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """Version of the current weights: the trainer's label, or the count of updates."""
+        return self.weights.weight_version
+
+    def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
+        """Joins a trainer's transfer group: `{"init_info": {...}}`, as vLLM's `LLM` takes it.
+
+        Blocks until the group forms (the trainer's first send) or its timeout passes.
+        """
+        self.weights.init_transfer_engine(_unwrap(request, "init_info", "init_weight_transfer_engine"))
+
+    def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
+        """Receives one weight update: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
+
+        Accepted while paused or idle. The update is validated against the model before any
+        byte moves. On success the weight version advances (or takes the update's
+        `weight_version` label) and cached prefixes of the old weights are forgotten. If the
+        transfer fails after writing part of the weights, the engine pauses and refuses to
+        resume until a complete update lands.
+
+        Returns:
+            What was received and how fast.
+
+        Raises:
+            EngineBusyError: Requests are in flight and the engine is not paused.
+            WeightValidationError: The update does not match the model; nothing changed.
+            WeightTransferError: The transfer failed (see `partially_applied`).
+        """
+        update_info = _unwrap(request, "update_info", "update_weights")
+        # Requests still in the inbox have not started: they will simply run on the new weights.
+        state = self.scheduler.state
+        if state is not PauseState.PAUSED and self.scheduler.num_unfinished:
+            what = "a wait-mode pause is still draining" if state is PauseState.DRAINING else "it is not paused"
+            raise EngineBusyError(
+                f"update_weights needs a paused or idle engine, but {self.scheduler.num_unfinished} "
+                f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
+                "'abort') first, then update_weights, then resume_generation()"
+            )
+        try:
+            return self.weights.update(update_info)
+        except Exception:
+            if self.weights.is_torn:
+                self.scheduler.pause("keep")  # never generate from half-written weights
+                logger.error("weight update failed after writing part of the weights; engine paused")
+            raise
+        finally:
+            self.block_manager.bump_epoch()
+
+    def shutdown(self) -> None:
+        """Releases the transfer engine. Safe to call twice."""
+        self.weights.shutdown()

@@ -1,0 +1,158 @@
+"""Loading and saving Hugging Face-format model directories: `config.json` + safetensors.
+
+The safetensors format is small enough to read and write here directly (an 8-byte little-endian
+header length, a JSON header of names, dtypes, shapes and byte offsets, then raw little-endian
+data), so loading a checkpoint needs no extra package and never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from weightsync.engine.errors import EngineConfigError
+from weightsync.engine.model import LlamaConfig, LlamaForCausalLM
+
+__all__ = ["load_hf_directory", "read_safetensors", "save_hf_directory", "write_safetensors"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
+
+    Raises:
+        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype).
+    """
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise EngineConfigError("reading safetensors needs a little-endian machine")
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise EngineConfigError(
+                f"{path}: safetensors header length {header_len} exceeds the file"
+            )
+        header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise EngineConfigError(
+                    f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}; supported: {sorted(_DTYPES)}"
+                )
+            begin, end = entry["data_offsets"]
+            shape = [int(d) for d in entry["shape"]]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
+                raise EngineConfigError(
+                    f"{path}: tensor {name!r} has inconsistent data_offsets {entry['data_offsets']}"
+                )
+            if numel == 0:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            f.seek(base + begin)
+            data = bytearray(f.read(end - begin))
+            yield name, torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    payloads = []
+    for name, tensor in tensors.items():
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+        payloads.append(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for data in payloads:
+            f.write(data)
+
+
+def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> None:
+    """Writes `model` as a Hugging Face directory: `config.json` and `model.safetensors`."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**model.config.to_hf_dict(), "torch_dtype": str(model.dtype).removeprefix("torch.")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
+
+
+def load_hf_directory(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """Builds a model from a local Hugging Face Llama directory; never downloads anything.
+
+    Reads `config.json` and `model.safetensors` (or the shards listed in
+    `model.safetensors.index.json`). A tied model's `lm_head.weight`, if present, is skipped.
+
+    Args:
+        path: The directory.
+        dtype: Parameter dtype of the built model (weights are cast).
+
+    Raises:
+        EngineConfigError: Missing files, an unsupported config, or weights that do not cover
+            the model; the message names what is missing.
+    """
+    directory = Path(path)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise EngineConfigError(
+            f"{directory} has no config.json: pass a Hugging Face model directory or a preset name"
+        )
+    config = LlamaConfig.from_hf_dict(json.loads(config_path.read_text()))
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise EngineConfigError(
+            f"{directory} has no model.safetensors or model.safetensors.index.json; convert "
+            "other checkpoint formats to safetensors first"
+        )
+    model = LlamaForCausalLM(config, dtype=dtype)
+    expected = set(model.weight_specs())
+    loaded: set[str] = set()
+    for file in files:
+        pairs = read_safetensors(directory / file)
+        kept = (
+            (n, t) for n, t in pairs if not (n == "lm_head.weight" and config.tie_word_embeddings)
+        )
+        loaded.update(model.load_weights(kept))
+    missing = sorted(expected - loaded)
+    if missing:
+        raise EngineConfigError(
+            f"{directory}: the checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}"
+        )
+    logger.info("loaded %s (%d weights, %d files)", directory, len(loaded), len(files))
+    return model

@@ -1,0 +1,448 @@
+"""A Llama-family decoder in plain torch whose parameter names match Hugging Face's.
+
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP, with a tied or
+untied LM head. The engine fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (fewer,
+larger matmuls), yet speaks `LlamaForCausalLM`'s names at its edges: `weight_specs`,
+`named_weights` and `load_weights` use `model.layers.N.self_attn.q_proj.weight` and friends, so a
+trainer holding a Hugging Face model pushes its `named_parameters()` unchanged.
+
+The forward pass works on a flat list of tokens from any number of sequences (the scheduler's
+batch); attention finds each token's context through `AttentionMetadata`, or, without it, treats
+the tokens as one sequence with plain causal attention (the reference path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from weightsync.engine.attention import AttentionMetadata, causal_attention, paged_attention
+from weightsync.engine.errors import EngineConfigError
+from weightsync.transfer.base import TensorSpec, WeightValidationError
+
+__all__ = ["PRESETS", "LlamaConfig", "LlamaForCausalLM"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-family model (the fields of a Hugging Face `config.json` it needs).
+
+    Attributes:
+        vocab_size: Vocabulary size.
+        hidden_size: Width of the residual stream.
+        intermediate_size: Width of the MLP.
+        num_hidden_layers: Decoder layers.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (grouped-query attention); divides the query heads.
+        head_dim: Width of a head; defaults to `hidden_size // num_attention_heads`.
+        rms_norm_eps: Epsilon of RMSNorm.
+        rope_theta: Base of the rotary embedding frequencies.
+        max_position_embeddings: Longest sequence the model handles.
+        tie_word_embeddings: Whether the LM head shares the embedding matrix.
+
+    Raises:
+        EngineConfigError: Inconsistent or out-of-range values; the message names the field.
+    """
+
+    vocab_size: int = 259
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EngineConfigError(f"LlamaConfig.{name} must be an int >= 1, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EngineConfigError(
+                f"LlamaConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise EngineConfigError(
+                    f"LlamaConfig.hidden_size ({self.hidden_size}) is not a multiple of "
+                    f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise EngineConfigError(
+                f"LlamaConfig.head_dim must be an even int >= 2, got {self.head_dim!r}"
+            )
+
+    @property
+    def kv_head_dim(self) -> int:
+        """`head_dim`, typed as an int (it is always set after construction)."""
+        assert self.head_dim is not None
+        return self.head_dim
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """Returns the preset `name` (see `PRESETS`), with `overrides` applied.
+
+        Raises:
+            EngineConfigError: Unknown preset; the message lists the known ones.
+
+        >>> LlamaConfig.preset("tiny", tie_word_embeddings=True).tie_word_embeddings
+        True
+        """
+        if name not in PRESETS:
+            raise EngineConfigError(
+                f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}"
+            )
+        return replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any]) -> LlamaConfig:
+        """Reads a Hugging Face Llama `config.json` (older `rope_theta` or newer `rope_parameters`).
+
+        Raises:
+            EngineConfigError: Not a plain Llama: another `model_type`, biases, an activation
+                other than SiLU, or rope scaling; the message names the key.
+        """
+        if data.get("model_type", "llama") != "llama":
+            raise EngineConfigError(
+                f"config.json model_type must be 'llama', got {data.get('model_type')!r}"
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if data.get(key):
+                raise EngineConfigError(
+                    f"config.json {key}=true is not supported; only bias-free Llama"
+                )
+        if data.get("hidden_act", "silu") != "silu":
+            raise EngineConfigError(
+                f"config.json hidden_act must be 'silu', got {data.get('hidden_act')!r}"
+            )
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise EngineConfigError(
+                f"config.json rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                "only the default rotary embedding"
+            )
+        heads = data["num_attention_heads"]
+        return cls(
+            vocab_size=data["vocab_size"],
+            hidden_size=data["hidden_size"],
+            intermediate_size=data["intermediate_size"],
+            num_hidden_layers=data["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=data.get("num_key_value_heads") or heads,
+            head_dim=data.get("head_dim"),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
+            max_position_embeddings=data.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Returns the Hugging Face `config.json` fields describing this model."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "tiny": LlamaConfig(),
+    "small": LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4),
+}  # fmt: skip
+"""Model shapes by name: `debug` (~0.1M parameters), `tiny` (~3.3M), `small` (~23M)."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like Hugging Face's `LlamaRMSNorm`."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings; q/k/v fused in one projection."""
+
+    def __init__(self, config: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.kv_head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(  # noqa: D102
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (tokens, 1, head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if attention is None:
+            out = causal_attention(q, k, v)
+        else:
+            out = paged_attention(self.layer_index, q, k, v, attention)
+        return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, gate and up fused."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(  # noqa: D102
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# HF projection name -> (fused parameter, shard index) of this implementation.
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM with Hugging Face's parameter names at its edges.
+
+    Args:
+        config: The model's shape.
+        dtype: Parameter dtype.
+
+    >>> model = LlamaForCausalLM.from_preset("debug", seed=0)
+    >>> "model.layers.0.self_attn.q_proj.weight" in model.weight_specs()
+    True
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+        head_dim = config.kv_head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def from_preset(
+        cls, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+    ) -> LlamaForCausalLM:
+        """Builds preset `name` (see `PRESETS`) with weights drawn from `seed`."""
+        model = cls(LlamaConfig.preset(name, **overrides), dtype=dtype)
+        model.init_weights(seed)
+        return model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype."""
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fills the weights from `seed`: matrices N(0, 1/fan_in), norms 1.
+
+        The scale keeps every sublayer's output near unit size, so a random model's output
+        depends on its whole context (a test of the KV cache then means something). Draws follow
+        `named_weights()` order in float32, so a seed gives the same model in any dtype.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        for _, weight in self.named_weights():
+            if weight.dim() == 1:
+                weight.fill_(1.0)
+            else:
+                values = torch.randn(weight.shape, generator=generator) / math.sqrt(weight.shape[1])
+                weight.copy_(values)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """Runs the decoder over a flat list of tokens.
+
+        Args:
+            input_ids: (tokens,) token ids.
+            positions: (tokens,) position of each token in its sequence; defaults to 0..tokens-1.
+            attention: Where the tokens sit in the paged KV cache. None means the tokens are one
+                whole sequence, attended causally without a cache.
+
+        Returns:
+            (tokens, hidden_size) final hidden states; see `compute_logits`.
+        """
+        if positions is None:
+            positions = torch.arange(input_ids.shape[0])
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (tokens, head_dim)
+        x = self.model.embed_tokens(input_ids)  # (tokens, hidden)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        return self.model.norm(x)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Maps (rows, hidden_size) hidden states to (rows, vocab_size) logits."""
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
+
+    # --- Hugging Face names -------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields every weight under its Hugging Face name, in `LlamaForCausalLM` order.
+
+        Fused parameters yield views of their shards, so writing into a yielded tensor writes
+        the model. A tied LM head is not yielded (as in Hugging Face's `named_parameters()`).
+        """
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            prefix, _, fused = module_name.rpartition(".")
+            if fused == "qkv_proj":
+                attn = self.model.layers[int(name.split(".")[2])].self_attn
+                sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+                parts = ["q_proj", "k_proj", "v_proj"]
+            elif fused == "gate_up_proj":
+                sizes = [self.config.intermediate_size] * 2
+                parts = ["gate_proj", "up_proj"]
+            else:
+                yield name, param.data
+                continue
+            for part, shard in zip(parts, param.data.split(sizes, dim=0)):
+                yield f"{prefix}.{part}.{leaf}", shard
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """Name, dtype and shape of every weight, by Hugging Face name: what an update must match."""
+        return {name: TensorSpec.of(name, t) for name, t in self.named_weights()}
+
+    def unfused_parameters(self) -> dict[str, torch.Tensor]:
+        """The weights that are whole parameters under their Hugging Face names (not shards).
+
+        A transfer backend may receive straight into these; shards go through `load_weights`.
+        """
+        return {n: p.data for n, p in self.named_parameters() if n.rpartition(".")[0].rpartition(".")[2] not in ("qkv_proj", "gate_up_proj")}  # fmt: skip
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copies `(Hugging Face name, tensor)` pairs into the model, in place.
+
+        The tensors may be views of a reused buffer: their data is copied before this returns.
+        Values are cast to the model's dtype.
+
+        Returns:
+            The names loaded, in order.
+
+        Raises:
+            WeightValidationError: An unknown name or a shape mismatch; pairs before it were
+                already loaded.
+        """
+        shards = dict(self.named_weights())  # rebuilt per call: `.data` may have been replaced
+        loaded = []
+        for name, tensor in weights:
+            target = shards.get(name)
+            if target is None:
+                raise WeightValidationError(
+                    f"load_weights: unknown weight {name!r}; expected a LlamaForCausalLM name "
+                    "such as 'model.layers.0.self_attn.q_proj.weight'"
+                )
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise WeightValidationError(
+                    f"load_weights: {name!r} has shape {list(tensor.shape)} but the model's is "
+                    f"{list(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.append(name)
+        return loaded

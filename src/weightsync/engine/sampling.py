@@ -1,0 +1,118 @@
+"""`SamplingParams` and the sampler that turns a batch of logits into next tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.engine.errors import InvalidRequestError
+
+__all__ = ["SamplingParams", "sample"]
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples its output.
+
+    Attributes:
+        max_tokens: Most output tokens to generate.
+        temperature: Softmax temperature; 0 means greedy (argmax), deterministic and batch-invariant.
+        top_p: Nucleus sampling: sample only from the smallest set of tokens whose probability
+            adds up to at least `top_p` (1.0 keeps every token).
+        seed: Seeds this request's sampler, so its output does not depend on the other requests
+            in the batch; None draws a seed from the engine's.
+        stop: Strings that end the output; the output text stops before the first one found.
+        stop_token_ids: Token ids that end the output (kept in the output's token ids).
+        ignore_eos: Keep generating past the end-of-sequence token (benchmarks want fixed lengths).
+
+    Raises:
+        InvalidRequestError: A value is out of range; the message names the field.
+
+    >>> SamplingParams(temperature=0, max_tokens=8, stop=["\\n"]).stop
+    ['\\n']
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
+            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < float(
+            "inf"
+        ):
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError(
+                f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            )
+        self.stop = stop
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}"
+            )
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether sampling is greedy (temperature 0)."""
+        return self.temperature == 0
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zeroes the tail of `probs` (vocab,) outside the top-p nucleus; the result is unnormalized."""
+    sorted_probs, order = probs.sort(descending=True)
+    # A token stays if the mass strictly before it is below top_p, so the top token always stays.
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    sorted_probs[mass_before >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[int]:
+    """Picks one next token per row of `logits`.
+
+    Greedy rows take the argmax; the others sample from the tempered, top-p filtered softmax with
+    their own generator, so each request's draw is independent of the batch it ran in.
+
+    Args:
+        logits: (num_rows, vocab) next-token logits.
+        params: One `SamplingParams` per row.
+        generators: One `torch.Generator` per row (unused by greedy rows).
+
+    Returns:
+        The chosen token id of each row.
+    """
+    logits = logits.float()  # (num_rows, vocab)
+    chosen = logits.argmax(dim=-1).tolist()
+    for row, (sp, generator) in enumerate(zip(params, generators)):
+        if sp.greedy:
+            continue
+        probs = torch.softmax(logits[row] / sp.temperature, dim=-1)  # (vocab,)
+        if sp.top_p < 1.0:
+            probs = _top_p_filter(probs, sp.top_p)
+        chosen[row] = int(torch.multinomial(probs, 1, generator=generator).item())
+    return [int(t) for t in chosen]

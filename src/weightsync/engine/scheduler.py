@@ -1,0 +1,229 @@
+"""`Scheduler`: continuous batching under a token budget, and the pause state machine.
+
+Every step the scheduler picks the tokens to compute: first one more token for each running
+sequence (or the next chunk of an unfinished prefill), then, while the budget, `max_num_seqs` and
+the KV cache allow, it admits waiting sequences, reusing cached prefix blocks. When the KV cache
+runs out, the most recently admitted sequence is preempted: its blocks are freed and it goes back
+to the front of the queue, to be recomputed from its tokens later.
+
+Pause states (see `PauseState`):
+
+- `abort` finishes every unfinished sequence with `finish_reason="abort"`, then pauses.
+- `wait` stops admitting and lets running sequences finish (`DRAINING`), then pauses.
+- `keep` pauses at once; running sequences stay as they are and continue after resume.
+
+While paused nothing is scheduled and new requests queue. `reset_cache` (for `clear_cache=True`)
+frees every block: kept sequences go back to the queue and recompute their KV on resume.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.errors import InvalidRequestError
+from weightsync.engine.kv_cache import BlockManager
+from weightsync.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["PauseMode", "PauseState", "ScheduledSequence", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""How `pause_generation` treats requests in flight (see the module docstring)."""
+
+_PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class PauseState(enum.Enum):
+    """The scheduler's pause state."""
+
+    UNPAUSED = "unpaused"
+    """Scheduling normally."""
+    DRAINING = "draining"
+    """A `wait` pause: running sequences continue, nothing new is admitted."""
+    PAUSED = "paused"
+    """Nothing is scheduled; new requests queue."""
+
+
+@dataclass
+class ScheduledSequence:
+    """A sequence and how many of its tokens this step computes.
+
+    Attributes:
+        seq: The sequence.
+        num_tokens: Tokens computed this step, starting at `seq.num_computed_tokens`.
+    """
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Decides each step's batch and holds the waiting and running sequences.
+
+    Args:
+        config: Budgets and limits.
+        block_manager: The KV cache's blocks.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.state = PauseState.UNPAUSED
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        """Waiting plus running sequences."""
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence (also while paused: it starts after resume)."""
+        self.waiting.append(seq)
+
+    def can_schedule(self) -> bool:
+        """Whether `schedule` may return work: not paused and something is unfinished."""
+        if self.state is PauseState.PAUSED:
+            return False
+        if self.state is PauseState.DRAINING:
+            return bool(self.running) or bool(self.waiting and self.waiting[0].was_started)
+        return self.num_unfinished > 0
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSequence]:
+        """Returns this step's batch and reserves KV slots for it (empty while paused)."""
+        if self.state is PauseState.PAUSED:
+            return []
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        queue = list(self.running)
+        self.running = []
+        preempted = False
+        while queue:
+            seq = queue.pop(0)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens == 0:  # out of budget: it waits for the next step, keeping its blocks
+                self.running.append(seq)
+                continue
+            while not self.block_manager.can_append(seq, num_tokens):
+                preempted = True
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, num_tokens)
+                scheduled.append(ScheduledSequence(seq, num_tokens))
+                self.running.append(seq)
+                budget -= num_tokens
+        if not preempted:
+            self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
+        """Moves waiting sequences into the batch while budget, seats and blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # A wait-mode pause admits only sequences that were preempted, never new ones.
+            if self.state is PauseState.DRAINING and not seq.was_started:
+                break
+            hits = self.block_manager.match_prefix(seq)
+            cached_tokens = len(hits) * self.block_manager.block_size
+            num_tokens = min(seq.num_tokens - cached_tokens, budget)
+            if not self.block_manager.can_allocate(hits, cached_tokens + num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, hits, cached_tokens + num_tokens)
+            if not seq.was_started:
+                seq.num_cached_tokens = cached_tokens
+            seq.was_started = True
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_tokens))
+            budget -= num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees `seq`'s blocks and queues it first, to be recomputed from its tokens."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted %s: the KV cache is full", seq.request_id)
+
+    def finish_step(self, batch: list[ScheduledSequence]) -> None:
+        """Records the computed tokens of a step, offers full blocks for reuse, drops finished."""
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+            if not item.seq.is_finished:
+                self.block_manager.register_full_blocks(item.seq)
+        if any(s.is_finished for s in self.running):
+            for seq in [s for s in self.running if s.is_finished]:
+                self.block_manager.free(seq)
+            self.running = [s for s in self.running if not s.is_finished]
+        if self.state is PauseState.DRAINING and not self.can_schedule():
+            self.state = PauseState.PAUSED
+
+    # --- aborts and pauses ----------------------------------------------------------------------
+
+    def abort(self, request_ids: set[str]) -> list[Sequence]:
+        """Finishes the unfinished sequences among `request_ids` with reason `abort`."""
+        aborted = [s for s in (*self.running, *self.waiting) if s.request_id in request_ids]
+        for seq in aborted:
+            self.block_manager.free(seq)
+            seq.finish("abort")
+        if aborted:
+            self.running = [s for s in self.running if not s.is_finished]
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)
+        return aborted
+
+    def pause(self, mode: PauseMode) -> list[Sequence]:
+        """Enters a pause; returns the sequences aborted by an `abort` pause.
+
+        Pausing again is harmless: `abort` aborts what is unfinished now, `keep` freezes a
+        draining `wait` pause at once, `wait` on a paused scheduler changes nothing.
+
+        Raises:
+            InvalidRequestError: `mode` is not one of `abort`, `wait`, `keep`.
+        """
+        if mode not in _PAUSE_MODES:
+            raise InvalidRequestError(f"pause mode must be one of {list(_PAUSE_MODES)}, got {mode!r}")
+        aborted: list[Sequence] = []
+        if mode == "abort":
+            aborted = self.abort({s.request_id for s in (*self.running, *self.waiting)})
+            self.state = PauseState.PAUSED
+        elif mode == "keep":
+            self.state = PauseState.PAUSED
+        elif self.state is PauseState.UNPAUSED:
+            self.state = PauseState.DRAINING
+            if not self.can_schedule():
+                self.state = PauseState.PAUSED
+        return aborted
+
+    def resume(self) -> None:
+        """Leaves any pause (a draining `wait` pause is cancelled)."""
+        self.state = PauseState.UNPAUSED
+
+    def reset_cache(self) -> None:
+        """Frees every KV block and the prefix cache; kept sequences will recompute their KV.
+
+        Running sequences go back to the front of the queue, in order, keeping their tokens.
+        """
+        for seq in reversed(self.running):
+            seq.reset_kv()
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        self.block_manager.reset()

@@ -1,0 +1,160 @@
+"""`Sequence`: one request's tokens, KV-cache bookkeeping and per-token weight versions."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from weightsync.engine.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    WeightVersion,
+)
+from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.tokenizer import IncrementalDecoder
+
+__all__ = ["Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued (or preempted), holding KV blocks, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request in flight: prompt + output tokens and what the KV cache holds for them.
+
+    Only the scheduler and the engine mutate a sequence; callers see `RequestOutput`s.
+
+    Args:
+        request_id: Unique id of the request.
+        prompt_token_ids: The prompt, at least one token.
+        sampling_params: How to sample the output.
+        generator: This request's random generator (seeded).
+        decoder: Turns output token ids into text as they arrive.
+        prompt: The prompt text, if the prompt was given as text.
+
+    Attributes:
+        token_ids: Prompt then output token ids.
+        num_computed_tokens: Leading tokens whose KV is in the cache. The last sampled token is
+            never computed yet: it is the next step's input.
+        block_table: KV block ids holding this sequence's tokens, in order.
+        block_hashes: Prefix-cache hashes of the leading full blocks of `block_table`.
+        cache_epoch: The prefix-cache epoch (weights) its KV was computed under; blocks of a
+            sequence from an older epoch are never offered for reuse.
+        num_cached_tokens: Prompt tokens that hit the prefix cache when it was admitted.
+        was_started: Whether it has been admitted once (a preempted sequence has).
+        output_weight_versions: The weight version that generated each output token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        generator: torch.Generator,
+        decoder: IncrementalDecoder,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.decoder = decoder
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_text = ""
+        self.output_weight_versions: list[WeightVersion] = []
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.cache_epoch = 0
+        self.num_cached_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.was_started = False
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output token ids."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV still has to be computed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the sequence has ended."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, weight_version: WeightVersion) -> str:
+        """Appends a sampled token produced by `weight_version`; returns the text it adds."""
+        self.token_ids.append(token_id)
+        self.output_weight_versions.append(weight_version)
+        delta = self.decoder.add(token_id)
+        self.output_text += delta
+        return delta
+
+    def reset_kv(self) -> None:
+        """Forgets the KV-cache state (after its blocks were freed): all tokens get recomputed."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.block_hashes = []
+
+    def finish(
+        self, reason: FinishReason, stop_reason: str | int | None = None, *, flush_text: bool = True
+    ) -> None:
+        """Marks the sequence finished (its blocks must be freed by the caller).
+
+        `flush_text` completes the text with any held-back partial character; a stop string
+        ends the text itself and passes False.
+        """
+        if flush_text:
+            self.output_text += self.decoder.flush()
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def to_output(self) -> RequestOutput:
+        """Returns the cumulative output so far."""
+        completion = CompletionOutput(
+            index=0,
+            text=self.output_text,
+            token_ids=self.output_token_ids,
+            weight_versions=list(self.output_weight_versions),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            outputs=[completion],
+            finished=self.is_finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from weightsync.engine.errors import EngineConfigError
+from weightsync.engine.loader import load_hf_directory, read_safetensors, save_hf_directory
+from weightsync.engine.model import LlamaConfig, LlamaForCausalLM
+from weightsync.transfer.base import WeightValidationError
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_twin(model: LlamaForCausalLM):
+    """transformers' LlamaForCausalLM with the same config and weights."""
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model.config.to_hf_dict())).eval()
+    hf.load_state_dict(dict(model.named_weights()), strict=not model.config.tie_word_embeddings)
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers(tied):
+    model = LlamaForCausalLM.from_preset("debug", seed=3, tie_word_embeddings=tied)
+    hf = hf_twin(model)
+    ids = torch.tensor([256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100])
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids))  # (seq, vocab)
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_weight_names_shapes_and_order_match_transformers():
+    for tied in (False, True):
+        model = LlamaForCausalLM.from_preset("debug", tie_word_embeddings=tied)
+        hf = hf_twin(model)
+        ours = [(n, tuple(s.shape)) for n, s in model.weight_specs().items()]
+        theirs = [(n, tuple(p.shape)) for n, p in hf.named_parameters()]
+        assert ours == theirs
+
+
+def test_load_weights_copies_into_fused_parameters():
+    model = LlamaForCausalLM.from_preset("debug", seed=0)
+    other = LlamaForCausalLM.from_preset("debug", seed=1)
+    buffer = {n: t.clone() for n, t in other.named_weights()}
+    loaded = model.load_weights(buffer.items())
+    assert loaded == list(model.weight_specs())
+    for tensor in buffer.values():
+        tensor.zero_()  # the model must not alias the caller's tensors
+    for (name, ours), (_, theirs) in zip(model.named_weights(), other.named_weights()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_load_weights_rejects_unknown_names_and_shapes():
+    model = LlamaForCausalLM.from_preset("debug")
+    with pytest.raises(WeightValidationError, match="unknown weight 'model.nope'"):
+        model.load_weights([("model.nope", torch.zeros(1))])
+    with pytest.raises(WeightValidationError, match=r"shape \[3\] but the model's is \[64\]"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_presets_and_config_validation():
+    tiny = LlamaForCausalLM.from_preset("tiny")
+    assert 2e6 < sum(p.numel() for p in tiny.parameters()) < 5e6
+    with pytest.raises(EngineConfigError, match="unknown model preset 'huge'"):
+        LlamaConfig.preset("huge")
+    with pytest.raises(EngineConfigError, match="num_key_value_heads"):
+        LlamaConfig(num_attention_heads=8, num_key_value_heads=3)
+    with pytest.raises(EngineConfigError, match="rope type 'llama3'"):
+        LlamaConfig.from_hf_dict({**LlamaConfig().to_hf_dict(), "rope_scaling": {"rope_type": "llama3"}})
+
+
+def test_seed_gives_the_same_model_in_any_dtype():
+    a = LlamaForCausalLM.from_preset("debug", seed=5)
+    b = LlamaForCausalLM.from_preset("debug", seed=5, dtype=torch.bfloat16)
+    for (_, x), (_, y) in zip(a.named_weights(), b.named_weights()):
+        assert torch.equal(x.to(torch.bfloat16), y)
+
+
+def test_loads_a_directory_written_by_transformers(tmp_path):
+    model = LlamaForCausalLM.from_preset("debug", seed=2, tie_word_embeddings=True)
+    hf_twin(model).save_pretrained(tmp_path)
+    loaded = load_hf_directory(tmp_path)
+    assert loaded.config == model.config
+    for (name, ours), (_, theirs) in zip(loaded.named_weights(), model.named_weights()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_saved_directory_reads_back_and_in_transformers(tmp_path):
+    model = LlamaForCausalLM.from_preset("debug", seed=4)
+    save_hf_directory(model, tmp_path)
+    assert dict(read_safetensors(tmp_path / "model.safetensors")).keys() == model.weight_specs().keys()
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for name, param in hf.named_parameters():
+        assert torch.equal(param, dict(model.named_weights())[name]), name
+
+
+def test_directory_errors_say_what_is_missing(tmp_path):
+    with pytest.raises(EngineConfigError, match="no config.json"):
+        load_hf_directory(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.preset("debug").to_hf_dict()))
+    with pytest.raises(EngineConfigError, match="no model.safetensors"):
+        load_hf_directory(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**LlamaConfig().to_hf_dict(), "model_type": "gpt2"}))
+    with pytest.raises(EngineConfigError, match="model_type must be 'llama'"):
+        load_hf_directory(tmp_path)
