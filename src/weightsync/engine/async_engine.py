@@ -9,6 +9,7 @@ so they act exactly between two steps: a pause waits for at most the step in fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -71,7 +72,9 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="weightsync-engine")
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="weightsync-engine"
+            )
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -129,7 +132,9 @@ class AsyncEngine:
         self._start()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
-            raise InvalidRequestError(f"request_id {request_id!r} is already streaming; use a unique id")
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already streaming; use a unique id"
+            )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.engine.add_request(request_id, prompt, sampling_params)
         self._streams[request_id] = queue
@@ -157,7 +162,9 @@ class AsyncEngine:
 
     # --- pause / resume -----------------------------------------------------------------------
 
-    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
         """Pauses at a step boundary and returns once paused; see `LLMEngine.pause_generation`.
 
         `abort` and `keep` return after at most the step in flight; their aborted streams have
@@ -229,10 +236,8 @@ class AsyncEngine:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         closed = EngineStateError("the engine was shut down")
         for queue in self._streams.values():
             queue.put_nowait(closed)

@@ -53,7 +53,9 @@ def _unwrap(request: Any, key: str, method: str) -> Any:
     if not isinstance(request, Mapping) and hasattr(request, key):
         return getattr(request, key)
     got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
-    raise InvalidRequestError(f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}")
+    raise InvalidRequestError(
+        f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}"
+    )
 
 
 class LLMEngine:
@@ -120,7 +122,9 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks=config.num_kv_blocks, block_size=config.block_size)
+        self.runner = ModelRunner(
+            model, num_blocks=config.num_kv_blocks, block_size=config.block_size
+        )
         self.weights = LiveWeights(
             model,
             transfer_config=weight_transfer_config,
@@ -159,7 +163,9 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
             vocab = self.model.config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}), got {prompt!r}")
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in [0, {vocab}), got {prompt!r}"
+                )
         if not token_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -169,8 +175,14 @@ class LLMEngine:
             )
         with self._lock:
             if request_id in self._live_ids:
-                raise InvalidRequestError(f"request_id {request_id!r} is already in flight; use a unique id")
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._num_requests
+                raise InvalidRequestError(
+                    f"request_id {request_id!r} is already in flight; use a unique id"
+                )
+            seed = (
+                params.seed
+                if params.seed is not None
+                else self.config.seed * 1_000_003 + self._num_requests
+            )
             self._num_requests += 1
             seq = Seq(
                 request_id,
@@ -213,7 +225,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
         return bool(
-            self._inbox or self._abort_inbox or self._pending_outputs or self.scheduler.can_schedule()
+            self._inbox
+            or self._abort_inbox
+            or self._pending_outputs
+            or self.scheduler.can_schedule()
         )
 
     # --- the step loop ------------------------------------------------------------------------
@@ -289,15 +304,24 @@ class LLMEngine:
             InvalidRequestError: A bad prompt or sampling parameters.
         """
         if self.is_paused() or self.weights.is_torn:
-            raise EngineStateError("the engine is paused, so generate() would wait forever: call resume_generation() first")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, sp in zip(ids, prompts, params):
-            self.add_request(request_id, prompt, sp)  # type: ignore[arg-type]
+            raise EngineStateError(
+                "the engine is paused, so generate() would wait forever: call resume_generation() first"
+            )
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params or SamplingParams()] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
+        ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
+        for request_id, prompt, sp in zip(ids, batch, params, strict=True):
+            self.add_request(request_id, prompt, sp)
         finals: dict[str, RequestOutput] = {}
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
@@ -393,7 +417,9 @@ class LLMEngine:
 
         Blocks until the group forms (the trainer's first send) or its timeout passes.
         """
-        self.weights.init_transfer_engine(_unwrap(request, "init_info", "init_weight_transfer_engine"))
+        self.weights.init_transfer_engine(
+            _unwrap(request, "init_info", "init_weight_transfer_engine")
+        )
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -416,7 +442,11 @@ class LLMEngine:
         # Requests still in the inbox have not started: they will simply run on the new weights.
         state = self.scheduler.state
         if state is not PauseState.PAUSED and self.scheduler.num_unfinished:
-            what = "a wait-mode pause is still draining" if state is PauseState.DRAINING else "it is not paused"
+            what = (
+                "a wait-mode pause is still draining"
+                if state is PauseState.DRAINING
+                else "it is not paused"
+            )
             raise EngineBusyError(
                 f"update_weights needs a paused or idle engine, but {self.scheduler.num_unfinished} "
                 f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
@@ -427,7 +457,9 @@ class LLMEngine:
         except Exception:
             if self.weights.is_torn:
                 self.scheduler.pause("keep")  # never generate from half-written weights
-                logger.error("weight update failed after writing part of the weights; engine paused")
+                logger.error(
+                    "weight update failed after writing part of the weights; engine paused"
+                )
             raise
         finally:
             self.block_manager.bump_epoch()

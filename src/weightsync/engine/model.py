@@ -191,7 +191,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -216,7 +216,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(  # noqa: D102
+    def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -231,10 +231,11 @@ class LlamaAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (tokens, 1, head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if attention is None:
-            out = causal_attention(q, k, v)
-        else:
-            out = paged_attention(self.layer_index, q, k, v, attention)
+        out = (
+            causal_attention(q, k, v)
+            if attention is None
+            else paged_attention(self.layer_index, q, k, v, attention)
+        )
         return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
 
 
@@ -246,7 +247,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
 
@@ -261,7 +262,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(  # noqa: D102
+    def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -284,16 +285,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-# HF projection name -> (fused parameter, shard index) of this implementation.
-_FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM with Hugging Face's parameter names at its edges.
 
@@ -305,6 +296,9 @@ class LlamaForCausalLM(nn.Module):
     >>> "model.layers.0.self_attn.q_proj.weight" in model.weight_specs()
     True
     """
+
+    rope_cos: torch.Tensor  # (max_positions, head_dim) buffers, indexed by position
+    rope_sin: torch.Tensor
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -388,20 +382,22 @@ class LlamaForCausalLM(nn.Module):
         Fused parameters yield views of their shards, so writing into a yielded tensor writes
         the model. A tied LM head is not yielded (as in Hugging Face's `named_parameters()`).
         """
+        config = self.config
+        q_size = config.num_attention_heads * config.kv_head_dim
+        kv_size = config.num_key_value_heads * config.kv_head_dim
+        # Fused parameter -> its Hugging Face parts and their rows, in Hugging Face order.
+        fused_parts = {
+            "qkv_proj": (["q_proj", "k_proj", "v_proj"], [q_size, kv_size, kv_size]),
+            "gate_up_proj": (["gate_proj", "up_proj"], [config.intermediate_size] * 2),
+        }
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             prefix, _, fused = module_name.rpartition(".")
-            if fused == "qkv_proj":
-                attn = self.model.layers[int(name.split(".")[2])].self_attn
-                sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-                parts = ["q_proj", "k_proj", "v_proj"]
-            elif fused == "gate_up_proj":
-                sizes = [self.config.intermediate_size] * 2
-                parts = ["gate_proj", "up_proj"]
-            else:
+            if fused not in fused_parts:
                 yield name, param.data
                 continue
-            for part, shard in zip(parts, param.data.split(sizes, dim=0)):
+            parts, sizes = fused_parts[fused]
+            for part, shard in zip(parts, torch.split(param.data, sizes, dim=0), strict=True):
                 yield f"{prefix}.{part}.{leaf}", shard
 
     def weight_specs(self) -> dict[str, TensorSpec]:
@@ -413,7 +409,11 @@ class LlamaForCausalLM(nn.Module):
 
         A transfer backend may receive straight into these; shards go through `load_weights`.
         """
-        return {n: p.data for n, p in self.named_parameters() if n.rpartition(".")[0].rpartition(".")[2] not in ("qkv_proj", "gate_up_proj")}  # fmt: skip
+        return {
+            name: param.data
+            for name, param in self.named_parameters()
+            if name.split(".")[-2] not in ("qkv_proj", "gate_up_proj")
+        }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

@@ -92,4 +92,6 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # (sampling seqs, vocab)
         sampling = [item.seq for item in batch if item.samples]
-        return sample(logits, [s.sampling_params for s in sampling], [s.generator for s in sampling])
+        return sample(
+            logits, [s.sampling_params for s in sampling], [s.generator for s in sampling]
+        )

@@ -14,7 +14,7 @@ __all__ = ["SamplingParams", "sample"]
 
 @dataclass
 class SamplingParams:
-    """How one request samples its output.
+    r"""How one request samples its output.
 
     Attributes:
         max_tokens: Most output tokens to generate.
@@ -108,7 +108,7 @@ def sample(
     """
     logits = logits.float()  # (num_rows, vocab)
     chosen = logits.argmax(dim=-1).tolist()
-    for row, (sp, generator) in enumerate(zip(params, generators)):
+    for row, (sp, generator) in enumerate(zip(params, generators, strict=True)):
         if sp.greedy:
             continue
         probs = torch.softmax(logits[row] / sp.temperature, dim=-1)  # (vocab,)

@@ -199,7 +199,9 @@ class Scheduler:
             InvalidRequestError: `mode` is not one of `abort`, `wait`, `keep`.
         """
         if mode not in _PAUSE_MODES:
-            raise InvalidRequestError(f"pause mode must be one of {list(_PAUSE_MODES)}, got {mode!r}")
+            raise InvalidRequestError(
+                f"pause mode must be one of {list(_PAUSE_MODES)}, got {mode!r}"
+            )
         aborted: list[Sequence] = []
         if mode == "abort":
             aborted = self.abort({s.request_id for s in (*self.running, *self.waiting)})

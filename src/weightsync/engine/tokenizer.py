@@ -8,6 +8,7 @@ does not know decode to nothing.
 from __future__ import annotations
 
 import codecs
+from typing import ClassVar
 
 __all__ = ["ByteTokenizer", "IncrementalDecoder"]
 
@@ -53,7 +54,7 @@ class ByteTokenizer:
     eos_token_id = 257
     pad_token_id = 258
     vocab_size = 259
-    special_tokens = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
+    special_tokens: ClassVar[dict[str, int]] = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
 
     def __init__(self, *, add_bos: bool = True) -> None:
         self.add_bos = add_bos

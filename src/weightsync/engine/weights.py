@@ -117,7 +117,9 @@ class LiveWeights:
                 "init_weight_transfer_engine({'init_info': ...}) first"
             )
         names = _field(update_info, "names")
-        announced = set(names) if isinstance(names, list | tuple) else set(self.model.weight_specs())
+        announced = (
+            set(names) if isinstance(names, list | tuple) else set(self.model.weight_specs())
+        )
         label = _field(update_info, "weight_version")
         try:
             stats = self._transfer.receive_weights(update_info, self._load)
@@ -138,7 +140,9 @@ class LiveWeights:
             self.weight_version, stats.num_tensors, stats.num_bytes / 1e6, stats.seconds,
         )  # fmt: skip
         if self.torn_names:
-            logger.warning("%d weights are still torn by an earlier failed update", len(self.torn_names))
+            logger.warning(
+                "%d weights are still torn by an earlier failed update", len(self.torn_names)
+            )
         return stats
 
     def shutdown(self) -> None:

@@ -84,7 +84,9 @@ class LocalSource:
         self.init_request = {"init_info": {"source": key}}
 
     def update_info(self, weight_version: str | int | None = None) -> dict[str, Any]:
-        info = WeightTransferUpdateInfo.from_named_tensors(self.tensors.items(), weight_version=weight_version)
+        info = WeightTransferUpdateInfo.from_named_tensors(
+            self.tensors.items(), weight_version=weight_version
+        )
         return {"update_info": info.to_dict()}
 
 
@@ -152,6 +154,10 @@ class Stream:
             self._changed.set()
 
     @property
+    def request_id(self) -> str:
+        return self.outputs[-1].request_id
+
+    @property
     def token_ids(self) -> list[int]:
         return self.outputs[-1].outputs[0].token_ids if self.outputs else []
 
@@ -166,7 +172,7 @@ class Stream:
 
     def check_consistent(self) -> None:
         """Each output extends the previous one; exactly the last one is finished."""
-        for before, after in zip(self.outputs, self.outputs[1:]):
+        for before, after in zip(self.outputs[:-1], self.outputs[1:], strict=True):
             n = len(before.outputs[0].token_ids)
             assert after.outputs[0].token_ids[:n] == before.outputs[0].token_ids
             assert not before.finished
@@ -174,7 +180,10 @@ class Stream:
 
 
 def start_streams(engine: AsyncEngine, count: int, max_tokens: int) -> list[Stream]:
-    return [Stream(engine, PROMPTS[i % len(PROMPTS)] + f" #{i}", greedy(max_tokens)) for i in range(count)]
+    return [
+        Stream(engine, PROMPTS[i % len(PROMPTS)] + f" #{i}", greedy(max_tokens))
+        for i in range(count)
+    ]
 
 
 def make_sequence(token_ids: list[int], request_id: str = "r", max_tokens: int = 16) -> Sequence:
@@ -187,3 +196,12 @@ def make_sequence(token_ids: list[int], request_id: str = "r", max_tokens: int =
         generator=torch.Generator(),
         decoder=ByteTokenizer().incremental_decoder(),
     )
+
+
+async def catch_up(engine: AsyncEngine, streams: list[Stream]) -> list[int]:
+    """Waits until each stream has consumed every token its request holds; returns the counts."""
+    scheduler = engine.engine.scheduler
+    counts = {s.request_id: s.num_output_tokens for s in (*scheduler.running, *scheduler.waiting)}
+    for stream in streams:
+        await stream.wait_tokens(counts.get(stream.request_id, 0))
+    return [len(s.token_ids) for s in streams]

@@ -37,17 +37,17 @@ def test_last_token_is_never_served_from_the_cache():
 
 def test_freed_blocks_stay_reusable_until_evicted():
     bm = manager(num_blocks=4)
-    a = make_sequence(list(range(8)) + [50], "a")
+    a = make_sequence([*list(range(8)), 50], "a")
     run_prefill(bm, a)
     bm.free(a)
     assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
-    b = make_sequence(list(range(8)) + [60], "b")
+    b = make_sequence([*list(range(8)), 60], "b")
     assert len(run_prefill(bm, b)) == 2
     bm.free(b)
     # Filling the cache with something else evicts the old prefix.
     c = make_sequence(list(range(100, 116)), "c")
     run_prefill(bm, c)
-    assert bm.match_prefix(make_sequence(list(range(8)) + [70], "d")) == []
+    assert bm.match_prefix(make_sequence([*list(range(8)), 70], "d")) == []
 
 
 def test_capacity_checks_and_growth():

@@ -18,7 +18,7 @@ def test_greedy_equals_a_reference_decode_without_kv_cache(preset):
     engine = LLMEngine(model, engine_config=small_config())
     prompts = PROMPTS[:6] if preset == "debug" else PROMPTS[:3]
     outputs = engine.generate(prompts, greedy(20))
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         expected = reference_greedy(model, engine.tokenizer.encode(prompt), 20)
         assert output.outputs[0].token_ids == expected, prompt
         assert output.outputs[0].finish_reason == "length"
@@ -46,8 +46,12 @@ def test_prefix_cache_hits_change_nothing(debug_model):
 
 
 def test_chunked_prefill_and_preemption_change_nothing(debug_model):
-    expected = token_ids(LLMEngine(debug_model, engine_config=small_config()).generate(PROMPTS, greedy(16)))
-    chunked = LLMEngine(debug_model, engine_config=small_config(max_num_batched_tokens=16, max_num_seqs=4))
+    expected = token_ids(
+        LLMEngine(debug_model, engine_config=small_config()).generate(PROMPTS, greedy(16))
+    )
+    chunked = LLMEngine(
+        debug_model, engine_config=small_config(max_num_batched_tokens=16, max_num_seqs=4)
+    )
     assert token_ids(chunked.generate(PROMPTS, greedy(16))) == expected
     tight = LLMEngine(debug_model, engine_config=small_config(num_kv_blocks=16, max_model_len=128))
     assert token_ids(tight.generate(PROMPTS, greedy(16))) == expected
@@ -60,7 +64,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(debug_model):
     alone = engine.generate(["sampled"], params)[0]
     crowd = engine.generate(["sampled", *PROMPTS[:5]], [params] + [greedy(12)] * 5)[0]
     assert alone.outputs[0].token_ids == crowd.outputs[0].token_ids
-    unseeded = engine.generate(["sampled"] * 4, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    unseeded = engine.generate(
+        ["sampled"] * 4, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    )
     assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
 
 
@@ -71,7 +77,9 @@ def test_stop_conditions(debug_model):
     stopped = engine.generate(["Hello"], greedy(12, stop=[stop]))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == free.text[: free.text.index(stop)]
-    by_token = engine.generate(["Hello"], greedy(12, stop_token_ids=[free.token_ids[2]]))[0].outputs[0]
+    by_token = engine.generate(["Hello"], greedy(12, stop_token_ids=[free.token_ids[2]]))[
+        0
+    ].outputs[0]
     assert by_token.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[2]) + 1]
     assert by_token.stop_reason == free.token_ids[2]
     long_prompt = "y" * 60  # 61 tokens with BOS: 3 left before max_model_len
@@ -81,7 +89,9 @@ def test_stop_conditions(debug_model):
 def test_eos_ends_the_output(debug_model):
     engine = LLMEngine(debug_model, engine_config=small_config())
     eos = engine.tokenizer.eos_token_id
-    out = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[]))[0].outputs[0]
+    out = engine.generate(
+        ["Hello"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[])
+    )[0].outputs[0]
     assert (eos in out.token_ids) == (out.finish_reason == "stop")
 
 
@@ -89,7 +99,10 @@ def test_token_id_prompts_and_request_errors(debug_model):
     engine = LLMEngine(debug_model, engine_config=small_config(max_model_len=32))
     ids = engine.tokenizer.encode("hi")
     by_ids = engine.generate([ids], greedy(4))[0]
-    assert by_ids.prompt is None and by_ids.outputs[0].token_ids == engine.generate("hi", greedy(4))[0].outputs[0].token_ids
+    assert (
+        by_ids.prompt is None
+        and by_ids.outputs[0].token_ids == engine.generate("hi", greedy(4))[0].outputs[0].token_ids
+    )
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         engine.add_request("e", [], greedy(4))
     with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):

@@ -46,13 +46,13 @@ def test_load_weights_copies_into_fused_parameters():
     assert loaded == list(model.weight_specs())
     for tensor in buffer.values():
         tensor.zero_()  # the model must not alias the caller's tensors
-    for (name, ours), (_, theirs) in zip(model.named_weights(), other.named_weights()):
+    for (name, ours), (_, theirs) in zip(model.named_weights(), other.named_weights(), strict=True):
         assert torch.equal(ours, theirs), name
 
 
 def test_load_weights_rejects_unknown_names_and_shapes():
     model = LlamaForCausalLM.from_preset("debug")
-    with pytest.raises(WeightValidationError, match="unknown weight 'model.nope'"):
+    with pytest.raises(WeightValidationError, match=r"unknown weight 'model\.nope'"):
         model.load_weights([("model.nope", torch.zeros(1))])
     with pytest.raises(WeightValidationError, match=r"shape \[3\] but the model's is \[64\]"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
@@ -66,13 +66,15 @@ def test_presets_and_config_validation():
     with pytest.raises(EngineConfigError, match="num_key_value_heads"):
         LlamaConfig(num_attention_heads=8, num_key_value_heads=3)
     with pytest.raises(EngineConfigError, match="rope type 'llama3'"):
-        LlamaConfig.from_hf_dict({**LlamaConfig().to_hf_dict(), "rope_scaling": {"rope_type": "llama3"}})
+        LlamaConfig.from_hf_dict(
+            {**LlamaConfig().to_hf_dict(), "rope_scaling": {"rope_type": "llama3"}}
+        )
 
 
 def test_seed_gives_the_same_model_in_any_dtype():
     a = LlamaForCausalLM.from_preset("debug", seed=5)
     b = LlamaForCausalLM.from_preset("debug", seed=5, dtype=torch.bfloat16)
-    for (_, x), (_, y) in zip(a.named_weights(), b.named_weights()):
+    for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True):
         assert torch.equal(x.to(torch.bfloat16), y)
 
 
@@ -81,25 +83,31 @@ def test_loads_a_directory_written_by_transformers(tmp_path):
     hf_twin(model).save_pretrained(tmp_path)
     loaded = load_hf_directory(tmp_path)
     assert loaded.config == model.config
-    for (name, ours), (_, theirs) in zip(loaded.named_weights(), model.named_weights()):
+    for (name, ours), (_, theirs) in zip(
+        loaded.named_weights(), model.named_weights(), strict=True
+    ):
         assert torch.equal(ours, theirs), name
 
 
 def test_saved_directory_reads_back_and_in_transformers(tmp_path):
     model = LlamaForCausalLM.from_preset("debug", seed=4)
     save_hf_directory(model, tmp_path)
-    assert dict(read_safetensors(tmp_path / "model.safetensors")).keys() == model.weight_specs().keys()
+    assert (
+        dict(read_safetensors(tmp_path / "model.safetensors")).keys() == model.weight_specs().keys()
+    )
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
     for name, param in hf.named_parameters():
         assert torch.equal(param, dict(model.named_weights())[name]), name
 
 
 def test_directory_errors_say_what_is_missing(tmp_path):
-    with pytest.raises(EngineConfigError, match="no config.json"):
+    with pytest.raises(EngineConfigError, match=r"no config\.json"):
         load_hf_directory(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.preset("debug").to_hf_dict()))
-    with pytest.raises(EngineConfigError, match="no model.safetensors"):
+    with pytest.raises(EngineConfigError, match=r"no model\.safetensors"):
         load_hf_directory(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**LlamaConfig().to_hf_dict(), "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LlamaConfig().to_hf_dict(), "model_type": "gpt2"})
+    )
     with pytest.raises(EngineConfigError, match="model_type must be 'llama'"):
         load_hf_directory(tmp_path)

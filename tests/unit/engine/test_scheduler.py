@@ -9,7 +9,15 @@ from weightsync.engine.sequence import SequenceStatus
 
 
 def make_scheduler(**overrides):
-    config = EngineConfig(**{"block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 16, "max_num_seqs": 4, **overrides})
+    config = EngineConfig(
+        **{
+            "block_size": 4,
+            "num_kv_blocks": 64,
+            "max_num_batched_tokens": 16,
+            "max_num_seqs": 4,
+            **overrides,
+        }
+    )
     bm = BlockManager(num_blocks=config.num_kv_blocks, block_size=4, enable_prefix_caching=True)
     return Scheduler(config, bm)
 
@@ -53,14 +61,21 @@ def test_max_num_seqs_caps_admissions():
 
 def test_a_full_kv_cache_preempts_the_newest_and_recomputes_it_later():
     scheduler = make_scheduler(num_kv_blocks=4, max_num_batched_tokens=64, max_num_seqs=4)
-    a, b = make_sequence(list(range(7)), "a", max_tokens=8), make_sequence(list(range(10, 17)), "b", max_tokens=8)
+    a, b = (
+        make_sequence(list(range(7)), "a", max_tokens=8),
+        make_sequence(list(range(10, 17)), "b", max_tokens=8),
+    )
     scheduler.add(a)
     scheduler.add(b)
     fake_step(scheduler)  # both hold 2 blocks (8 slots): the cache is full
     fake_step(scheduler)  # position 7 still fits
     assert fake_step(scheduler) == {"a": 1}  # a grows into a third block: b is preempted
     assert scheduler.num_preemptions == 1
-    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.num_output_tokens == 2
+    assert (
+        b.status is SequenceStatus.WAITING
+        and b.num_computed_tokens == 0
+        and b.num_output_tokens == 2
+    )
     while scheduler.num_unfinished:
         fake_step(scheduler)
     assert a.num_output_tokens == b.num_output_tokens == 8

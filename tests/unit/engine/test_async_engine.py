@@ -1,0 +1,114 @@
+import asyncio
+
+import pytest
+from engine_helpers import PROMPTS, greedy, make_async_engine, reference_greedy, start_streams
+
+from weightsync.engine.errors import EngineStateError, InvalidRequestError
+
+
+def test_streams_grow_token_by_token_and_match_the_reference():
+    async def main():
+        async with make_async_engine() as engine:
+            outputs = [
+                out async for out in engine.generate(PROMPTS[0], greedy(8), request_id="one")
+            ]
+            assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 9))
+            assert outputs[-1].finished and outputs[-1].request_id == "one"
+            ids = engine.engine.tokenizer.encode(PROMPTS[0])
+            assert outputs[-1].outputs[0].token_ids == reference_greedy(engine.engine.model, ids, 8)
+
+    asyncio.run(main())
+
+
+def test_the_event_loop_stays_responsive_while_steps_run():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, 16, 16)
+            ticks = 0
+            while not all(s.task.done() for s in streams):
+                assert await engine.is_paused() is False
+                ticks += 1
+                await asyncio.sleep(0)
+            # Far more event-loop turns than steps: forward passes ran off the loop.
+            assert ticks > engine.num_steps
+
+    asyncio.run(main())
+
+
+def test_leaving_a_stream_early_aborts_its_request():
+    async def main():
+        async with make_async_engine() as engine:
+            async for output in engine.generate("leave early", greedy(100), request_id="early"):
+                if len(output.outputs[0].token_ids) == 2:
+                    break
+            await engine.pause_generation(mode="keep")  # lets the loop process the abort
+            assert engine.engine.scheduler.num_unfinished == 0
+            assert not engine.engine.has_unfinished_requests()
+
+    asyncio.run(main())
+
+
+def test_abort_ends_one_stream():
+    async def main():
+        async with make_async_engine() as engine:
+            stream = start_streams(engine, 1, 100)[0]
+            await stream.wait_tokens(2)
+            await engine.abort(stream.request_id)
+            final = await stream.final()
+            assert (
+                final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 100
+            )
+
+    asyncio.run(main())
+
+
+def test_bad_requests_fail_in_the_caller_and_the_engine_keeps_serving():
+    async def main():
+        async with make_async_engine() as engine:
+            with pytest.raises(InvalidRequestError, match="prompt is empty"):
+                async for _ in engine.generate([], greedy(2)):
+                    pass
+            stream = start_streams(engine, 1, 50)[0]
+            await stream.wait_tokens(1)
+            with pytest.raises(InvalidRequestError, match="already streaming"):
+                async for _ in engine.generate("dup", greedy(2), request_id=stream.request_id):
+                    pass
+            assert len((await stream.final()).outputs[0].token_ids) == 50
+
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_every_stream_and_later_calls(monkeypatch):
+    async def main():
+        engine = make_async_engine()
+        streams = start_streams(engine, 3, 50)
+        await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+
+        def broken(batch):
+            raise RuntimeError("kernel exploded")
+
+        monkeypatch.setattr(engine.engine.runner, "execute", broken)
+        for stream in streams:
+            with pytest.raises(EngineStateError, match="kernel exploded"):
+                await stream.task
+        with pytest.raises(EngineStateError, match="the engine loop died"):
+            async for _ in engine.generate("after", greedy(2)):
+                pass
+        await engine.shutdown()
+        with pytest.raises(EngineStateError, match="shut down"):
+            await engine.pause_generation()
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_open_streams():
+    async def main():
+        engine = make_async_engine()
+        stream = start_streams(engine, 1, 500)[0]
+        await stream.wait_tokens(1)
+        await engine.shutdown()
+        await engine.shutdown()
+        with pytest.raises(EngineStateError, match="shut down"):
+            await stream.task
+
+    asyncio.run(main())

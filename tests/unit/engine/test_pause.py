@@ -1,0 +1,176 @@
+"""Each pause mode on an AsyncEngine with many requests in flight."""
+
+import asyncio
+
+import pytest
+from engine_helpers import (
+    catch_up,
+    greedy,
+    make_async_engine,
+    make_engine,
+    reference_greedy,
+    start_streams,
+)
+
+from weightsync.engine.scheduler import PauseState
+
+N = 16
+MAX_TOKENS = 24
+
+
+def expected_tokens(engine, stream, max_tokens=MAX_TOKENS):
+    return reference_greedy(
+        engine.engine.model, engine.engine.tokenizer.encode(stream.prompt), max_tokens
+    )
+
+
+def test_abort_ends_every_request_with_its_partial_output():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, N, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(3) for s in streams))
+            await engine.pause_generation(mode="abort")
+            assert await engine.is_paused()
+            for stream in streams:
+                final = await stream.final()
+                stream.check_consistent()
+                assert final.outputs[0].finish_reason == "abort"
+                tokens = final.outputs[0].token_ids
+                assert 3 <= len(tokens) < MAX_TOKENS
+                assert tokens == expected_tokens(engine, stream)[: len(tokens)]
+            assert engine.engine.scheduler.num_unfinished == 0
+            await engine.resume_generation()
+            again = start_streams(engine, 2, 4)
+            assert [(await s.final()).outputs[0].finish_reason for s in again] == ["length"] * 2
+
+    asyncio.run(main())
+
+
+def test_wait_lets_running_requests_finish_and_queues_new_ones():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, N, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            await engine.pause_generation(mode="wait")
+            assert await engine.is_paused() and engine.engine.scheduler.num_unfinished == 0
+            for stream in streams:
+                stream.check_consistent()
+                final = await stream.final()
+                assert final.outputs[0].finish_reason == "length"
+                assert final.outputs[0].token_ids == expected_tokens(engine, stream)
+            late = start_streams(engine, 2, 4)
+            steps = engine.num_steps
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert engine.num_steps == steps and not any(s.outputs for s in late)
+            await engine.resume_generation()
+            assert [len((await s.final()).outputs[0].token_ids) for s in late] == [4, 4]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_keep_freezes_requests_and_continues_them_after_resume(clear_cache):
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, N, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(4) for s in streams))
+            await engine.pause_generation(mode="keep", clear_cache=clear_cache)
+            frozen = await catch_up(engine, streams)
+            assert all(0 < n < MAX_TOKENS for n in frozen)
+            if clear_cache:
+                assert (
+                    engine.engine.block_manager.num_free_blocks
+                    == engine.engine.config.num_kv_blocks
+                )
+            late = start_streams(engine, 2, 4)  # queued while paused
+            steps = engine.num_steps
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert engine.num_steps == steps
+            assert [len(s.token_ids) for s in streams] == frozen and not any(
+                s.outputs for s in late
+            )
+            await engine.resume_generation()
+            for stream in [*streams, *late]:
+                final = await stream.final()
+                stream.check_consistent()
+                assert final.outputs[0].finish_reason == "length"
+            for stream in streams:
+                assert stream.token_ids == expected_tokens(engine, stream)
+            for stream in late:
+                assert stream.token_ids == expected_tokens(engine, stream, 4)
+
+    asyncio.run(main())
+
+
+def test_keep_returns_within_one_step_and_double_pause_and_resume_are_harmless():
+    async def main():
+        async with make_async_engine() as engine:
+            await engine.resume_generation()  # not paused: harmless
+            streams = start_streams(engine, N, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(2) for s in streams))
+            before = engine.num_steps
+            await engine.pause_generation(mode="keep")
+            assert engine.num_steps - before <= 1
+            await engine.pause_generation(mode="keep")
+            await engine.pause_generation(mode="wait")  # already paused: returns at once
+            assert engine.num_steps - before <= 1 and await engine.is_paused()
+            await engine.resume_generation()
+            await engine.resume_generation()
+            for stream in streams:
+                assert len((await stream.final()).outputs[0].token_ids) == MAX_TOKENS
+
+    asyncio.run(main())
+
+
+def test_abort_after_keep_aborts_the_frozen_requests():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, N, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(2) for s in streams))
+            await engine.pause_generation(mode="keep")
+            await engine.pause_generation(mode="abort")
+            finals = [await s.final() for s in streams]
+            assert {f.outputs[0].finish_reason for f in finals} == {"abort"}
+
+    asyncio.run(main())
+
+
+def test_resume_cancels_a_draining_wait_pause():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, 4, MAX_TOKENS)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+            while engine.engine.pause_state is not PauseState.DRAINING:
+                await asyncio.sleep(0)  # the pause takes effect after the step in flight
+            await engine.resume_generation()
+            await pause
+            assert not await engine.is_paused()
+            assert [len((await s.final()).outputs[0].token_ids) for s in streams] == [
+                MAX_TOKENS
+            ] * 4
+
+    asyncio.run(main())
+
+
+def test_sync_engine_pause_modes():
+    engine = make_engine()
+    for i in range(N):
+        engine.add_request(f"r{i}", f"prompt {i}", greedy(12))
+    for _ in range(3):
+        engine.step()
+    engine.pause_generation(mode="wait")
+    assert engine.is_paused()
+    finals = [o for o in engine.step() if o.finished]
+    assert len(finals) == N and {f.outputs[0].finish_reason for f in finals} == {"length"}
+    engine.resume_generation()
+    for i in range(N):
+        engine.add_request(f"s{i}", f"prompt {i}", greedy(12))
+    engine.step()
+    engine.pause_generation(mode="abort")
+    aborted = engine.step()
+    assert len(aborted) == N and {o.outputs[0].finish_reason for o in aborted} == {"abort"}
+    assert all(len(o.outputs[0].token_ids) == 1 for o in aborted)
+    assert not engine.has_unfinished_requests()
