@@ -6,3 +6,37 @@ scheduled token, then sampling) -> postprocessing (stop checks, per-token weight
 `RequestOutput`. `AsyncEngine` drives the same loop from asyncio and streams outputs, while
 `pause_generation`, `resume_generation` and `update_weights` stay responsive between steps.
 """
+
+from weightsync.engine.async_engine import AsyncEngine
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+)
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.model_config import LlamaConfig
+from weightsync.engine.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.tokenizer import ByteTokenizer
+
+__all__ = [
+    "AsyncEngine",
+    "ByteTokenizer",
+    "CompletionOutput",
+    "EngineBusyError",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineStateError",
+    "InvalidRequestError",
+    "LLMEngine",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "RequestOutput",
+    "SamplingParams",
+    "TornWeightsError",
+    "WeightVersionSpan",
+]

@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from weightsync.engine.errors import EngineStateError, InvalidRequestError
-from weightsync.engine.llm_engine import LLMEngine, Prompt
+from weightsync.engine.errors import EngineConfigError, EngineStateError, InvalidRequestError
+from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
+from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState
 from weightsync.transfer.base import TransferStats
@@ -45,6 +46,11 @@ class AsyncEngine:
     """
 
     def __init__(self, model: Any = "tiny", **engine_kwargs: Any) -> None:
+        if isinstance(model, LLMEngine) and engine_kwargs:
+            raise EngineConfigError(
+                f"AsyncEngine got an LLMEngine and engine arguments {sorted(engine_kwargs)}: "
+                "configure the LLMEngine itself, then pass it alone (or use from_engine)"
+            )
         self._init(model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_kwargs))
 
     @classmethod

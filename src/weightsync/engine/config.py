@@ -60,3 +60,25 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """Returns the longest sequence for a model with `max_position_embeddings` positions.
+
+        Raises:
+            EngineConfigError: `max_model_len` exceeds the model's positions, or the KV cache
+                cannot hold one sequence of that length.
+        """
+        max_model_len = self.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
+            raise EngineConfigError(
+                f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_position_embeddings})"
+            )
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < max_model_len:
+            raise EngineConfigError(
+                f"the KV cache holds {capacity} tokens (num_kv_blocks x block_size) but one "
+                f"sequence may reach max_model_len={max_model_len}: raise num_kv_blocks or lower "
+                "max_model_len"
+            )
+        return max_model_len

@@ -21,18 +21,19 @@ from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.errors import (
     EngineBusyError,
-    EngineConfigError,
     EngineStateError,
     InvalidRequestError,
     TornWeightsError,
 )
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
-from weightsync.engine.model import PRESETS, LlamaForCausalLM
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.model_config import PRESETS
 from weightsync.engine.model_runner import ModelRunner
 from weightsync.engine.outputs import RequestOutput, WeightVersion
+from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt
 from weightsync.engine.sampling import SamplingParams
-from weightsync.engine.scheduler import PauseMode, PauseState, ScheduledSequence, Scheduler
+from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.weights import LiveWeights
@@ -41,9 +42,6 @@ from weightsync.transfer.base import TransferStats
 __all__ = ["LLMEngine"]
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
-"""A prompt: text (tokenized by the engine's tokenizer) or token ids."""
 
 
 def _unwrap(request: Any, key: str, method: str) -> Any:
@@ -102,20 +100,15 @@ class LLMEngine:
             )
         self.model = model.eval()
         self.config = config = engine_config or EngineConfig()
-        max_positions = model.config.max_position_embeddings
-        self.max_model_len = config.max_model_len or max_positions
-        if self.max_model_len > max_positions:
-            raise EngineConfigError(
-                f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({max_positions})"
-            )
-        if config.num_kv_blocks * config.block_size < self.max_model_len:
-            raise EngineConfigError(
-                f"the KV cache holds {config.num_kv_blocks * config.block_size} tokens "
-                f"(num_kv_blocks x block_size) but one sequence may reach max_model_len="
-                f"{self.max_model_len}: raise num_kv_blocks or lower max_model_len"
-            )
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
+        self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
+        self.input_processor = InputProcessor(
+            tokenizer,
+            vocab_size=model.config.vocab_size,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+        )
+        self.output_processor = OutputProcessor(tokenizer, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(
             num_blocks=config.num_kv_blocks,
             block_size=config.block_size,
@@ -138,7 +131,6 @@ class LLMEngine:
         self._inbox: deque[Seq] = deque()
         self._abort_inbox: set[str] = set()
         self._live_ids: set[str] = set()
-        self._num_requests = 0
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
 
@@ -155,43 +147,12 @@ class LLMEngine:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
         """
-        params = sampling_params or SamplingParams()
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-            vocab = self.model.config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be ints in [0, {vocab}), got {prompt!r}"
-                )
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
-                "shorten the prompt to leave room for at least one output token"
-            )
         with self._lock:
+            seq = self.input_processor.process(request_id, prompt, sampling_params)
             if request_id in self._live_ids:
                 raise InvalidRequestError(
                     f"request_id {request_id!r} is already in flight; use a unique id"
                 )
-            seed = (
-                params.seed
-                if params.seed is not None
-                else self.config.seed * 1_000_003 + self._num_requests
-            )
-            self._num_requests += 1
-            seq = Seq(
-                request_id,
-                token_ids,
-                params,
-                generator=torch.Generator().manual_seed(seed),
-                decoder=self.tokenizer.incremental_decoder(),
-                prompt=text,
-            )
             self._live_ids.add(request_id)
             self._inbox.append(seq)
 
@@ -244,51 +205,18 @@ class LLMEngine:
             if batch:
                 tokens = self.runner.execute(batch)
                 self.num_steps += 1
-                self._postprocess(batch, tokens)
+                version = self.weights.weight_version
+                for seq in self.output_processor.process(batch, tokens, version):
+                    if seq.is_finished:
+                        self._emit_finished([seq])
+                    else:
+                        self._pending_outputs.append(seq.to_output())
                 self.scheduler.finish_step(batch)
         if self._clear_cache_after_drain and self.scheduler.state is PauseState.PAUSED:
             self._clear_cache_after_drain = False
             self.scheduler.reset_cache()
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
-
-    def _postprocess(self, batch: list[ScheduledSequence], tokens: list[int]) -> None:
-        """Appends sampled tokens with the current weight version and applies stop conditions."""
-        version = self.weights.weight_version
-        sampled = iter(tokens)
-        for item in batch:
-            if not item.samples:
-                continue  # a prefill chunk that does not reach the end yet
-            seq = item.seq
-            token = next(sampled)
-            delta = seq.append_token(token, version)
-            self._check_stop(seq, token, delta)
-            if seq.is_finished:
-                self._emit_finished([seq])
-            else:
-                self._pending_outputs.append(seq.to_output())
-
-    def _check_stop(self, seq: Seq, token: int, delta: str) -> None:
-        params = seq.sampling_params
-        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
-            seq.finish("stop")
-        elif token in params.stop_token_ids:
-            seq.finish("stop", token)
-        elif params.stop and delta:
-            found = []
-            for stop in params.stop:
-                # Only the newest text can complete a stop string.
-                start = max(0, len(seq.output_text) - len(delta) - len(stop) + 1)
-                if (index := seq.output_text.find(stop, start)) >= 0:
-                    found.append((index, stop))
-            if found:
-                index, stop = min(found)
-                seq.output_text = seq.output_text[:index]
-                seq.finish("stop", stop, flush_text=False)
-        if not seq.is_finished and (
-            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish("length")
 
     def generate(
         self,

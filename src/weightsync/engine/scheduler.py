@@ -173,6 +173,10 @@ class Scheduler:
             for seq in [s for s in self.running if s.is_finished]:
                 self.block_manager.free(seq)
             self.running = [s for s in self.running if not s.is_finished]
+        self._end_drain_if_done()
+
+    def _end_drain_if_done(self) -> None:
+        """Completes a `wait` pause once nothing it waits for is left."""
         if self.state is PauseState.DRAINING and not self.can_schedule():
             self.state = PauseState.PAUSED
 
@@ -187,6 +191,7 @@ class Scheduler:
         if aborted:
             self.running = [s for s in self.running if not s.is_finished]
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
+            self._end_drain_if_done()
         return aborted
 
     def pause(self, mode: PauseMode) -> list[Sequence]:
@@ -210,8 +215,7 @@ class Scheduler:
             self.state = PauseState.PAUSED
         elif self.state is PauseState.UNPAUSED:
             self.state = PauseState.DRAINING
-            if not self.can_schedule():
-                self.state = PauseState.PAUSED
+            self._end_drain_if_done()
         return aborted
 
     def resume(self) -> None:

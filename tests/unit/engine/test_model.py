@@ -5,7 +5,8 @@ import torch
 
 from weightsync.engine.errors import EngineConfigError
 from weightsync.engine.loader import load_hf_directory, read_safetensors, save_hf_directory
-from weightsync.engine.model import LlamaConfig, LlamaForCausalLM
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.model_config import LlamaConfig
 from weightsync.transfer.base import WeightValidationError
 
 transformers = pytest.importorskip("transformers")

@@ -155,6 +155,23 @@ def test_resume_cancels_a_draining_wait_pause():
     asyncio.run(main())
 
 
+def test_aborting_the_last_running_request_completes_a_wait_pause():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, 2, 200)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+            while engine.engine.pause_state is not PauseState.DRAINING:
+                await asyncio.sleep(0)
+            for stream in streams:
+                await engine.abort(stream.request_id)
+            await pause
+            assert await engine.is_paused()
+            assert [(await s.final()).outputs[0].finish_reason for s in streams] == ["abort"] * 2
+
+    asyncio.run(main())
+
+
 def test_sync_engine_pause_modes():
     engine = make_engine()
     for i in range(N):

@@ -1,0 +1,137 @@
+"""The engine's edges: prompts in (`InputProcessor`), sampled tokens out (`OutputProcessor`)."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.engine.errors import InvalidRequestError
+from weightsync.engine.outputs import WeightVersion
+from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.scheduler import ScheduledSequence
+from weightsync.engine.sequence import Sequence
+from weightsync.engine.tokenizer import ByteTokenizer
+
+__all__ = ["InputProcessor", "OutputProcessor", "Prompt"]
+
+Prompt = str | list[int]
+"""A prompt: text (tokenized by the engine's tokenizer) or token ids."""
+
+
+class InputProcessor:
+    """Turns a prompt and its sampling parameters into a validated `Sequence`.
+
+    Args:
+        tokenizer: Tokenizes text prompts; makes each sequence's text decoder.
+        vocab_size: The model's vocabulary size (token-id prompts must fit in it).
+        max_model_len: Longest sequence in tokens.
+        seed: Seeds the sampling of requests that set no seed of their own.
+    """
+
+    def __init__(
+        self, tokenizer: ByteTokenizer, *, vocab_size: int, max_model_len: int, seed: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self._num_requests = 0
+
+    def process(
+        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None
+    ) -> Sequence:
+        """Returns the new request's sequence.
+
+        Raises:
+            InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
+                room for output within `max_model_len`.
+        """
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size}), got {prompt!r}"
+                )
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt to leave room for at least one output token"
+            )
+        # Unseeded requests still get a generator of their own, so that a request's draws never
+        # depend on which other requests share its batch.
+        seed = (
+            params.seed if params.seed is not None else self.seed * 1_000_003 + self._num_requests
+        )
+        self._num_requests += 1
+        return Sequence(
+            request_id,
+            token_ids,
+            params,
+            generator=torch.Generator().manual_seed(seed),
+            decoder=self.tokenizer.incremental_decoder(),
+            prompt=text,
+        )
+
+
+class OutputProcessor:
+    """Applies a step's sampled tokens to their sequences and ends those that should stop.
+
+    Args:
+        tokenizer: Names the end-of-sequence token.
+        max_model_len: Longest sequence in tokens.
+    """
+
+    def __init__(self, tokenizer: ByteTokenizer, *, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def process(
+        self, batch: list[ScheduledSequence], tokens: list[int], weight_version: WeightVersion
+    ) -> list[Sequence]:
+        """Appends each sampled token, tagged with `weight_version`, and applies stop conditions.
+
+        Args:
+            batch: The step's batch.
+            tokens: One sampled token per sequence of `batch` that samples, in batch order.
+            weight_version: Version of the weights that produced `tokens`.
+
+        Returns:
+            The sequences that received a token (some now finished), in batch order.
+        """
+        sampled = iter(tokens)
+        changed = []
+        for item in batch:
+            if not item.samples:
+                continue  # a prefill chunk that does not reach the end yet
+            token = next(sampled)
+            delta = item.seq.append_token(token, weight_version)
+            self._check_stop(item.seq, token, delta)
+            changed.append(item.seq)
+        return changed
+
+    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+        params = seq.sampling_params
+        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
+            seq.finish("stop")
+        elif token in params.stop_token_ids:
+            seq.finish("stop", token)
+        elif params.stop and delta:
+            found = []
+            for stop in params.stop:
+                # Only the newest text can complete a stop string.
+                start = max(0, len(seq.output_text) - len(delta) - len(stop) + 1)
+                if (index := seq.output_text.find(stop, start)) >= 0:
+                    found.append((index, stop))
+            if found:
+                index, stop = min(found)
+                seq.output_text = seq.output_text[:index]
+                seq.finish("stop", stop, flush_text=False)
+        if not seq.is_finished and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish("length")
