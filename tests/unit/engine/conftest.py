@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from engine_helpers import SOURCES, LocalSource
+from engine_helpers import SOURCES, LocalSource, debug_model
 
 from weightsync.engine.model import LlamaForCausalLM
 
@@ -21,15 +21,15 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def debug_model() -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_preset("debug", seed=0)
+@pytest.fixture(scope="session", name="debug_model")
+def debug_model_fixture() -> LlamaForCausalLM:
+    return debug_model(seed=0)
 
 
 @pytest.fixture(scope="session")
 def new_weights() -> dict[str, torch.Tensor]:
     """A second set of weights for the debug model, as a trainer would push them."""
-    return {n: t.clone() for n, t in LlamaForCausalLM.from_preset("debug", seed=1).named_weights()}
+    return {n: t.clone() for n, t in debug_model(seed=1).named_weights()}
 
 
 @pytest.fixture

@@ -25,6 +25,15 @@ from weightsync.transfer.base import (
 )
 from weightsync.transfer.registry import register_engine
 
+# Engine behaviour tests run in float64: greedy decoding then compares token for token with a
+# margin far above any kernel's rounding, on every machine. test_model checks float32 numerics.
+DTYPE = torch.float64
+
+
+def debug_model(seed: int = 0) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_preset("debug", seed=seed, dtype=DTYPE)
+
+
 PROMPTS = [
     "The quick brown fox",
     "Hello, world",
@@ -66,7 +75,7 @@ def small_config(**overrides: Any) -> EngineConfig:
 
 
 def model_with(weights: Mapping[str, torch.Tensor]) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_preset("debug", seed=0)
+    model = debug_model()
     model.load_weights(weights.items())
     return model
 
@@ -124,7 +133,7 @@ register_engine("test-local", LocalTransferEngine, replace=True)
 
 
 def make_engine(model: LlamaForCausalLM | None = None, **config: Any) -> LLMEngine:
-    model = model if model is not None else LlamaForCausalLM.from_preset("debug", seed=0)
+    model = model if model is not None else debug_model()
     return LLMEngine(
         model,
         engine_config=small_config(**config),

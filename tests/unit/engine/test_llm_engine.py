@@ -1,5 +1,6 @@
 import pytest
-from engine_helpers import PROMPTS, greedy, reference_greedy, small_config
+import torch
+from engine_helpers import DTYPE, PROMPTS, greedy, reference_greedy, small_config
 
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.errors import EngineConfigError, InvalidRequestError
@@ -12,9 +13,9 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("preset", ["debug", "tiny"])
-def test_greedy_equals_a_reference_decode_without_kv_cache(preset):
-    model = LlamaForCausalLM.from_preset(preset, seed=0)
+@pytest.mark.parametrize(("preset", "dtype"), [("debug", DTYPE), ("tiny", torch.float32)])
+def test_greedy_equals_a_reference_decode_without_kv_cache(preset, dtype):
+    model = LlamaForCausalLM.from_preset(preset, seed=0, dtype=dtype)
     engine = LLMEngine(model, engine_config=small_config())
     prompts = PROMPTS[:6] if preset == "debug" else PROMPTS[:3]
     outputs = engine.generate(prompts, greedy(20))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from engine_helpers import (
     catch_up,
+    debug_model,
     greedy,
     make_async_engine,
     make_engine,
@@ -20,7 +21,6 @@ from weightsync.engine.errors import (
     InvalidRequestError,
     TornWeightsError,
 )
-from weightsync.engine.model import LlamaForCausalLM
 from weightsync.transfer.base import WeightTransferError, WeightValidationError
 
 N = 16
@@ -65,7 +65,7 @@ def test_keep_clear_cache_and_new_weights_recompute_every_token_after_resume(
 def test_per_token_versions_across_two_in_flight_updates(local_source, new_weights):
     third = {n: t.flip(0).clone() for n, t in new_weights.items()}
     models = {
-        0: LlamaForCausalLM.from_preset("debug", seed=0),
+        0: debug_model(seed=0),
         "step-1": model_with(new_weights),
         2: model_with(third),
     }
@@ -199,7 +199,7 @@ def test_rejected_updates_change_nothing(local_source, new_weights):
     engine.init_weight_transfer_engine(local_source.init_request)
     with pytest.raises(
         WeightValidationError,
-        match=r"'model.norm.weight': model has float32\[64\], update has float32\[3\]",
+        match=r"'model.norm.weight': model has float64\[64\], update has float32\[3\]",
     ):
         engine.update_weights(local_source.update_info())
     assert engine.weight_version == 0 and not engine.is_paused()
