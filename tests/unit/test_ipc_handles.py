@@ -204,18 +204,24 @@ def test_bad_record_after_a_good_one_touches_nothing(rig, data_info):
     assert tensor_digests(rig.params) == before
 
 
-def test_record_count_and_update_metadata_are_checked(rig, data_info):
-    with pytest.raises(
-        WeightValidationError, match=r"covers tensors 1..6 but the update has 6 tensors"
-    ):
-        rig.receive({**data_info, "first_index": 1})
-    later = {**data_info, "first_index": 1, "ipc_handles": data_info["ipc_handles"][1:]}
-    with pytest.raises(
-        WeightValidationError, match=r"starts at tensor 1 but the worker expects tensor 0"
-    ):
-        rig.receive(later)
-    with pytest.raises(WeightValidationError, match=r"unknown keys \['pickled'\]"):
-        rig.receive({**data_info, "pickled": "gASV"})
+def test_record_count_and_part_order_are_checked(rig, data_info):
+    later = {
+        **data_info,
+        **{key: data_info[key][1:] for key in ("names", "dtype_names", "shapes", "ipc_handles")},
+        "first_index": 1,
+    }
+    cases = [
+        ({**data_info, "ipc_handles": data_info["ipc_handles"][1:]}, r"one record per name: got 5"),
+        (later, r"starts at tensor 1 but the worker expects tensor 0"),
+        ({**data_info, "weight_version": 7}, r"differ from what was announced"),
+        ({**data_info, "update_id": "u2"}, r"update u2 was not announced to this worker"),
+        ({**data_info, "pickled": "gASV"}, r"unknown keys \['pickled'\]"),
+    ]
+    for info, message in cases:
+        rig.receive(rig.delivered[0])  # a rejected part ends the update: announce it again
+        with pytest.raises(WeightValidationError, match=message):
+            rig.receive(info)
+    assert rig.engine.is_initialized
 
 
 def test_announcement_is_checked_against_the_model(rig):

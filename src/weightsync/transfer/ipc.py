@@ -18,8 +18,8 @@ post, a Ray call), which returns once every worker acknowledged:
 
 1. an *announcement* (`ipc_handles` null): every worker validates the whole update against its
    model, so a rejection anywhere stops the update before any byte moves on any worker;
-2. one *part* per bucket (packed) or a single part (unpacked), each with the records of the
-   tensors `first_index ..` of the update. The worker's weights are complete after the last part;
+2. one *part* per bucket (packed) or a single part (unpacked), each with the metadata and
+   records of the tensors `first_index ..` of the update. The worker's weights are complete after the last part;
    [`update_in_progress`][weightsync.transfer.ipc.IPCWeightTransferEngine.update_in_progress]
    says whether that point was reached.
 
@@ -91,11 +91,12 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass(kw_only=True)
 class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One delivery of an IPC update: the whole update's metadata plus some tensors' handles.
+    """One delivery of an IPC update: an announcement, or a part with its tensors' handles.
 
-    `names`, `dtype_names`, `shapes` and `weight_version` describe the whole update, identical
-    in every delivery of it; `ipc_handles` locates the tensors `first_index ..
-    first_index + len(ipc_handles) - 1`. Every field is JSON-safe and
+    The announcement (`ipc_handles` null) lists the whole update in `names`, `dtype_names` and
+    `shapes`. A part lists only its own tensors, which are the announced tensors from
+    `first_index` on, with one handle record per tensor. `update_id` and `weight_version` are the
+    same in every delivery of an update. Every field is JSON-safe and
     [`to_dict`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo.to_dict] round-trips.
 
     Attributes:
@@ -103,7 +104,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         ipc_handles: One record per tensor of this part (see
             [`IPCHandle`][weightsync.transfer.ipc_handles.IPCHandle]), or None for the
             announcement, which moves nothing.
-        first_index: Position in `names` of the first tensor `ipc_handles` covers.
+        first_index: Position of this part's first tensor in the announced update (0 for the
+            announcement).
 
     Raises:
         WeightValidationError: Malformed metadata or records; the message names the record.
@@ -120,26 +122,25 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise WeightValidationError(
                 f"update_id must be a non-empty string, got {self.update_id!r}"
             )
-        count = len(self.names)
-        if not isinstance(self.first_index, int) or isinstance(self.first_index, bool):
-            raise WeightValidationError(f"first_index must be an int, got {self.first_index!r}")
+        first = self.first_index
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise WeightValidationError(f"first_index must be an int >= 0, got {first!r}")
         self._handles = []
         if self.ipc_handles is None:
+            if first:
+                raise WeightValidationError(
+                    f"an announcement (ipc_handles null) has first_index 0, got {first}"
+                )
             return
-        if not isinstance(self.ipc_handles, list):
+        if not isinstance(self.ipc_handles, list) or len(self.ipc_handles) != len(self.names):
+            count = len(self.ipc_handles) if isinstance(self.ipc_handles, list) else "no"
             raise WeightValidationError(
-                f"ipc_handles must be a list or null, got {type(self.ipc_handles).__name__}"
+                f"ipc_handles must be a list with one record per name: got {count} records "
+                f"for {len(self.names)} names"
             )
-        end = self.first_index + len(self.ipc_handles)
-        if self.first_index < 0 or end > count or (count and not self.ipc_handles):
-            raise WeightValidationError(
-                f"ipc_handles covers tensors {self.first_index}..{end - 1} but the update has "
-                f"{count} tensors (first_index {self.first_index}, {len(self.ipc_handles)} records)"
-            )
-        specs = self.specs()
-        for index, record in enumerate(self.ipc_handles, start=self.first_index):
-            where = f"ipc_handles[{index - self.first_index}] ({specs[index].name!r})"
-            self._handles.append(IPCHandle.from_dict(record, where=where, spec=specs[index]))
+        for index, (record, spec) in enumerate(zip(self.ipc_handles, self.specs(), strict=True)):
+            where = f"ipc_handles[{index}] ({spec.name!r})"
+            self._handles.append(IPCHandle.from_dict(record, where=where, spec=spec))
 
     @property
     def is_announcement(self) -> bool:
@@ -152,22 +153,22 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of `parse_info`."""
+        handles = None if self.ipc_handles is None else [h.to_dict() for h in self._handles]
         return {
             **super().to_dict(),
             "update_id": self.update_id,
-            "ipc_handles": None
-            if self.ipc_handles is None
-            else [h.to_dict() for h in self._handles],
+            "ipc_handles": handles,
             "first_index": self.first_index,
         }
 
 
 @dataclass
 class _Progress:
-    """How far a worker got in the update it is receiving."""
+    """The update a worker is receiving: what was announced and how far it got."""
 
     update_id: str
-    metadata: tuple[list[str], list[str], list[list[int]], str | int | None]
+    specs: list[TensorSpec]
+    weight_version: str | int | None
     next_index: int = 0
     touched: bool = False
 
@@ -235,7 +236,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
         Every record is checked (known dtype, nbytes = shape x dtype size, offset + nbytes inside
         the region, segment of this session and existing, CUDA device UUID visible) before any
-        tensor is loaded. A rejected first part leaves the weights as they were.
+        tensor is loaded. The announcement is validated against the model (`expected_specs`);
+        each part must then continue the announced update in order. A rejected announcement or
+        first part leaves the weights as they were.
 
         Raises:
             WeightValidationError: The update or a record is invalid; nothing was loaded by this
@@ -250,42 +253,51 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             )
         start = time.perf_counter()
         info: IPCWeightTransferUpdateInfo = self.parse_update_info(update_info)
-        metadata = (info.names, info.dtype_names, info.shapes, info.weight_version)
-        progress = self._progress
-        if progress is None or progress.update_id != info.update_id:
+        stats = TransferStats()
+        if info.is_announcement:
             specs = self.check_update(info)
+            progress = self._progress
             if progress is not None and progress.touched:
                 logger.warning(
-                    "worker %d: update %s was left incomplete; its weights stay torn until update "
-                    "%s completes",
+                    "worker %d: update %s was left incomplete; its weights stay torn until "
+                    "update %s completes",
                     self.worker_index,
                     progress.update_id,
                     info.update_id,
                 )
-            progress = self._progress = _Progress(info.update_id, metadata)
-        else:
-            specs = info.specs()
-            if metadata != progress.metadata:
-                raise self._reject(
-                    f"update {info.update_id} changed its names, dtypes, shapes or version "
-                    "between deliveries: send every delivery of an update the same metadata"
-                )
-        stats = TransferStats()
-        if info.is_announcement:
+            self._progress = _Progress(info.update_id, specs, info.weight_version)
             if not specs:
                 self._progress = None
             stats.seconds = time.perf_counter() - start
             return stats
+        progress = self._progress
+        if progress is None or progress.update_id != info.update_id:
+            raise self._reject(
+                f"update {info.update_id} was not announced to this worker: deliver the "
+                "announcement (ipc_handles null) to every worker before the parts"
+            )
+        part = info.specs()
+        end = info.first_index + len(part)
         if info.first_index != progress.next_index:
             raise self._reject(
                 f"update {info.update_id}: this part starts at tensor {info.first_index} but the "
                 f"worker expects tensor {progress.next_index}: deliver parts once each, in order"
             )
+        if part != progress.specs[info.first_index : end] or (
+            info.weight_version != progress.weight_version
+        ):
+            raise self._reject(
+                f"update {info.update_id}: the part's tensors {info.first_index}..{end - 1} or "
+                "weight_version differ from what was announced"
+            )
         handles = info.handles()
-        part = specs[info.first_index : info.first_index + len(handles)]
+        regions: dict[object, torch.Tensor] = {}
         try:
             tensors = [
-                (spec.name, self._resolve(handle, spec, f"ipc_handles[{i}] ({spec.name!r})"))
+                (
+                    spec.name,
+                    self._resolve(handle, spec, regions, f"ipc_handles[{i}] ({spec.name!r})"),
+                )
                 for i, (handle, spec) in enumerate(zip(handles, part, strict=True))
             ]
         except WeightValidationError as exc:
@@ -301,8 +313,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         finally:
             del tensors
         progress.touched = True
-        progress.next_index += len(handles)
-        if progress.next_index == len(specs):
+        progress.next_index = end
+        if end == len(progress.specs):
             self._progress = None
             self._drop_unused()
         stats.num_tensors = len(part)
@@ -311,21 +323,29 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _resolve(self, handle: IPCHandle, spec: TensorSpec, where: str) -> torch.Tensor:
-        """Checks a record against the live memory and returns the tensor it locates."""
+    def _resolve(
+        self, handle: IPCHandle, spec: TensorSpec, regions: dict[object, torch.Tensor], where: str
+    ) -> torch.Tensor:
+        """Checks a record against the live memory and returns the tensor it locates.
+
+        `regions` holds the regions already opened for this delivery: each is checked and, for
+        CUDA, imported once per delivery, matching the trainer's one export per delivery.
+        """
         if handle.nbytes == 0:
-            device = "cuda" if handle.cuda is not None else "cpu"
-            return torch.empty(spec.shape, dtype=spec.dtype, device=device)
-        if handle.cuda is not None:
-            key = handle.cuda.cache_key
-            region = import_cuda_storage(handle.cuda, where=where)
-            # Keep the storage open across updates: reopening one handle twice would release
-            # the producer's reference count twice.
-            self._cuda[key] = region
-            self._used.add(key)
-        else:
-            assert handle.segment is not None and self._session is not None
-            region = self._attach(handle.segment, where)
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        key: object = handle.cuda.cache_key if handle.cuda is not None else handle.segment
+        region = regions.get(key)
+        if region is None:
+            if handle.cuda is not None:
+                region = import_cuda_storage(handle.cuda, where=where)
+                # Kept open across updates: importing a handle whose storage was freed would
+                # open it anew, and the producer's reference count would be released twice.
+                self._cuda[handle.cuda.cache_key] = region
+                self._used.add(key)
+            else:
+                assert handle.segment is not None
+                region = self._attach(handle.segment, where)
+            regions[key] = region
         try:
             return handle.view(region)
         except WeightValidationError as exc:

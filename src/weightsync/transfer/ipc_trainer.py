@@ -487,6 +487,19 @@ def ipc_trainer_send_weights(
     return stats
 
 
+def _part(header: dict[str, Any], first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The delivery of tensors `first ..` of the update: their metadata slice and records."""
+    end = first + len(records)
+    return {
+        **header,
+        "names": header["names"][first:end],
+        "dtype_names": header["dtype_names"][first:end],
+        "shapes": header["shapes"][first:end],
+        "ipc_handles": records,
+        "first_index": first,
+    }
+
+
 def _announce(courier: _Courier, header: dict[str, Any]) -> None:
     courier.submit({**header, "ipc_handles": None, "first_index": 0}, "the update's announcement")
     try:
@@ -550,7 +563,7 @@ def _send_packed(
                 for s in bucket.slots
             ]
             what = f"part {number + 1} of {len(buckets)}"
-            courier.submit({**header, "ipc_handles": records, "first_index": index}, what)
+            courier.submit(_part(header, index, records), what)
             index += len(bucket.slots)
             stats.num_buckets += 1
         courier.drain()
@@ -583,7 +596,7 @@ def _send_unpacked(
         return
     try:
         # `tensors` stays referenced until the workers acknowledged: they read its memory.
-        courier.submit({**header, "ipc_handles": records, "first_index": 0}, "the update")
+        courier.submit(_part(header, 0, records), "the update")
         stats.num_buckets = stats.direct_buckets = 1
         courier.drain()
     except Exception as exc:
