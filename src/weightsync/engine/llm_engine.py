@@ -3,7 +3,9 @@
 One `step()` schedules a batch, runs it through the model, samples, applies stop conditions and
 returns the changed requests' outputs. Each output token records the weight version that
 generated it. The pause contract (modes, `clear_cache`, queued arrivals, updates only while
-paused or idle, torn weights) is described on `pause_generation` and `update_weights`.
+paused or idle, torn weights) is described on
+[`pause_generation`][weightsync.engine.llm_engine.LLMEngine.pause_generation] and
+[`update_weights`][weightsync.engine.llm_engine.LLMEngine.update_weights].
 """
 
 from __future__ import annotations
