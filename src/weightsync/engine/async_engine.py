@@ -1,9 +1,10 @@
 """`AsyncEngine`: an asyncio front over `LLMEngine` that streams outputs and stays responsive.
 
-A background task runs the [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] step loop; each forward pass runs on a dedicated worker thread, so the
-event loop keeps serving `generate` streams and control calls while the model computes. Control
-calls (`pause_generation`, `resume_generation`, `update_weights`) take the same lock as a step,
-so they act exactly between two steps: a pause waits for at most the step in flight.
+A background task runs the [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] step loop;
+each forward pass runs on a dedicated worker thread, so the event loop keeps serving `generate`
+streams and control calls while the model computes. Control calls (`pause_generation`,
+`resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
+two steps: a pause waits for at most the step in flight.
 """
 
 from __future__ import annotations
