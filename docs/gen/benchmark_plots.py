@@ -1,0 +1,145 @@
+"""Plots the benchmark results committed in `benchmarks/results/*.json` onto the performance page.
+
+Each results file is the JSON object a benchmark prints (`benchmarks/bench_transfer.py --json`).
+Every `*_gbps` figure becomes a bar: top-level figures form one group, each nested object holding
+`*_gbps` figures (e.g. `two_receivers`) another. For each file this appends to `performance.md` a
+section with the chart (an SVG written here, no plotting library needed), the figures as a table,
+and the run's recorded settings. Adding a results file adds its section.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import mkdocs_gen_files
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+COLORS = ("#3f51b5", "#ff9800", "#009688", "#9c27b0")
+# Settings shown under each chart, when the results file records them.
+SETTINGS = {
+    "backend": "backend",
+    "total_bytes": "bytes moved per update",
+    "num_tensors": "tensors per update",
+    "bucket_size_bytes": "bucket size (bytes)",
+    "num_buffers": "buffers in flight",
+    "num_buckets": "buckets per update",
+    "repeats": "timed repetitions (best kept)",
+    "cpu_count": "CPU cores",
+    "torch": "torch",
+}
+
+Groups = dict[str, dict[str, float]]
+
+
+def figure_groups(result: dict[str, Any]) -> Groups:
+    """`{group label: {figure name: GB/s}}` from a results object."""
+
+    def gbps(mapping: dict[str, Any]) -> dict[str, float]:
+        return {
+            key.removesuffix("_gbps"): float(value)
+            for key, value in mapping.items()
+            if key.endswith("_gbps") and isinstance(value, int | float)
+        }
+
+    nested = {
+        key.replace("_", " "): gbps(value)
+        for key, value in result.items()
+        if isinstance(value, dict) and gbps(value)
+    }
+    top = gbps(result)
+    label = "one receiver" if any(k.endswith("receivers") for k in nested) else "all"
+    return {label: top, **nested} if top else nested
+
+
+def bar_chart(groups: Groups, title: str) -> str:
+    """A horizontal grouped bar chart as a standalone SVG document."""
+    names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
+    peak = max((v for figures in groups.values() for v in figures.values()), default=1.0) or 1.0
+    bar_h, gap, label_w, plot_w, top = 18, 14, 150, 460, 56
+    height = top + len(names) * (len(groups) * bar_h + gap) + 40
+    width = label_w + plot_w + 90
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="13">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
+    ]
+    for index, group in enumerate(groups):
+        x = label_w + index * 170
+        color = COLORS[index % len(COLORS)]
+        out.append(f'<rect x="{x}" y="32" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{x + 18}" y="43">{escape(group)}</text>')
+    y = top
+    for name in names:
+        out.append(
+            f'<text x="{label_w - 8}" y="{y + len(groups) * bar_h / 2 + 4:.0f}" '
+            f'text-anchor="end">{escape(name)}</text>'
+        )
+        for index, figures in enumerate(groups.values()):
+            if name in figures:
+                value = figures[name]
+                w = max(1.0, plot_w * value / peak)
+                color = COLORS[index % len(COLORS)]
+                out.append(
+                    f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h - 3}" '
+                    f'fill="{color}"/>'
+                )
+                out.append(
+                    f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h - 6}">{value:.2f}</text>'
+                )
+            y += bar_h
+        y += gap
+    out.append(
+        f'<text x="{label_w}" y="{height - 12}" fill="#555555">GB/s (10^9 bytes per second), '
+        "higher is better</text>"
+    )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def section(path: Path) -> str:
+    """The performance page's section for one results file (writes its chart too)."""
+    result = json.loads(path.read_text(encoding="utf-8"))
+    groups = figure_groups(result)
+    image = f"assets/benchmarks/{path.stem}.svg"
+    with mkdocs_gen_files.open(image, "w") as svg:
+        svg.write(bar_chart(groups, f"{path.stem}: throughput per figure"))
+    relative = path.relative_to(ROOT).as_posix()
+    lines = [
+        f"### `{path.stem}`",
+        "",
+        f"From `{relative}`.",
+        "",
+        f"![{path.stem}: GB/s per figure]({image})",
+        "",
+        "| Figure | " + " | ".join(f"{group} (GB/s)" for group in groups) + " |",
+        "| --- |" + " ---: |" * len(groups),
+    ]
+    names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
+    for name in names:
+        cells = [f"{figures[name]:.2f}" if name in figures else "" for figures in groups.values()]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += ["", "| Setting | Value |", "| --- | --- |"]
+    lines += [f"| {label} | `{result[key]}` |" for key, label in SETTINGS.items() if key in result]
+    ratios = {k: v for k, v in result.items() if "ratio" in k and isinstance(v, int | float)}
+    lines += [f"| {k.replace('_', ' ')} | `{v:.2f}` |" for k, v in ratios.items()]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Appends one section per results file to `performance.md`."""
+    paths = sorted(RESULTS.glob("*.json"))
+    with mkdocs_gen_files.open("performance.md", "a") as page:
+        page.write("\n## Results\n\n")
+        if not paths:
+            page.write("No results are committed yet.\n")
+        for path in paths:
+            page.write(section(path) + "\n")
+
+
+main()
