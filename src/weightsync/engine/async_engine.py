@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from weightsync.engine.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.engine.llm_engine import LLMEngine
@@ -28,6 +28,23 @@ from weightsync.transfer.base import TransferStats
 __all__ = ["AsyncEngine"]
 
 logger = logging.getLogger(__name__)
+
+
+_T = TypeVar("_T")
+
+
+async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs `fn` on a thread; if the caller is cancelled, still waits for `fn` to end.
+
+    A transfer cannot be interrupted halfway, so the locks its caller holds must stay held until
+    it ends: otherwise a step could run on half-written weights.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 class AsyncEngine:
@@ -222,7 +239,7 @@ class AsyncEngine:
         """
         self._start()
         async with self._transfer_lock:
-            await asyncio.to_thread(self.engine.init_weight_transfer_engine, request)
+            await _to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update (`{"update_info": {...}}`), off the event loop.
@@ -232,7 +249,7 @@ class AsyncEngine:
         """
         self._start()
         async with self._transfer_lock, self._lock:
-            return await asyncio.to_thread(self.engine.update_weights, request)
+            return await _to_thread_uninterrupted(self.engine.update_weights, request)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ in-process transfer backend that can fail on purpose."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,7 @@ class LocalSource:
         self.key = key
         self.tensors: dict[str, torch.Tensor] = {}
         self.fail_after: int | None = None
+        self.gate: threading.Event | None = None  # when set, receiving waits for it to open
         self.init_request = {"init_info": {"source": key}}
 
     def update_info(self, weight_version: str | int | None = None) -> dict[str, Any]:
@@ -119,6 +121,8 @@ class LocalTransferEngine(WeightTransferEngine):
     def receive_weights(self, update_info: Any, load_weights: Any) -> TransferStats:
         assert self.source is not None
         specs = self.check_update(self.parse_update_info(update_info))
+        if self.source.gate is not None:
+            assert self.source.gate.wait(timeout=30), "the test never opened the gate"
         for index, spec in enumerate(specs):
             if self.source.fail_after is not None and index == self.source.fail_after:
                 raise WeightTransferError("peer died (simulated)", partially_applied=index > 0)

@@ -1,6 +1,7 @@
 """Weight updates through a transfer backend: when they are accepted, versions, torn weights."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -121,6 +122,39 @@ def test_updates_on_a_busy_unpaused_engine_say_to_pause_first(local_source, new_
             # Idle now: accepted without a pause.
             await engine.update_weights(local_source.update_info())
             assert engine.weight_version == 1 and not await engine.is_paused()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_update_still_blocks_steps_until_the_transfer_ends(local_source, new_weights):
+    local_source.tensors = new_weights
+    local_source.gate = threading.Event()
+
+    async def main():
+        async with make_async_engine() as engine:
+            execute = engine.engine.runner.execute
+            steps_during_transfer = []
+
+            def watched(batch):
+                steps_during_transfer.append(not local_source.gate.is_set())
+                return execute(batch)
+
+            engine.engine.runner.execute = watched
+            await engine.init_weight_transfer_engine(local_source.init_request)
+            update = asyncio.create_task(engine.update_weights(local_source.update_info()))
+            for _ in range(5):
+                await asyncio.sleep(0)  # the update takes the lock and starts receiving
+            stream = start_streams(engine, 1, 4)[0]
+            update.cancel()
+            # Proving that nothing happens needs a bounded wait: a step would take milliseconds.
+            await asyncio.wait([stream.task], timeout=0.3)
+            assert engine.num_steps == 0 and not stream.outputs
+            local_source.gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await update
+            final = await stream.final()
+            assert final.outputs[0].weight_versions == [1] * 4
+            assert steps_during_transfer == [False] * 4
 
     asyncio.run(main())
 
