@@ -367,3 +367,44 @@ def test_engine_refuses_updates_before_init():
         )
     with pytest.raises(WeightValidationError, match=r"session must look like"):
         engine.init_transfer_engine({"session": "/dev/shm/x"})
+
+
+def test_a_failing_load_weights_leaves_the_receiver_torn_and_closed(rig, data_info):
+    def broken(pairs):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(
+        WeightTransferError, match=r"load_weights failed: RuntimeError: out of memory"
+    ) as raised:
+        rig.engine.receive_weights(data_info, broken)
+    assert raised.value.partially_applied
+    assert not rig.engine.is_initialized
+
+
+def test_share_module_makes_parameters_exportable_in_place():
+    session = ipc_trainer_init(packed=False)
+    model = torch.nn.Linear(4, 3)
+    weight = model.weight
+    session.share_module(model)
+    received = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    engine = IPCWeightTransferEngine(params=received)
+    engine.init_transfer_engine(session.init_info)
+
+    def load(pairs):
+        for name, tensor in pairs:
+            received[name].copy_(tensor)
+
+    args = IPCTrainerSendWeightsArgs(
+        session, lambda info: engine.receive_weights(json.loads(json.dumps(info)), load)
+    )
+    try:
+        assert model.weight is weight  # the Parameter object is kept, only its memory moved
+        for _ in range(2):  # an optimizer-like in-place step is seen by the next update
+            stats = ipc_trainer_send_weights(model.named_parameters(), args)
+            assert stats.direct_buckets == 1
+            for name, param in model.named_parameters():
+                assert torch.equal(received[name], param.detach())
+            with torch.no_grad():
+                model.weight.add_(1.0)
+    finally:
+        session.close()

@@ -213,7 +213,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     @property
     def update_in_progress(self) -> bool:
-        """True between an update's announcement and its last part: the weights are incomplete."""
+        """True from an update's announcement until its last part landed.
+
+        A control plane advances its weight version only once this is False again after a
+        delivery: the update is then complete.
+        """
         return self._progress is not None
 
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
@@ -383,12 +387,12 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return WeightValidationError(f"update rejected before any byte moved: {message}")
 
     def _fail(self, message: str) -> WeightTransferError:
-        touched = self._progress is not None
+        """Shuts down after the weights may have been written in part; returns the error."""
         self.shutdown()
         return WeightTransferError(
             f"worker {self.worker_index}: IPC weight transfer failed: {message}; the weights may "
             "be torn: initialize the engine again and send a complete update",
-            partially_applied=touched,
+            partially_applied=True,
         )
 
     def shutdown(self) -> None:

@@ -15,11 +15,14 @@ import concurrent.futures
 import itertools
 import logging
 import mmap
+import queue
 import secrets
+import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +87,10 @@ class IPCTrainerSession:
             other.
         timeout_s: Limit, in seconds, for each delivery to be acknowledged.
 
+    Attributes:
+        session: The session's name, `weightsync-` and 12 random hex digits; every segment it
+            creates is named after it.
+
     Raises:
         WeightValidationError: A bad argument.
     """
@@ -111,7 +118,10 @@ class IPCTrainerSession:
         self._counter = itertools.count()
         self._owned: dict[str, shm.SharedSegment] = {}
         self._shared: list[shm.SharedSegment] = []
-        self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
+        # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
+        self._buffers: dict[
+            torch.device, list[tuple[torch.Tensor, shm.SharedSegment | None] | None]
+        ] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
 
@@ -215,35 +225,26 @@ class IPCTrainerSession:
     ) -> tuple[torch.Tensor, str | None]:
         """Bucket buffer `index` on `device`, at least `nbytes` long, and its segment name (CPU)."""
         buffers = self._buffers.setdefault(device, [None] * self.num_buffers)
-        buffer = buffers[index]
-        if buffer is not None and buffer.numel() >= nbytes:
-            return buffer, self._segment_of(buffer)
-        buffers[index] = None
-        if buffer is not None:
-            self._drop_buffer(buffer)
-        if device.type == "cpu":
-            buffer = self._new_segment(align_up(nbytes, mmap.PAGESIZE)).tensor
-        else:
-            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        buffers[index] = buffer
-        return buffer, self._segment_of(buffer)
-
-    def _segment_of(self, buffer: torch.Tensor) -> str | None:
-        if buffer.device.type != "cpu":
-            return None
-        return next(n for n, s in self._owned.items() if s.tensor.data_ptr() == buffer.data_ptr())
-
-    def _drop_buffer(self, buffer: torch.Tensor) -> None:
-        name = self._segment_of(buffer)
-        if name is not None:
-            self._drop_segment(self._owned[name])
+        entry = buffers[index]
+        if entry is None or entry[0].numel() < nbytes:
+            buffers[index] = None
+            if entry is not None and entry[1] is not None:
+                self._drop_segment(entry[1])
+            if device.type == "cpu":
+                created = self._new_segment(align_up(nbytes, mmap.PAGESIZE))
+                entry = (created.tensor, created)
+            else:  # CUDA memory is exported by handle: no segment
+                entry = (torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None)
+            buffers[index] = entry
+        buffer, segment = entry
+        return buffer, segment.name if segment is not None else None
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
         for buffers in self._buffers.values():
-            for buffer in buffers:
-                if buffer is not None:
-                    self._drop_buffer(buffer)
+            for entry in buffers:
+                if entry is not None and entry[1] is not None:
+                    self._drop_segment(entry[1])
         self._buffers.clear()
 
     def close(self) -> None:
@@ -313,21 +314,44 @@ class IPCTrainerSendWeightsArgs:
 
 
 class _Courier:
-    """Runs deliveries on one helper thread, so the trainer packs while workers copy."""
+    """Runs deliveries in order on a helper thread, so the trainer packs while workers copy.
+
+    The thread is a daemon: a `deliver` that never returns cannot keep the trainer from exiting
+    (the wait for it times out instead). After a failed delivery the queued ones are dropped.
+    """
 
     def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
         self._deliver = deliver
         self._timeout_s = timeout_s
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="weightsync-ipc"
+        self._jobs: queue.SimpleQueue[tuple[dict[str, Any], Future[None]] | None] = (
+            queue.SimpleQueue()
         )
-        self._pending: deque[tuple[concurrent.futures.Future[None], str]] = deque()
+        self._pending: deque[tuple[Future[None], str]] = deque()
+        self._thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failed = False
+        while (job := self._jobs.get()) is not None:
+            info, future = job
+            if failed or not future.set_running_or_notify_cancel():
+                future.cancel()
+                continue
+            try:
+                self._deliver(info)
+            except BaseException as exc:  # handed to the trainer's thread, which re-raises it
+                failed = True
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def submit(self, info: dict[str, Any], what: str) -> None:
-        self._pending.append((self._executor.submit(self._deliver, info), what))
+        future: Future[None] = Future()
+        self._jobs.put((info, future))
+        self._pending.append((future, what))
 
     def wait_oldest(self) -> None:
         future, what = self._pending.popleft()
@@ -350,7 +374,9 @@ class _Courier:
             self.wait_oldest()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for future, _ in self._pending:
+            future.cancel()
+        self._jobs.put(None)
 
 
 def _in_place_record(
@@ -514,15 +540,16 @@ def _announce(courier: _Courier, header: dict[str, Any]) -> None:
         ) from exc
 
 
-def _data_failed(exc: Exception, *, delivered: bool) -> Exception:
+def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Exception:
+    """The error to raise for a failure after the announcement was accepted."""
     if isinstance(exc, WeightValidationError) and not delivered:
         return exc
     error_cls = (
         WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
     )
     return error_cls(
-        f"IPC weight transfer failed: {type(exc).__name__}: {exc}; the bucket buffers were unlinked"
-        + ("; workers hold part of the update: send a complete one" if delivered else ""),
+        f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
+        + ("; workers may hold part of the update: send a complete one" if delivered else ""),
         partially_applied=delivered,
     )
 
@@ -569,7 +596,8 @@ def _send_packed(
         courier.drain()
     except Exception as exc:
         session.drop_buffers()
-        raise _data_failed(exc, delivered=stats.num_buckets > 0) from exc
+        cleanup = "; the bucket buffers were unlinked"
+        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
 
 
 def _send_unpacked(

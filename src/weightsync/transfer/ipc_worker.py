@@ -12,7 +12,7 @@ their acknowledgement. Only JSON crosses the pipes.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -98,6 +98,8 @@ def _trainer_main(
     def init(layout: str = "plain", **session_kwargs: Any) -> dict[str, Any]:
         if "session" in state:
             state["session"].close()
+        if layout not in ("plain", "shared", "torch_shared"):
+            raise ValueError(f"layout must be 'plain', 'shared' or 'torch_shared', got {layout!r}")
         session = state["session"] = IPCTrainerSession(**session_kwargs)
         if layout == "shared":  # weightsync's own shared memory: exported in place
             state["tensors"] = session.shared_tensors(specs)
@@ -181,7 +183,9 @@ def _relay(
     return kind, "; ".join(message for _, message in failures)
 
 
-def deliver_to_processes(receivers: Sequence[CommandProcess]) -> Any:
+def deliver_to_processes(
+    receivers: Sequence[CommandProcess],
+) -> Callable[[dict[str, Any]], None]:
     """A `deliver` callable for a trainer in this process that feeds receiver processes.
 
     Raises (from the callable):
