@@ -42,7 +42,7 @@ async def consume(engine, prompt, params, three_tokens):
 def test_trainer_process_pushes_weights_into_an_engine_paused_in_keep_mode():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = AsyncEngine("tiny", seed=0, engine_config=EngineConfig(num_kv_blocks=128))
+    engine = AsyncEngine("debug", seed=0, engine_config=EngineConfig(num_kv_blocks=128))
     specs = list(engine.engine.model.weight_specs().values())
     update_info = WeightTransferUpdateInfo.from_specs(specs, weight_version=LABEL).to_dict()
     trainer = TrainerProcess(update_info=update_info, timeout_s=60)
@@ -74,15 +74,17 @@ def test_trainer_process_pushes_weights_into_an_engine_paused_in_keep_mode():
 
     try:
         finals = asyncio.run(main())
+        new_model = LlamaForCausalLM(engine.engine.model.config)
+        new_model.load_weights(trainer_weights(specs, SEED).items())
+        for prompt, final in zip(prompts, finals, strict=True):
+            out = final.outputs[0]
+            before = out.weight_versions.count(0)
+            assert 3 <= before < MAX_TOKENS
+            assert out.weight_versions == [0] * before + [LABEL] * (MAX_TOKENS - before)
+            prefix = engine.engine.tokenizer.encode(prompt) + out.token_ids[:before]
+            assert out.token_ids[before:] == reference_greedy(
+                new_model, prefix, MAX_TOKENS - before
+            )
     finally:
         trainer.close()
         torch.set_num_threads(threads)
-    new_model = LlamaForCausalLM(engine.engine.model.config)
-    new_model.load_weights(trainer_weights(specs, SEED).items())
-    for prompt, final in zip(prompts, finals, strict=True):
-        out = final.outputs[0]
-        before = out.weight_versions.count(0)
-        assert 3 <= before < MAX_TOKENS
-        assert out.weight_versions == [0] * before + [LABEL] * (MAX_TOKENS - before)
-        prefix = engine.engine.tokenizer.encode(prompt) + out.token_ids[:before]
-        assert out.token_ids[before:] == reference_greedy(new_model, prefix, MAX_TOKENS - before)

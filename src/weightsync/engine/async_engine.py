@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+class _Closed(Exception):
+    """Queued to open streams by `shutdown`: the stream ends with an `EngineStateError`."""
+
+
 async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
     """Runs `fn` on a thread; if the caller is cancelled, still waits for `fn` to end.
 
@@ -169,6 +173,8 @@ class AsyncEngine:
                 item = await queue.get()
                 while not queue.empty() and not isinstance(item, BaseException):
                     item = queue.get_nowait()  # outputs are cumulative: the newest says it all
+                if isinstance(item, _Closed):
+                    raise EngineStateError("the engine was shut down while this request ran")
                 if isinstance(item, BaseException):
                     raise EngineStateError(f"the engine loop died: {item!r}") from item
                 finished = item.finished
@@ -262,9 +268,8 @@ class AsyncEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        closed = EngineStateError("the engine was shut down")
         for queue in self._streams.values():
-            queue.put_nowait(closed)
+            queue.put_nowait(_Closed())
         await asyncio.to_thread(self._executor.shutdown, wait=True)
         self.engine.shutdown()
 
