@@ -39,6 +39,13 @@ __all__ = [
     "DEFAULT_NUM_BUFFERS",
     "DEFAULT_TIMEOUT_S",
     "NCCLWeightTransferInitInfo",
+    "abort",
+    "check_wire_params",
+    "handshake",
+    "metadata_digest",
+    "peer_reasons",
+    "plan",
+    "transfer_failed",
 ]
 
 DEFAULT_BUCKET_SIZE_BYTES = 1 << 30

@@ -50,6 +50,7 @@ from weightsync.transfer.nccl import _CheckedTensors
 from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
 
 __all__ = [
+    "DeliverFn",
     "IPCTrainerSendWeightsArgs",
     "IPCTrainerSession",
     "ipc_trainer_init",
