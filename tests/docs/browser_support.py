@@ -1,0 +1,242 @@
+"""A headless Chromium driven over the DevTools protocol, and a static server for the built site.
+
+Only the Python standard library and `websocket-client` are needed: no browser download, no
+driver. Every request the page makes is intercepted: the site's own requests go through, a local
+copy of mermaid (when one is available) answers the CDN request Material makes for diagrams, and
+anything else is refused and recorded, so a test can assert that the site needs nothing from
+outside.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from docs_support import ROOT
+
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-debugging-port=0",
+    "--remote-allow-origins=*",
+]
+MERMAID_URL_PART = "mermaid"
+DEFAULT_MERMAID = ROOT / "build" / "docs-browser" / "mermaid.min.js"
+
+
+def find_chromium() -> str | None:
+    """The Chromium executable: `$CHROMIUM`, else Debian's `chromium` on PATH."""
+    for candidate in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser"):
+        if candidate and (found := shutil.which(candidate)):
+            return found
+    return None
+
+
+def find_mermaid() -> Path | None:
+    """A local `mermaid.min.js` (v11, as Material requests): `$WEIGHTSYNC_MERMAID_JS` or build/."""
+    path = Path(os.environ.get("WEIGHTSYNC_MERMAID_JS", DEFAULT_MERMAID))
+    return path if path.is_file() else None
+
+
+@contextlib.contextmanager
+def serve_directory(directory: Path) -> Iterator[str]:
+    """Serves `directory` over HTTP on a free loopback port; yields the base URL."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class Page:
+    """One browser tab: navigate, evaluate JavaScript, type; collects errors and refused requests."""
+
+    def __init__(self, ws_url: str, origin: str, mermaid: Path | None) -> None:
+        import websocket  # websocket-client
+
+        self._ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
+        self._origin = origin
+        self._mermaid = mermaid.read_bytes() if mermaid is not None else None
+        self._next_id = 0
+        self._events: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.refused: list[str] = []
+        for method in ("Page.enable", "Runtime.enable", "Log.enable"):
+            self.call(method)
+        self.call("Fetch.enable", patterns=[{"urlPattern": "*"}])
+
+    def close(self) -> None:
+        """Closes the connection to the tab."""
+        self._ws.close()
+
+    def _send(self, method: str, params: dict[str, Any]) -> int:
+        self._next_id += 1
+        self._ws.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        return self._next_id
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        method, params = event.get("method"), event.get("params", {})
+        if method == "Fetch.requestPaused":
+            url = params["request"]["url"]
+            if url.startswith(self._origin) or url.startswith("data:"):
+                self._send("Fetch.continueRequest", {"requestId": params["requestId"]})
+            elif MERMAID_URL_PART in url and self._mermaid is not None:
+                body = base64.b64encode(self._mermaid).decode()
+                headers = [{"name": "Content-Type", "value": "text/javascript"}]
+                self._send(
+                    "Fetch.fulfillRequest",
+                    {"requestId": params["requestId"], "responseCode": 200, "body": body}
+                    | {"responseHeaders": headers},
+                )
+            else:
+                self.refused.append(url)
+                self._send(
+                    "Fetch.failRequest",
+                    {"requestId": params["requestId"], "errorReason": "BlockedByClient"},
+                )
+        elif method == "Runtime.exceptionThrown":
+            details = params["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details.get("text")
+            self.errors.append(f"exception: {text}")
+        elif method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
+            args = " ".join(str(a.get("value", a.get("description", ""))) for a in params["args"])
+            self.errors.append(f"console.{params['type']}: {args}")
+        elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
+            entry = params["entry"]
+            self.errors.append(f"log: {entry.get('text')} {entry.get('url', '')}".strip())
+        self._events.append(event)
+
+    def _receive(self) -> dict[str, Any]:
+        message: dict[str, Any] = json.loads(self._ws.recv())
+        if "method" in message:
+            self._handle(message)
+        return message
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """Sends a command and returns its result, handling events meanwhile."""
+        wanted = self._send(method, params)
+        while True:
+            message = self._receive()
+            if message.get("id") == wanted:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                result: dict[str, Any] = message.get("result", {})
+                return result
+
+    def goto(self, url: str, timeout_s: float = 30.0) -> None:
+        """Navigates and waits for the load event; clears the collected errors first."""
+        self.errors.clear()
+        self._events.clear()
+        self.call("Page.navigate", url=url)
+        deadline = time.monotonic() + timeout_s
+        while not any(e.get("method") == "Page.loadEventFired" for e in self._events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not load within {timeout_s:g} s")
+            self._receive()
+
+    def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript expression (awaited if it is a promise)."""
+        result = self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout_s: float = 20.0) -> Any:
+        """Polls a JavaScript expression until it is truthy; returns its value.
+
+        Raises:
+            AssertionError: The page reported an error meanwhile (no point in waiting on).
+            TimeoutError: Still false after `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            if self.errors:
+                raise AssertionError(
+                    f"errors while waiting for {expression}:\n" + "\n".join(self.errors)
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still false after {timeout_s:g} s: {expression}")
+            self.evaluate("new Promise(resolve => setTimeout(resolve, 100))")
+
+    def type_text(self, text: str) -> None:
+        """Types into the focused element, as a user would."""
+        self.call("Input.insertText", text=text)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stops Chromium and its helpers (the process group it leads), politely first."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def open_browser(chromium: str, origin: str, mermaid: Path | None) -> Iterator[Page]:
+    """Starts a headless Chromium with a fresh profile; yields its first tab."""
+    with tempfile.TemporaryDirectory(
+        prefix="weightsync-chromium-", ignore_cleanup_errors=True
+    ) as profile:
+        # A session of its own: Chromium's helper processes are stopped with it.
+        process = subprocess.Popen(
+            [chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        page = None
+        try:
+            port_file = Path(profile) / "DevToolsActivePort"
+            deadline = time.monotonic() + 30
+            while not (port_file.is_file() and port_file.read_text().strip()):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"chromium did not start (exit code {process.poll()})")
+                time.sleep(0.05)
+            port = port_file.read_text().split()[0]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as reply:
+                targets = json.load(reply)
+            tab = next(t for t in targets if t["type"] == "page")
+            page = Page(tab["webSocketDebuggerUrl"], origin, mermaid)
+            yield page
+        finally:
+            if page is not None:
+                page.close()
+            _stop(process)

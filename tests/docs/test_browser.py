@@ -1,0 +1,124 @@
+"""The built site, opened in headless Chromium: pages render, search works, the console stays clean.
+
+Skips (saying why) where Chromium is absent; `.ci/run` installs Debian's `chromium`. The mermaid
+diagrams are checked when a local `mermaid.min.js` is available (`.ci/run` fetches it from npm),
+since Material loads mermaid from a CDN that these machines cannot reach.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from browser_support import find_chromium, find_mermaid, open_browser, serve_directory
+from docs_support import BuiltSite
+
+pytest.importorskip(
+    "websocket", reason="websocket-client is not installed: pip install -e '.[dev]'"
+)
+
+
+@pytest.fixture(scope="module")
+def site_url(built_site: BuiltSite) -> Iterator[str]:
+    with serve_directory(built_site.require()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def page(site_url: str):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip(
+            "chromium is not installed (apt-get install chromium): the built site was not "
+            "opened in a browser"
+        )
+    with open_browser(chromium, site_url, find_mermaid()) as tab:
+        yield tab
+
+
+def _clean(page, url: str) -> None:
+    assert not page.errors, f"{url}: console errors:\n" + "\n".join(page.errors)
+    assert not page.refused, f"{url}: requests outside the site: {page.refused}"
+
+
+def test_home_page_renders(page, site_url: str):
+    page.goto(site_url)
+    assert (
+        page.evaluate("document.querySelector('article h1').textContent.replace('¶', '').trim()")
+        == "weightsync"
+    )
+    code = page.evaluate(
+        "Array.from(document.querySelectorAll('article .highlight code'))"
+        ".map(c => c.textContent).join('\\n')"
+    )
+    assert "trainer_send_weights(" in code
+    nav = page.evaluate(
+        "Array.from(document.querySelectorAll('.md-nav__link')).map(a => a.textContent.trim())"
+    )
+    assert "API reference" in nav and "Troubleshooting" in nav
+    _clean(page, site_url)
+
+
+def test_api_page_renders(page, site_url: str):
+    url = site_url + "reference/weightsync/transfer/nccl/"
+    page.goto(url)
+    heading = "document.getElementById('weightsync.transfer.nccl.trainer_init')"
+    assert page.evaluate(f"{heading} !== null")
+    signature = page.evaluate(
+        f"{heading}.parentElement.querySelector('.doc-signature').textContent"
+    )
+    assert "world_size" in signature and "timeout_s" in signature
+    # Cross-references inside docstrings became links.
+    assert page.evaluate("document.querySelectorAll('a.autorefs-internal').length") > 10
+    _clean(page, url)
+
+
+def test_example_page_renders(page, site_url: str):
+    url = site_url + "examples/broadcast_sync/"
+    page.goto(url)
+    assert (
+        page.evaluate("document.querySelector('article h1').textContent.replace('¶', '').trim()")
+        == "Broadcast sync"
+    )
+    code = page.evaluate(
+        "Array.from(document.querySelectorAll('article code')).map(c => c.textContent).join('\\n')"
+    )
+    assert "def main() -> int:" in code
+    _clean(page, url)
+
+
+def test_search_finds_pause_generation(page, site_url: str):
+    page.goto(site_url)
+    page.evaluate("document.querySelector('input[data-md-component=search-query]').focus()")
+    page.type_text("pause_generation")
+    hrefs = page.wait_for(
+        "Array.from(document.querySelectorAll('.md-search-result__item a')).map(a => a.href)"
+    )
+    assert any("async-rl" in href for href in hrefs), hrefs
+    _clean(page, site_url)
+
+
+def test_mermaid_diagrams_render(page, site_url: str, built_site: BuiltSite):
+    if find_mermaid() is None:
+        pytest.skip(
+            "no local mermaid.min.js (build/docs-browser/, fetched by .ci/run with npm): the "
+            "diagrams were not rendered"
+        )
+    site = built_site.require()
+    pages = sorted(
+        p for p in site.rglob("index.html") if 'class="mermaid"' in p.read_text(encoding="utf-8")
+    )
+    assert pages, "no page holds a mermaid diagram"
+    for path in pages:
+        count = len(re.findall(r'<pre class="mermaid">', path.read_text(encoding="utf-8")))
+        url = site_url + path.parent.relative_to(site).as_posix() + "/"
+        page.goto(url.replace("/./", "/"))
+        # Material swaps each <pre class="mermaid"> for a rendered <div class="mermaid"> once
+        # mermaid has parsed and drawn it; a syntax error leaves the <pre> and logs an error.
+        page.wait_for(
+            "document.querySelectorAll('pre.mermaid').length === 0 && "
+            f"document.querySelectorAll('div.mermaid').length === {count}",
+            timeout_s=30,
+        )
+        _clean(page, url)

@@ -1,0 +1,83 @@
+"""The site builds with `mkdocs build --strict` and holds a page for everything it must cover."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+from docs_support import DOCS, ROOT, BuiltSite
+
+SRC = ROOT / "src"
+EXAMPLES = sorted((ROOT / "examples" / "rlhf").glob("*.py"))
+RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+
+
+def _public_modules() -> list[str]:
+    modules = []
+    for path in sorted((SRC / "weightsync").rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not any(part.startswith("_") for part in parts):
+            modules.append(".".join(parts))
+    return modules
+
+
+def test_strict_build_has_no_warning(built_site: BuiltSite):
+    site = built_site.require()
+    assert (site / "index.html").is_file()
+    warnings = [
+        line for line in built_site.log.splitlines() if re.match(r"(WARNING|ERROR)\s+-", line)
+    ]
+    assert not warnings, "\n".join(warnings)
+
+
+def test_every_example_has_a_page(built_site: BuiltSite):
+    site = built_site.require()
+    assert EXAMPLES, "examples/rlhf holds no example"
+    for path in EXAMPLES:
+        page = site / "examples" / path.stem / "index.html"
+        assert page.is_file(), f"no page for {path.name}"
+        html = page.read_text(encoding="utf-8")
+        summary = (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").split(
+            "\n"
+        )[0]
+        assert summary.split("`")[0].strip() in html, f"{path.name}: the docstring is not the intro"
+        assert f"python examples/rlhf/{path.name}" in html, f"{path.name}: no run command"
+        # The file itself is embedded: its last function definition shows up, highlighted.
+        last_def = re.findall(r"^def (\w+)", path.read_text(encoding="utf-8"), re.MULTILINE)[-1]
+        assert f">{last_def}<" in html, f"{path.name}: the source is not embedded"
+
+
+def test_every_public_module_has_an_api_page(built_site: BuiltSite):
+    site = built_site.require()
+    for module in _public_modules():
+        parts = module.split(".")
+        package = (SRC.joinpath(*parts) / "__init__.py").is_file()
+        page = site / "reference" / Path(*parts) / "index.html"
+        assert page.is_file(), f"no API page for {module}"
+        assert f'id="{module}"' in page.read_text(encoding="utf-8"), (module, package)
+
+
+def test_benchmark_results_are_plotted(built_site: BuiltSite):
+    site = built_site.require()
+    html = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    for path in RESULTS:
+        json.loads(path.read_text(encoding="utf-8"))
+        svg = site / "assets" / "benchmarks" / f"{path.stem}.svg"
+        assert svg.is_file() and "<rect" in svg.read_text(encoding="utf-8"), path.name
+        assert f"assets/benchmarks/{path.stem}.svg" in html, path.name
+
+
+def test_docs_requirements_match_the_docs_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]["docs"]
+    lines = (DOCS / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    requirements = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert requirements == extra
+    assert not any(r.split(">")[0].split("<")[0].split("=")[0] == "torch" for r in requirements)
