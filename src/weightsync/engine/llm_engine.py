@@ -135,6 +135,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
+        self._paused_for_update = False  # paused by a multi-part update, resumed when it lands
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -273,6 +274,7 @@ class LLMEngine:
         A `wait` pause is then draining until later steps finish its running requests.
         """
         self._drain_inbox()
+        self._paused_for_update = False  # the caller owns this pause now: no automatic resume
         aborted = self.scheduler.pause(mode)
         self._emit_finished(aborted)
         if clear_cache:
@@ -324,6 +326,7 @@ class LLMEngine:
                 f"(e.g. {names[:3]}); land a complete update with update_weights(...) first"
             )
         self._clear_cache_after_drain = False
+        self._paused_for_update = False
         self.scheduler.resume()
 
     def is_paused(self) -> bool:
@@ -383,7 +386,7 @@ class LLMEngine:
                 "'abort') first, then update_weights, then resume_generation()"
             )
         try:
-            return self.weights.update(update_info)
+            stats = self.weights.update(update_info)
         except Exception:
             if self.weights.is_torn:
                 self.scheduler.pause("keep")  # never generate from half-written weights
@@ -393,6 +396,15 @@ class LLMEngine:
             raise
         finally:
             self.block_manager.bump_epoch()
+        if not stats.update_complete and state is PauseState.UNPAUSED:
+            # A multi-part update (ipc) left the weights mid-update: hold new requests until
+            # its last part lands, then run again as before.
+            self.scheduler.pause("keep")
+            self._paused_for_update = True
+        elif stats.update_complete and self._paused_for_update:
+            self._paused_for_update = False
+            self.scheduler.resume()
+        return stats
 
     def shutdown(self) -> None:
         """Releases the transfer engine. Safe to call twice."""

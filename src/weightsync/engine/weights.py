@@ -63,6 +63,7 @@ class LiveWeights:
         self.weight_version: WeightVersion = weight_version
         self.num_updates = 0
         self.torn_names: set[str] = set()
+        self._in_progress: set[str] = set()  # names of a multi-part update not yet complete
         self._transfer: WeightTransferEngine | None = None
 
     @property
@@ -100,7 +101,9 @@ class LiveWeights:
         self.model.load_weights(pairs)
 
     def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
-        """Receives one update into the model; the version advances when it completes.
+        """Receives one update (or one delivery of a multi-part update) into the model.
+
+        The version advances when the update completes.
 
         The new version is the update's `weight_version` label if it has one, else the number
         of complete updates so far.
@@ -124,15 +127,27 @@ class LiveWeights:
         try:
             stats = self._transfer.receive_weights(update_info, self._load)
         except WeightValidationError:
-            raise  # rejected before any byte moved: the weights are intact
+            # Rejected before this call moved a byte; a multi-part update's earlier parts, if
+            # any, stay torn (they are in torn_names already).
+            self._in_progress = set()
+            raise
         except WeightTransferError as exc:
             if exc.partially_applied:
                 self.torn_names |= announced
+            self._in_progress = set()
             raise
         except BaseException:
             self.torn_names |= announced  # an unexpected failure: assume the worst
+            self._in_progress = set()
             raise
-        self.torn_names -= announced
+        if not stats.update_complete:
+            # A multi-part update (the ipc backend): the weights are mid-update, hence torn,
+            # until its last part lands; the version stays until then.
+            self._in_progress |= announced
+            self.torn_names |= announced
+            return stats
+        self.torn_names -= announced | self._in_progress
+        self._in_progress = set()
         self.num_updates += 1
         self.weight_version = label if isinstance(label, str | int) else self.num_updates
         logger.info(

@@ -171,6 +171,10 @@ class TransferStats:
         num_buckets: Buckets (packed mode) or broadcasts (unpacked mode) used.
         direct_buckets: Buckets sent or received in place, without a pack or unpack copy.
         seconds: Wall time of the update on this side, handshake included.
+        update_complete: False when this call delivered only part of a multi-part update (the
+            `ipc` backend's announcement and every part but the last): the receiver's weights
+            are mid-update, and a control plane advances its weight version only once a call
+            returns True.
     """
 
     num_tensors: int = 0
@@ -178,6 +182,7 @@ class TransferStats:
     num_buckets: int = 0
     direct_buckets: int = 0
     seconds: float = 0.0
+    update_complete: bool = True
 
     @property
     def gbps(self) -> float:

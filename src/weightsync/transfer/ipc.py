@@ -272,6 +272,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             self._progress = _Progress(info.update_id, specs, info.weight_version)
             if not specs:
                 self._progress = None
+            stats.update_complete = self._progress is None
             stats.seconds = time.perf_counter() - start
             return stats
         progress = self._progress
@@ -324,6 +325,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         stats.num_tensors = len(part)
         stats.num_bytes = sum(s.nbytes for s in part)
         stats.num_buckets = 1
+        stats.update_complete = self._progress is None
         stats.seconds = time.perf_counter() - start
         return stats
 
