@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 __all__ = [
+    "AnnouncedTensors",
     "LoadWeightsFn",
     "TensorSpec",
     "TransferStats",
@@ -371,6 +372,66 @@ def validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tensor
             f"update rejected before any byte moved: {len(problems)} of {len(incoming)} tensors "
             "do not match the model:\n  " + "\n  ".join(shown)
         )
+
+
+class AnnouncedTensors:
+    """A trainer's `(name, tensor)` iterator, checked tensor by tensor against what was announced.
+
+    Sending a tensor the receivers do not expect would hang a collective or load garbage, so
+    every backend's sender takes its tensors through this check and stops at the first
+    divergence, naming it.
+
+    Args:
+        pairs: The trainer's iterator, e.g. `iter(model.named_parameters())`.
+        post: Optional map from each pair to the tensor to send (e.g. a gather).
+    """
+
+    def __init__(
+        self,
+        pairs: Iterator[tuple[str, torch.Tensor]],
+        post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
+    ) -> None:
+        self._pairs = pairs
+        self._post = post
+
+    def take(self, spec: TensorSpec, index: int) -> torch.Tensor:
+        """Returns the next tensor, which must be announced tensor `index`, matching `spec`.
+
+        Raises:
+            WeightValidationError: The iterator ended, or the name, shape or dtype differs.
+        """
+        pair = next(self._pairs, None)
+        if pair is None:
+            raise WeightValidationError(
+                f"the iterator ended after {index} tensors but the update announced more, "
+                f"starting with {spec.name!r}"
+            )
+        name, tensor = pair
+        if self._post is not None:
+            tensor = self._post(pair)
+        if name != spec.name:
+            raise WeightValidationError(
+                f"tensor #{index} is {name!r} but the update announced {spec.name!r}"
+            )
+        got = TensorSpec.of(name, tensor)
+        if got.shape != spec.shape or got.dtype != spec.dtype:
+            raise WeightValidationError(
+                f"tensor {name!r} is {got.describe()} but the update announced {spec.describe()}"
+            )
+        return tensor
+
+    def check_exhausted(self, count: int) -> None:
+        """Checks that the iterator yields nothing after the `count` announced tensors.
+
+        Raises:
+            WeightValidationError: It yields more, naming the first extra tensor.
+        """
+        extra = next(self._pairs, None)
+        if extra is not None:
+            raise WeightValidationError(
+                f"the iterator yields more tensors than the {count} announced, "
+                f"starting with {extra[0]!r}"
+            )
 
 
 class WeightTransferEngine(ABC):

@@ -31,11 +31,13 @@ from weightsync.transfer.base import (
     WeightValidationError,
     dtype_name,
 )
-from weightsync.transfer.group import BroadcastGroup
-from weightsync.transfer.packing import Bucket, Slot, plan_buckets
+from weightsync.transfer.group import BroadcastGroup, BroadcastWork
+from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE_BYTES",
+    "BufferPool",
+    "InFlight",
     "DEFAULT_NUM_BUFFERS",
     "DEFAULT_TIMEOUT_S",
     "NCCLWeightTransferInitInfo",
@@ -133,6 +135,61 @@ def check_wire_params(
         raise WeightValidationError(
             f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
         )
+
+
+class BufferPool:
+    """`count` byte buffers, grown on demand and reused across updates (no page faults).
+
+    Args:
+        count: Number of buffers (the `num_buffers` wire parameter).
+        device: Where they live.
+    """
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._device = device
+        self.free: list[int] = list(range(count))
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """Takes a free buffer of at least `nbytes`; returns its index and a view of `nbytes`."""
+        index = self.free.pop()
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers[index] = buffer = None  # free the old one before allocating
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            self._buffers[index] = buffer
+        return index, buffer[:nbytes]
+
+    def give_back(self, index: int) -> None:
+        """Returns buffer `index` to the free list."""
+        self.free.append(index)
+
+    def reset(self) -> None:
+        """Marks every buffer free (at the start of an update)."""
+        self.free = list(range(len(self._buffers)))
+
+
+@dataclass
+class InFlight:
+    """One posted broadcast of a bucket and what to do once it lands.
+
+    Attributes:
+        work: The pending broadcast (None for a bucket of empty tensors).
+        bucket: The bucket it carries.
+        data: The bytes on the wire (a pool buffer or a region of tensor memory).
+        buffer_index: The pool buffer used, if any.
+        region: The in-place region, when the bucket lands in tensor memory.
+        saved_gaps: Bytes of the region's gaps, restored once it lands.
+        keepalive: Tensors that must live until the broadcast is done.
+    """
+
+    work: BroadcastWork | None
+    bucket: Bucket
+    data: torch.Tensor | None = None
+    buffer_index: int | None = None
+    region: DirectRegion | None = None
+    saved_gaps: list[torch.Tensor] | None = None
+    keepalive: Sequence[torch.Tensor] = ()
 
 
 def plan(specs: Sequence[TensorSpec], info: NCCLWeightTransferInitInfo) -> list[Bucket]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from weightsync.transfer import shm
 from weightsync.transfer.base import (
+    AnnouncedTensors,
     TensorSpec,
     TransferStats,
     WeightTransferError,
@@ -46,7 +47,6 @@ from weightsync.transfer.broadcast import (
     check_wire_params,
 )
 from weightsync.transfer.ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
-from weightsync.transfer.nccl import _CheckedTensors
 from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
 
 __all__ = [
@@ -476,7 +476,7 @@ def ipc_trainer_send_weights(
         post = trainer_args.post_iter_func
         pairs = [(name, post((name, t)) if post else t) for name, t in iterator]
         announced = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=version)
-        source = _CheckedTensors(iter(pairs), None)
+        source = AnnouncedTensors(iter(pairs), None)
     else:
         announced = parse_info(
             WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
@@ -485,7 +485,7 @@ def ipc_trainer_send_weights(
             raise WeightValidationError(
                 f"weight_version is {version!r} but update_info says {announced.weight_version!r}"
             )
-        source = _CheckedTensors(iter(iterator), trainer_args.post_iter_func)
+        source = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     specs = announced.specs()
     header = {
         **announced.to_dict(),
@@ -558,7 +558,7 @@ def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Excep
 def _send_packed(
     session: IPCTrainerSession,
     specs: list[TensorSpec],
-    source: _CheckedTensors,
+    source: AnnouncedTensors,
     header: dict[str, Any],
     courier: _Courier,
     stats: TransferStats,
@@ -604,7 +604,7 @@ def _send_packed(
 def _send_unpacked(
     session: IPCTrainerSession,
     specs: list[TensorSpec],
-    source: _CheckedTensors,
+    source: AnnouncedTensors,
     header: dict[str, Any],
     courier: _Courier,
     stats: TransferStats,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,6 +21,7 @@ import torch
 
 from weightsync.transfer import broadcast
 from weightsync.transfer.base import (
+    AnnouncedTensors,
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
@@ -31,11 +32,10 @@ from weightsync.transfer.base import (
     WeightValidationError,
     parse_info,
 )
-from weightsync.transfer.broadcast import NCCLWeightTransferInitInfo
-from weightsync.transfer.group import BroadcastGroup, BroadcastWork, check_backend
+from weightsync.transfer.broadcast import BufferPool, InFlight, NCCLWeightTransferInitInfo
+from weightsync.transfer.group import BroadcastGroup, check_backend
 from weightsync.transfer.packing import (
     Bucket,
-    DirectRegion,
     direct_region,
     pack_bucket,
     unpack_bucket,
@@ -52,43 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class _BufferPool:
-    """`num_buffers` byte buffers, grown on demand and reused across updates (no page faults)."""
-
-    def __init__(self, count: int, device: torch.device) -> None:
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._device = device
-        self.free: list[int] = list(range(count))
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        index = self.free.pop()
-        buffer = self._buffers[index]
-        if buffer is None or buffer.numel() < nbytes:
-            self._buffers[index] = buffer = None  # free the old one before allocating
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._buffers[index] = buffer
-        return index, buffer[:nbytes]
-
-    def give_back(self, index: int) -> None:
-        self.free.append(index)
-
-    def reset(self) -> None:
-        self.free = list(range(len(self._buffers)))
-
-
-@dataclass
-class _InFlight:
-    """One posted broadcast and what to do once it lands."""
-
-    work: BroadcastWork | None
-    bucket: Bucket
-    data: torch.Tensor | None = None
-    buffer_index: int | None = None
-    region: DirectRegion | None = None
-    saved_gaps: list[torch.Tensor] | None = None
-    keepalive: Sequence[torch.Tensor] = ()
 
 
 class NCCLWeightTransferEngine(WeightTransferEngine):
@@ -127,7 +90,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         self.worker_index = worker_index
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
-        self._pool: _BufferPool | None = None
+        self._pool: BufferPool | None = None
         self._seq = 0
 
     @property
@@ -222,10 +185,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         assert specs is not None
         stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
         if self._pool is None:
-            self._pool = _BufferPool(info.num_buffers, group.device)
+            self._pool = BufferPool(info.num_buffers, group.device)
         self._pool.reset()
         buckets = broadcast.plan(specs, info)
-        window: deque[_InFlight] = deque()
+        window: deque[InFlight] = deque()
         touched = False  # whether any byte of the model may have been overwritten
         try:
             for bucket in buckets:
@@ -251,10 +214,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         )
         return stats
 
-    def _post(self, group: BroadcastGroup, bucket: Bucket) -> _InFlight:
+    def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
         if bucket.nbytes == 0:
-            return _InFlight(None, bucket)
+            return InFlight(None, bucket)
         region = None
         if self.params is not None:
             targets = [self.params.get(slot.spec.name) for slot in bucket.slots]
@@ -263,14 +226,14 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         if region is not None:
             saved = region.save_gaps()
-            return _InFlight(
+            return InFlight(
                 group.broadcast(region.data, what), bucket, region.data, None, region, saved
             )
         assert self._pool is not None
         index, data = self._pool.take(bucket.nbytes)
-        return _InFlight(group.broadcast(data, what), bucket, data, index)
+        return InFlight(group.broadcast(data, what), bucket, data, index)
 
-    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
+    def _land(self, item: InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
         """Waits for a posted bucket, then loads it (unless it landed in place)."""
         if item.work is not None:  # None: a bucket of empty tensors, nothing on the wire
             item.work.wait()
@@ -310,7 +273,7 @@ class TrainerGroup:
     def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
         self._group = group
         self._info = info
-        self._pool = _BufferPool(info.num_buffers, group.device)
+        self._pool = BufferPool(info.num_buffers, group.device)
         self._seq = 0
         self._closed = False
 
@@ -441,46 +404,6 @@ class NCCLTrainerSendWeightsArgs:
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
 
 
-class _CheckedTensors:
-    """Yields the iterator's tensors, checking each against the announced spec, in order."""
-
-    def __init__(
-        self,
-        pairs: Iterator[tuple[str, torch.Tensor]],
-        post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
-    ) -> None:
-        self._pairs = pairs
-        self._post = post
-
-    def take(self, spec: TensorSpec, index: int) -> torch.Tensor:
-        pair = next(self._pairs, None)
-        if pair is None:
-            raise WeightValidationError(
-                f"the iterator ended after {index} tensors but the update announced more, "
-                f"starting with {spec.name!r}"
-            )
-        name, tensor = pair
-        if self._post is not None:
-            tensor = self._post(pair)
-        if name != spec.name:
-            raise WeightValidationError(
-                f"tensor #{index} is {name!r} but the update announced {spec.name!r}"
-            )
-        got = TensorSpec.of(name, tensor)
-        if got.shape != spec.shape or got.dtype != spec.dtype:
-            raise WeightValidationError(
-                f"tensor {name!r} is {got.describe()} but the update announced {spec.describe()}"
-            )
-        return tensor
-
-    def check_exhausted(self, count: int) -> None:
-        extra = next(self._pairs, None)
-        if extra is not None:
-            raise WeightValidationError(
-                f"the iterator yields more tensors than the {count} announced, starting with {extra[0]!r}"
-            )
-
-
 def trainer_send_weights(
     iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs
 ) -> TransferStats:
@@ -525,13 +448,13 @@ def trainer_send_weights(
         raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
     assert specs is not None
     buckets = broadcast.plan(specs, info)
-    tensors = _CheckedTensors(iter(iterator), trainer_args.post_iter_func)
+    tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     stats = TransferStats(
         num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs), num_buckets=len(buckets)
     )
     pool = trainer._pool
     pool.reset()
-    window: deque[_InFlight] = deque()
+    window: deque[InFlight] = deque()
     index = 0
     try:
         for number, bucket in enumerate(buckets):
@@ -573,23 +496,23 @@ def trainer_send_weights(
 
 def _post_send(
     group: BroadcastGroup,
-    pool: _BufferPool,
+    pool: BufferPool,
     bucket: Bucket,
     tensors: list[torch.Tensor],
     stats: TransferStats,
-) -> _InFlight:
+) -> InFlight:
     what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
     region = direct_region(bucket, tensors) if tensors[0].device == group.device else None
     if region is not None:
         stats.direct_buckets += 1
-        return _InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
+        return InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
     index, buffer = pool.take(bucket.nbytes)
     with torch.no_grad():  # parameters that require grad are copied as plain bytes
         data = pack_bucket(bucket, tensors, buffer)
-    return _InFlight(group.broadcast(data, what), bucket, data, index)
+    return InFlight(group.broadcast(data, what), bucket, data, index)
 
 
-def _drain_one(window: deque[_InFlight], pool: _BufferPool) -> None:
+def _drain_one(window: deque[InFlight], pool: BufferPool) -> None:
     item = window.popleft()
     assert item.work is not None
     item.work.wait()
