@@ -4,6 +4,23 @@ The public API, re-exported from the modules that define it.
 """
 
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
+from weightsync.engine import (
+    AsyncEngine,
+    ByteTokenizer,
+    CompletionOutput,
+    EngineBusyError,
+    EngineConfig,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+    TornWeightsError,
+    WeightVersionSpan,
+)
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
@@ -15,6 +32,17 @@ from weightsync.transfer.base import (
     WeightValidationError,
 )
 from weightsync.transfer.flat import flatten_module
+from weightsync.transfer.ipc import (
+    IPCWeightTransferEngine,
+    IPCWeightTransferInitInfo,
+    IPCWeightTransferUpdateInfo,
+)
+from weightsync.transfer.ipc_trainer import (
+    IPCTrainerSendWeightsArgs,
+    IPCTrainerSession,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
+)
 from weightsync.transfer.nccl import (
     GlooWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
@@ -27,11 +55,30 @@ from weightsync.transfer.nccl import (
 from weightsync.transfer.registry import create_engine, register_engine
 
 __all__ = [
+    "AsyncEngine",
+    "ByteTokenizer",
+    "CompletionOutput",
+    "EngineBusyError",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineStateError",
     "GlooWeightTransferEngine",
+    "IPCTrainerSendWeightsArgs",
+    "IPCTrainerSession",
+    "IPCWeightTransferEngine",
+    "IPCWeightTransferInitInfo",
+    "IPCWeightTransferUpdateInfo",
+    "InvalidRequestError",
+    "LLMEngine",
+    "LlamaConfig",
+    "LlamaForCausalLM",
     "NCCLTrainerSendWeightsArgs",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
+    "RequestOutput",
+    "SamplingParams",
     "TensorSpec",
+    "TornWeightsError",
     "TrainerGroup",
     "TransferStats",
     "WeightSyncError",
@@ -41,8 +88,11 @@ __all__ = [
     "WeightTransferTimeout",
     "WeightTransferUpdateInfo",
     "WeightValidationError",
+    "WeightVersionSpan",
     "create_engine",
     "flatten_module",
+    "ipc_trainer_init",
+    "ipc_trainer_send_weights",
     "parse_weight_transfer_config",
     "register_engine",
     "trainer_init",
