@@ -78,18 +78,6 @@ griffe = pytest.importorskip(
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 NOT_API = {"logger"}  # module loggers are public by convention, not API
-# Public names defined outside `__all__` that their module's owner still has to settle (export
-# them, or rename them with a leading underscore). Remove an entry once it is settled; the
-# ratchet test below fails on entries that no longer apply.
-KNOWN_GAPS: dict[str, set[str]] = {
-    "weightsync.engine.model": {
-        "LlamaAttention",
-        "LlamaDecoderLayer",
-        "LlamaMLP",
-        "LlamaModel",
-        "RMSNorm",
-    },
-}
 
 
 def _public_module_names() -> list[str]:
@@ -136,7 +124,7 @@ def test_module_all_is_its_public_api(name, static_package):
     assert len(set(exported)) == len(exported), f"{name}.__all__ repeats a name"
     for member in exported:
         assert hasattr(module, member), f"{name}.__all__ names {member!r}, which does not exist"
-    unexported = defined - set(exported) - KNOWN_GAPS.get(name, set())
+    unexported = defined - set(exported)
     assert not unexported, (
         f"{name} defines public names outside __all__: {sorted(unexported)}; export them, or "
         "rename them with a leading underscore"
@@ -163,13 +151,3 @@ def test_module_api_is_documented(name, static_package):
                 and not _has_docstring(value)
             ]
     assert not missing, f"{name}: no docstring on {missing}"
-
-
-def test_known_gaps_still_apply(static_package):
-    for name, members in KNOWN_GAPS.items():
-        module = importlib.import_module(name)
-        static = _static(static_package, name)
-        settled = {
-            m for m in members if m in getattr(module, "__all__", ()) or m not in static.members
-        }
-        assert not settled, f"{name}: {sorted(settled)} are settled; remove them from KNOWN_GAPS"

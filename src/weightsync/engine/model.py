@@ -25,7 +25,14 @@ from weightsync.engine.attention import AttentionMetadata, causal_attention, pag
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.transfer.base import TensorSpec, WeightValidationError
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = [
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "LlamaModel",
+    "RMSNorm",
+]
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +44,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalizes the last dimension of `x` (tokens, hidden) and scales it by `weight`."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -68,6 +76,10 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         attention: AttentionMetadata | None,
     ) -> torch.Tensor:
+        """Rotary self-attention over `x` (tokens, hidden): paged when `attention` is given.
+
+        `cos` and `sin` are the rotary tables at the tokens' positions (tokens, head_dim).
+        """
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
@@ -93,6 +105,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the MLP to `x` (tokens, hidden)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
 
@@ -114,6 +127,7 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionMetadata | None,
     ) -> torch.Tensor:
+        """Runs the block on `x` (tokens, hidden); arguments as for `LlamaAttention.forward`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
