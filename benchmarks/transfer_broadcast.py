@@ -1,8 +1,10 @@
 """gloo broadcast: weightsync against a single raw broadcast and a per-tensor loop, in one run.
 
 Every figure is timed the same way: from the moment the trainer starts sending until the last
-receiver reports that its tensors hold the new bytes. Each is the best of `repeats` runs after a
-warm-up run (first-touch page faults and connection set-up are not what is compared).
+receiver reports that its tensors hold the new bytes. After one warm-up run of each (first-touch
+page faults and connection set-up are not what is compared), the modes take turns, one run each
+per round, so that a busy moment of the machine hits all of them alike; each figure is the median
+over the rounds (the best run is reported beside it).
 
 - `raw`: one broadcast of one preallocated buffer holding all the bytes (the wire ceiling).
 - `naive`: one blocking broadcast per tensor into preallocated tensors.
@@ -15,6 +17,7 @@ warm-up run (first-touch page faults and connection set-up are not what is compa
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -77,16 +80,16 @@ def _receiver_main(
         params = flat if use_flat else separate
         engine = GlooWeightTransferEngine(worker_index=rank - 1, params=params)
         engine.init_transfer_engine(init_info)
-        state["engine"], state["params"] = engine, params
+        state[use_flat] = engine
 
-    def update(update_info: dict[str, Any]) -> dict[str, Any]:
-        params = state["params"]
+    def update(update_info: dict[str, Any], use_flat: bool) -> dict[str, Any]:
+        params = flat if use_flat else separate
 
         def load_weights(pairs: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in pairs:
                 params[name].copy_(tensor)
 
-        stats = state["engine"].receive_weights(update_info, load_weights)
+        stats = state[use_flat].receive_weights(update_info, load_weights)
         return {"direct_buckets": stats.direct_buckets, "num_buckets": stats.num_buckets}
 
     def digests(use_flat: bool) -> dict[str, Any]:
@@ -138,15 +141,6 @@ def _timed(
     return time.perf_counter() - start, replies
 
 
-def _best(
-    receivers: list[CommandProcess], op: str, send: Any, repeats: int, **fields: Any
-) -> tuple[float, list[dict[str, Any]]]:
-    """Best of `repeats` timed runs after a warm-up; also returns the last run's replies."""
-    _timed(receivers, op, send, **fields)
-    runs = [_timed(receivers, op, send, **fields) for _ in range(repeats)]
-    return min(seconds for seconds, _ in runs), runs[-1][1]
-
-
 def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any) -> dict[str, Any]:
     update_info = WeightTransferUpdateInfo.from_specs(specs).to_dict()
     world_size = 1 + num_receivers
@@ -174,26 +168,17 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
         raw_group.connect()
         for receiver in receivers:
             receiver.reply()
-        seconds: dict[str, float] = {}
-        seconds["raw"], _ = _best(
-            receivers,
-            "raw",
-            lambda: raw_group.broadcast(flat_buffer, "raw").wait(),
-            repeats,
-        )
-        log(f"[{num_receivers} receivers] raw: {total / seconds['raw'] / 1e9:.2f} GB/s")
 
         def naive_send() -> None:
             for tensor in separate.values():
                 if tensor.numel():
                     raw_group.broadcast(tensor.view(-1).view(torch.uint8), "naive").wait()
 
-        seconds["naive"], _ = _best(receivers, "naive", naive_send, repeats)
-        log(f"[{num_receivers} receivers] naive: {total / seconds['naive'] / 1e9:.2f} GB/s")
-        raw_group.close()
-
-        peak_extra = 0
-        direct: dict[str, int] = {}
+        modes: dict[str, tuple[str, Any, dict[str, Any]]] = {
+            "raw": ("raw", lambda: raw_group.broadcast(flat_buffer, "raw").wait(), {}),
+            "naive": ("naive", naive_send, {}),
+        }
+        groups = []
         for name, use_flat, tensors in (
             ("weightsync", False, separate),
             ("weightsync_flat", True, flat),
@@ -205,50 +190,65 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
                 num_buffers=NUM_BUFFERS,
                 timeout_s=TIMEOUT_S,
             )
+            groups.append(group)
             for receiver in receivers:
                 receiver.start("init", init_info=group.init_info, use_flat=use_flat)
             group.connect()
             for receiver in receivers:
                 receiver.reply()
-            # Peak memory is read around the engine's first update, buffers allocation included.
-            baselines = [receiver.call("reset_peak")["peak_rss"] for receiver in receivers]
             args = NCCLTrainerSendWeightsArgs(group, update_info)
-            seconds[name], replies = _best(
-                receivers,
-                "update",
-                lambda tensors=tensors, args=args: trainer_send_weights(tensors.items(), args),
-                repeats,
-                update_info=update_info,
-            )
+            send = lambda tensors=tensors, args=args: trainer_send_weights(tensors.items(), args)  # noqa: E731
+            modes[name] = ("update", send, {"update_info": update_info, "use_flat": use_flat})
+
+        # Warm-up; receiver peak memory is read around the engine's first update, buffer
+        # allocation included.
+        peak_extra = 0
+        for name, (op, send, fields) in modes.items():
+            baselines = [receiver.call("reset_peak")["peak_rss"] for receiver in receivers]
+            _timed(receivers, op, send, **fields)
             peaks = [receiver.call("peak")["peak_rss"] for receiver in receivers]
-            extra = max(p - b for p, b in zip(peaks, baselines, strict=True))
-            if not use_flat:
-                peak_extra = extra
+            if name == "weightsync":
+                peak_extra = max(p - b for p, b in zip(peaks, baselines, strict=True))
+        runs: dict[str, list[float]] = {name: [] for name in modes}
+        direct: dict[str, int] = {}
+        num_buckets = 0
+        for _ in range(repeats):
+            for name, (op, send, fields) in modes.items():
+                seconds, replies = _timed(receivers, op, send, **fields)
+                runs[name].append(seconds)
+                if op == "update":
+                    direct[name] = min(reply["direct_buckets"] for reply in replies)
+                    num_buckets = replies[0]["num_buckets"]
+        for use_flat, tensors in ((False, separate), (True, flat)):
             want = tensor_digests(tensors)
             for receiver in receivers:
                 if receiver.call("digests", use_flat=use_flat)["digests"] != want:
-                    raise AssertionError(f"{name}: a receiver's tensors differ from the trainer's")
-            direct[name] = min(reply["direct_buckets"] for reply in replies)
+                    raise AssertionError("a receiver's tensors differ from the trainer's")
+        for group in groups:
             group.close()
-            log(
-                f"[{num_receivers} receivers] {name}: {total / seconds[name] / 1e9:.2f} GB/s, "
-                f"peak extra {extra / 2**20:.0f} MiB"
-            )
+        raw_group.close()
     finally:
         for receiver in receivers:
             receiver.close()
-    gbps = {name: total / s / 1e9 for name, s in seconds.items()}
+    median = {name: total / statistics.median(r) / 1e9 for name, r in runs.items()}
+    best = {name: total / min(r) / 1e9 for name, r in runs.items()}
+    for name in modes:
+        log(
+            f"[{num_receivers} receivers] {name}: median {median[name]:.2f} GB/s, best {best[name]:.2f}"
+        )
+    log(f"[{num_receivers} receivers] weightsync receiver peak extra {peak_extra / 2**20:.0f} MiB")
     return {
-        "raw_gbps": gbps["raw"],
-        "naive_gbps": gbps["naive"],
-        "weightsync_gbps": gbps["weightsync"],
-        "weightsync_flat_gbps": gbps["weightsync_flat"],
-        "ratio_vs_raw": gbps["weightsync"] / gbps["raw"],
-        "ratio_vs_naive": gbps["weightsync"] / gbps["naive"],
-        "flat_ratio_vs_raw": gbps["weightsync_flat"] / gbps["raw"],
+        "raw_gbps": median["raw"],
+        "naive_gbps": median["naive"],
+        "weightsync_gbps": median["weightsync"],
+        "weightsync_flat_gbps": median["weightsync_flat"],
+        "ratio_vs_raw": median["weightsync"] / median["raw"],
+        "ratio_vs_naive": median["weightsync"] / median["naive"],
+        "flat_ratio_vs_raw": median["weightsync_flat"] / median["raw"],
         "receiver_peak_extra_bytes": peak_extra,
+        "num_buckets": num_buckets,
         "flat_direct_buckets": direct["weightsync_flat"],
-        "num_buckets": replies[0]["num_buckets"],
+        "best_gbps": best,
     }
 
 
