@@ -1,0 +1,31 @@
+"""Trainer-side orchestration: clients of inference engines, weight senders, the sync flow.
+
+The trainer talks to its engines through [`EngineClient`][weightsync.trainer.client.EngineClient]s:
+an [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] in its own process, or an
+[`EngineProcess`][weightsync.trainer.engine_process.EngineProcess] that generates in a process of
+its own while the trainer trains. A [`WeightSender`][weightsync.trainer.senders.WeightSender]
+(broadcast or IPC, from [`create_weight_sender`][weightsync.trainer.senders.create_weight_sender])
+moves the weights, and [`sync_weights`][weightsync.trainer.sync.sync_weights] runs one update:
+pause every engine, send, resume.
+"""
+
+from weightsync.trainer.client import EngineClient, call_each
+from weightsync.trainer.engine_process import EngineProcess
+from weightsync.trainer.senders import (
+    BroadcastWeightSender,
+    IPCWeightSender,
+    WeightSender,
+    create_weight_sender,
+)
+from weightsync.trainer.sync import sync_weights
+
+__all__ = [
+    "BroadcastWeightSender",
+    "EngineClient",
+    "EngineProcess",
+    "IPCWeightSender",
+    "WeightSender",
+    "call_each",
+    "create_weight_sender",
+    "sync_weights",
+]

@@ -1,0 +1,78 @@
+"""`EngineClient`: the control calls a trainer makes on an inference engine, wherever it runs.
+
+An engine in the trainer's own process ([`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]) and
+one in a process of its own ([`EngineProcess`][weightsync.trainer.engine_process.EngineProcess])
+answer the same blocking calls, named as in vLLM's `LLM`: `init_weight_transfer_engine`,
+`update_weights`, `pause_generation` and `resume_generation`. The weight senders and
+[`sync_weights`][weightsync.trainer.sync.sync_weights] are written against this protocol only, so
+one sync flow serves both. [`call_each`][weightsync.trainer.client.call_each] runs one call on
+several engines (data-parallel replicas) at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from weightsync.engine.scheduler import PauseMode
+from weightsync.transfer.base import TransferStats, WeightValidationError
+
+__all__ = ["EngineClient", "call_each"]
+
+_T = TypeVar("_T")
+
+
+class EngineClient(Protocol):
+    """What the trainer side needs from an inference engine: weight transfer and pause control.
+
+    Every call blocks until the engine has done it. `LLMEngine` and `EngineProcess` satisfy it
+    as they are.
+    """
+
+    def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
+        """Joins the trainer's transfer (`{"init_info": {...}}`); may block until it forms."""
+
+    def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
+        """Receives one update (`{"update_info": {...}}`); accepted while paused or idle."""
+        ...
+
+    def pause_generation(self, *, mode: PauseMode = ..., clear_cache: bool = ...) -> None:
+        """Pauses generation at a step boundary (`abort`, `wait` or `keep`)."""
+
+    def resume_generation(self) -> None:
+        """Resumes generation."""
+
+
+def call_each(engines: Sequence[_T], call: Callable[[_T], Any]) -> list[Any]:
+    """Runs `call(engine)` for every engine at once and waits for all of them.
+
+    Engines are independent (data-parallel replicas, say), so one slow engine does not hold up
+    the others' calls; a broadcast receive needs exactly this, since every rank must be inside
+    the collective before any of them can leave it.
+
+    Args:
+        engines: The engines (any objects `call` accepts).
+        call: What to do with each one.
+
+    Returns:
+        The results, in the order of `engines`.
+
+    Raises:
+        Exception: When any call failed, after all of them ended: a `WeightValidationError` if
+            every failure was one (the update was rejected and nothing moved), else the first
+            other failure.
+
+    >>> call_each([1, 2, 3], lambda n: n * 10)
+    [10, 20, 30]
+    """
+    if len(engines) == 1:  # no thread needed; the common colocated case stays simple to debug
+        return [call(engines[0])]
+    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weightsync-call") as pool:
+        futures = [pool.submit(call, engine) for engine in engines]
+        errors = [f.exception() for f in futures]
+    failures = [e for e in errors if e is not None]
+    if failures:
+        other = [e for e in failures if not isinstance(e, WeightValidationError)]
+        raise (other or failures)[0]
+    return [f.result() for f in futures]

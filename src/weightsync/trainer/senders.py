@@ -1,0 +1,360 @@
+"""Weight senders: the trainer's end of a transfer into one or more engines.
+
+A sender joins its engines to a transfer once (`connect`) and then pushes a set of named tensors
+into all of them per update (`send`). The engines are
+[`EngineClient`][weightsync.trainer.client.EngineClient]s: in this process or in their own.
+
+- [`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender]: a trainer-rooted
+  broadcast group, `nccl` for CUDA tensors (one GPU per rank) or `gloo` for CPU tensors.
+- [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender]: memory handles for colocated
+  engines, CUDA IPC for CUDA tensors or POSIX shared memory for CPU tensors.
+
+[`create_weight_sender`][weightsync.trainer.senders.create_weight_sender] picks one by backend
+name, so a script chooses its backend once, at the top, and runs the same code on CPUs and GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from weightsync.engine.outputs import WeightVersion
+from weightsync.trainer.client import EngineClient, call_each
+from weightsync.transfer.base import (
+    TransferStats,
+    WeightTransferError,
+    WeightTransferUpdateInfo,
+    WeightValidationError,
+)
+from weightsync.transfer.broadcast import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+)
+from weightsync.transfer.ipc_trainer import (
+    IPCTrainerSendWeightsArgs,
+    IPCTrainerSession,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
+)
+from weightsync.transfer.nccl import (
+    NCCLTrainerSendWeightsArgs,
+    TrainerGroup,
+    trainer_init,
+    trainer_send_weights,
+)
+
+__all__ = [
+    "BroadcastWeightSender",
+    "IPCWeightSender",
+    "WeightSender",
+    "create_weight_sender",
+]
+
+logger = logging.getLogger(__name__)
+
+_SenderT = TypeVar("_SenderT", bound="WeightSender")
+
+
+class WeightSender(ABC):
+    """The trainer's end of a weight transfer into `engines`.
+
+    Use it as a context manager, or call `connect` first and `close` last.
+
+    Args:
+        engines: The engines to update; engine `i` is the transfer's worker `i`.
+
+    Raises:
+        WeightValidationError: No engines.
+    """
+
+    def __init__(self, engines: Sequence[EngineClient]) -> None:
+        if not engines:
+            raise WeightValidationError("a weight sender needs at least one engine, got none")
+        self.engines = list(engines)
+        self._connected = False
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether `connect` succeeded and `close` was not called."""
+        return self._connected
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Joins every engine to this transfer; blocks until all of them are in."""
+
+    @abstractmethod
+    def send(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: WeightVersion | None = None,
+    ) -> TransferStats:
+        """Pushes `(name, tensor)` pairs into every engine; returns the trainer side's stats.
+
+        The engines must be paused or idle (see
+        [`sync_weights`][weightsync.trainer.sync.sync_weights], which pauses them). Each one
+        validates the update against its model before any byte moves.
+
+        Args:
+            weights: `(name, tensor)` pairs under the engine's (Hugging Face) names, e.g.
+                `model.named_parameters()`.
+            weight_version: The label the engines' weight version takes (the trainer's step);
+                None counts updates.
+
+        Raises:
+            WeightValidationError: An engine rejected the update; nothing moved.
+            WeightTransferError: The transfer failed; see `partially_applied`.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the transfer's resources. Safe to call twice."""
+
+    def _check_connected(self) -> None:
+        if not self._connected:
+            raise WeightTransferError(
+                f"this {type(self).__name__} is not connected: call connect() (or use it as a "
+                "context manager) before send()"
+            )
+
+    def __enter__(self: _SenderT) -> _SenderT:
+        if not self._connected:
+            self.connect()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class BroadcastWeightSender(WeightSender):
+    """Sends over a trainer-rooted broadcast group: `nccl` (CUDA tensors) or `gloo` (CPU).
+
+    The trainer is rank 0 and engine `i` rank `1 + i`, so engine `i` must have been created with
+    `worker_index=i`. Arguments after `engines` are those of
+    [`trainer_init`][weightsync.transfer.nccl.trainer_init].
+
+    Args:
+        engines: The engines to update.
+        backend: `"nccl"` or `"gloo"`.
+        master_address: Address the engines reach this process at.
+        master_port: Port of the group's store; 0 picks a free one.
+        packed: Pack tensors into buckets (True) or broadcast each on its own.
+        bucket_size_bytes: Bucket size in bytes.
+        num_buffers: Buckets in flight at once.
+        timeout_s: Limit, in seconds, for the rendezvous and for each collective.
+
+    Raises:
+        WeightValidationError: A bad argument, or an engine whose `worker_index` is not its
+            position in `engines`.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        *,
+        backend: str = "nccl",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        packed: bool = True,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(engines)
+        for index, engine in enumerate(self.engines):
+            declared = _worker_index(engine)
+            if declared is not None and declared != index:
+                raise WeightValidationError(
+                    f"engines[{index}] has worker_index {declared}, but the broadcast gives "
+                    f"engine i rank 1 + i: create engine {index} with worker_index={index}"
+                )
+        self.backend = backend
+        self._group_kwargs: dict[str, Any] = {
+            "backend": backend,
+            "master_address": master_address,
+            "master_port": master_port,
+            "packed": packed,
+            "bucket_size_bytes": bucket_size_bytes,
+            "num_buffers": num_buffers,
+            "timeout_s": timeout_s,
+        }
+        self.group: TrainerGroup | None = None
+        # Engines receive on these threads while the trainer sends on the caller's.
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.engines), thread_name_prefix="weightsync-receive"
+        )
+
+    def connect(self) -> None:
+        """Creates the group and joins every engine to it.
+
+        Raises:
+            WeightTransferTimeout: Some engine did not join within `timeout_s`.
+        """
+        group = trainer_init(world_size=1 + len(self.engines), **self._group_kwargs)
+        request = {"init_info": group.init_info}
+        joins = [self._pool.submit(e.init_weight_transfer_engine, request) for e in self.engines]
+        try:
+            group.connect()
+        except Exception:
+            group.close()  # engines still joining fail at once instead of at their timeout
+            raise
+        finally:
+            errors = [join.exception() for join in joins]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            group.close()
+            raise failed[0]
+        self.group, self._connected = group, True
+        logger.info("%s group formed with %d engines", self.backend, len(self.engines))
+
+    def send(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: WeightVersion | None = None,
+    ) -> TransferStats:
+        """Broadcasts the tensors to every engine (see `WeightSender.send`)."""
+        self._check_connected()
+        assert self.group is not None
+        pairs = list(weights)  # announced first, then sent: the iterator is read twice
+        update_info = WeightTransferUpdateInfo.from_named_tensors(
+            pairs, weight_version=weight_version
+        ).to_dict()
+        request = {"update_info": update_info}
+        receives = [self._pool.submit(e.update_weights, request) for e in self.engines]
+        try:
+            stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
+        except Exception:
+            self._connected = False  # the group is closed after a failed send
+            raise
+        finally:
+            errors = [receive.exception() for receive in receives]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        return stats
+
+    def close(self) -> None:
+        """Closes the group (engines blocked on it fail at once) and stops the helper threads."""
+        self._connected = False
+        if self.group is not None:
+            self.group.close()
+        self._pool.shutdown(wait=True)
+
+
+class IPCWeightSender(WeightSender):
+    """Sends through memory handles to engines on the same host (the `ipc` backend).
+
+    CUDA tensors travel as CUDA IPC handles, CPU tensors as POSIX shared-memory segments; each
+    engine copies the bytes straight out of the trainer's memory. Arguments after `engines` are
+    those of [`ipc_trainer_init`][weightsync.transfer.ipc_trainer.ipc_trainer_init].
+
+    Args:
+        engines: The engines to update.
+        packed: Copy tensors into reusable bucket buffers (True), or export them where they are
+            (zero-copy: CUDA tensors as they are, CPU tensors once in shared memory, see
+            `share_module`).
+        bucket_size_bytes: Bucket size in bytes (packed mode).
+        num_buffers: Bucket buffers.
+        timeout_s: Limit, in seconds, for each delivery to be acknowledged.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        *,
+        packed: bool = True,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(engines)
+        self.backend = "ipc"
+        self.session: IPCTrainerSession = ipc_trainer_init(
+            packed=packed,
+            bucket_size_bytes=bucket_size_bytes,
+            num_buffers=num_buffers,
+            timeout_s=timeout_s,
+        )
+
+    def share_module(self, module: nn.Module) -> None:
+        """Moves a CPU module's parameters into this transfer's shared memory, in place.
+
+        Unpacked sends then export them without a copy; the `nn.Parameter` objects stay, so an
+        optimizer created before keeps working. CUDA parameters need nothing.
+
+        Raises:
+            WeightValidationError: A parameter is not on the CPU.
+        """
+        self.session.share_module(module)
+
+    def connect(self) -> None:
+        """Gives every engine the session's init info (nothing blocks: no group forms)."""
+        request = {"init_info": self.session.init_info}
+        call_each(self.engines, lambda engine: engine.init_weight_transfer_engine(request))
+        self._connected = True
+
+    def send(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: WeightVersion | None = None,
+    ) -> TransferStats:
+        """Hands the tensors to every engine through memory handles (see `WeightSender.send`)."""
+        self._check_connected()
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            request = {"update_info": update_info}
+            call_each(self.engines, lambda engine: engine.update_weights(request))
+
+        args = IPCTrainerSendWeightsArgs(self.session, deliver, weight_version=weight_version)
+        return ipc_trainer_send_weights(weights, args)
+
+    def close(self) -> None:
+        """Unlinks every segment of the session. Safe to call twice."""
+        self._connected = False
+        self.session.close()
+
+
+def _worker_index(engine: EngineClient) -> int | None:
+    """The transfer worker index an engine was created with, when it says."""
+    index = getattr(engine, "worker_index", None)
+    if index is None:  # an in-process LLMEngine keeps it on its weights
+        index = getattr(getattr(engine, "weights", None), "worker_index", None)
+    return index if isinstance(index, int) else None
+
+
+def create_weight_sender(
+    backend: str, engines: Sequence[EngineClient], **kwargs: Any
+) -> WeightSender:
+    """Returns the sender for `backend`: `"nccl"` or `"gloo"` (broadcast) or `"ipc"`.
+
+    Args:
+        backend: The transfer backend.
+        engines: The engines to update.
+        **kwargs: Further arguments of the sender's class (bucket size, timeout, ...).
+
+    Raises:
+        WeightValidationError: Unknown backend.
+
+    >>> from weightsync.engine.llm_engine import LLMEngine
+    >>> sender = create_weight_sender("ipc", [LLMEngine("debug")])
+    >>> type(sender).__name__
+    'IPCWeightSender'
+    >>> sender.close()
+    """
+    if backend in ("nccl", "gloo"):
+        return BroadcastWeightSender(engines, backend=backend, **kwargs)
+    if backend == "ipc":
+        return IPCWeightSender(engines, **kwargs)
+    raise WeightValidationError(
+        f"backend must be 'nccl', 'gloo' or 'ipc', got {backend!r}: broadcast to engines on "
+        "other devices or hosts, ipc to engines on the same host"
+    )

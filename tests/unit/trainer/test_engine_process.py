@@ -1,0 +1,131 @@
+"""`EngineProcess`: an engine in its own process, answering between steps; errors keep their class."""
+
+import pytest
+import torch
+
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+)
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.outputs import RequestOutput
+from weightsync.engine.sampling import SamplingParams
+from weightsync.trainer.engine_process import EngineProcess
+from weightsync.trainer.senders import IPCWeightSender
+from weightsync.transfer.base import WeightTransferUpdateInfo
+from weightsync.transfer.worker import tensor_digests
+
+MAX_TOKENS = 12
+
+
+def greedy(max_tokens=MAX_TOKENS):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    process = EngineProcess(
+        "debug", seed=0, engine_config=EngineConfig(num_kv_blocks=128), backend="ipc", timeout_s=60
+    )
+    yield process
+    process.close()
+
+
+@pytest.fixture
+def sender(engine):
+    with IPCWeightSender([engine]) as ipc:
+        yield ipc
+    engine.resume_generation()  # leave the shared engine running for the next test
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return LlamaForCausalLM.from_preset("debug", seed=1)
+
+
+def test_generate_returns_request_outputs_with_versions(engine):
+    (out,) = engine.generate(["hello"], greedy(4))
+    assert isinstance(out, RequestOutput) and out.finished
+    assert out.prompt == "hello" and out.prompt_token_ids[0] == 256
+    assert len(out.outputs[0].token_ids) == 4
+    assert out.outputs[0].weight_versions == [engine.weight_version] * 4
+
+
+def test_a_pause_after_tokens_lands_at_that_token_and_kept_requests_continue(
+    engine, sender, policy
+):
+    ids = engine.add_requests(["a", "bb", "ccc"], greedy())
+    engine.pause_generation(mode="keep", after_tokens=5)
+    assert engine.is_paused()
+    sender.send(policy.named_weights(), weight_version="v1")
+    engine.resume_generation()
+    for out in engine.collect(ids):
+        assert out.outputs[0].weight_versions == [0] * 5 + ["v1"] * (MAX_TOKENS - 5)
+    assert engine.weight_digests() == tensor_digests(dict(policy.named_weights()))
+
+
+def test_a_finished_request_does_not_hold_up_a_pause_after_tokens(engine):
+    ids = engine.add_requests(["short", "long"], [greedy(2), greedy()])
+    engine.pause_generation(mode="abort", after_tokens=4)
+    short, long = engine.collect(ids)
+    assert (short.outputs[0].finish_reason, len(short.outputs[0].token_ids)) == ("length", 2)
+    assert (long.outputs[0].finish_reason, len(long.outputs[0].token_ids)) == ("abort", 4)
+    engine.resume_generation()
+
+
+def test_a_wait_pause_returns_once_requests_finished(engine):
+    ids = engine.add_requests(["drain me"], greedy())
+    engine.pause_generation(mode="wait")
+    assert engine.is_paused()
+    (out,) = engine.collect(ids)
+    assert out.outputs[0].finish_reason == "length"
+    engine.resume_generation()
+
+
+def test_abort_ends_a_request(engine):
+    ids = engine.add_requests(["stop me"], greedy(400))
+    engine.abort(ids)
+    (out,) = engine.collect(ids)
+    assert out.outputs[0].finish_reason == "abort"
+
+
+def test_errors_keep_their_class_and_message(engine, policy):
+    with pytest.raises(InvalidRequestError, match="unknown or already collected"):
+        engine.collect(["nobody"])
+    with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):
+        engine.add_requests([[999]], greedy())
+    ids = engine.add_requests(["busy"], greedy(400))
+    update_info = WeightTransferUpdateInfo.from_named_tensors(policy.named_weights()).to_dict()
+    with pytest.raises(EngineBusyError, match="pause_generation"):
+        engine.update_weights({"update_info": update_info})
+    engine.pause_generation(mode="keep")
+    with pytest.raises(EngineStateError, match="resume_generation"):
+        engine.collect(ids)
+    engine.resume_generation()
+    engine.abort(ids)
+    engine.collect(ids)
+
+
+def test_a_failed_start_answers_every_command_with_the_reason():
+    broken = EngineProcess("no-such-preset", timeout_s=60)
+    try:
+        with pytest.raises(EngineConfigError, match="no-such-preset"):
+            broken.generate(["x"])
+    finally:
+        broken.close()
+
+
+def test_a_hugging_face_config_gives_zero_weights_of_that_shape():
+    config = LlamaForCausalLM.from_preset("debug").config.to_hf_dict()
+    process = EngineProcess(config, dtype="float64", timeout_s=60)
+    try:
+        zeros = {
+            n: torch.zeros(s.shape, dtype=torch.float64)
+            for n, s in LlamaForCausalLM.from_preset("debug").weight_specs().items()
+        }
+        assert process.weight_digests() == tensor_digests(zeros)
+    finally:
+        process.close()

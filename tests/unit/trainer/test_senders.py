@@ -1,0 +1,103 @@
+"""Weight senders into in-process engines: broadcast over gloo, IPC through shared memory."""
+
+import pytest
+import torch
+
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.trainer.senders import (
+    BroadcastWeightSender,
+    IPCWeightSender,
+    create_weight_sender,
+)
+from weightsync.transfer.base import WeightTransferError, WeightValidationError
+
+
+def engine(worker_index=0):
+    return LLMEngine(
+        "debug", seed=0, engine_config=EngineConfig(num_kv_blocks=64), worker_index=worker_index
+    )
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return LlamaForCausalLM.from_preset("debug", seed=1)
+
+
+def assert_holds(engine, policy):
+    held = dict(engine.model.named_weights())
+    for name, tensor in policy.named_weights():
+        assert torch.equal(held[name], tensor), name
+
+
+def test_create_weight_sender_picks_the_class_by_backend():
+    engines = [engine()]
+    with create_weight_sender("ipc", engines) as sender:
+        assert isinstance(sender, IPCWeightSender)
+    sender = create_weight_sender("gloo", engines, timeout_s=5)
+    assert isinstance(sender, BroadcastWeightSender)
+    assert sender.backend == "gloo"
+    sender.close()
+
+
+def test_an_unknown_backend_is_named_with_the_known_ones():
+    with pytest.raises(WeightValidationError, match=r"'nccl', 'gloo' or 'ipc', got 'mpi'"):
+        create_weight_sender("mpi", [engine()])
+
+
+def test_a_sender_needs_engines():
+    with pytest.raises(WeightValidationError, match="at least one engine"):
+        IPCWeightSender([])
+
+
+def test_broadcast_ranks_follow_the_engines_order():
+    with pytest.raises(WeightValidationError, match=r"engines\[0\] has worker_index 1"):
+        BroadcastWeightSender([engine(worker_index=1), engine(worker_index=0)], backend="gloo")
+
+
+def test_send_before_connect_says_to_connect(policy):
+    sender = IPCWeightSender([engine()])
+    with pytest.raises(WeightTransferError, match=r"call connect\(\)"):
+        sender.send(policy.named_weights())
+    sender.close()
+
+
+def test_gloo_broadcast_reaches_every_engine(policy):
+    engines = [engine(0), engine(1)]
+    with BroadcastWeightSender(engines, backend="gloo", timeout_s=60) as sender:
+        stats = sender.send(policy.named_weights(), weight_version="step-1")
+        assert stats.num_tensors == len(policy.weight_specs())
+        second = sender.send(policy.named_weights(), weight_version="step-2")
+    for e in engines:
+        assert_holds(e, policy)
+        assert e.weight_version == "step-2"
+    assert second.num_bytes == stats.num_bytes
+
+
+def test_ipc_packed_and_in_place(policy):
+    target = engine()
+    with IPCWeightSender([target], packed=True, bucket_size_bytes=64 << 10) as sender:
+        packed = sender.send(policy.named_weights(), weight_version=1)
+    assert packed.num_buckets > 1 and packed.direct_buckets == 0
+    trainer = LlamaForCausalLM.from_preset("debug", seed=2)
+    with IPCWeightSender([target], packed=False) as sender:
+        sender.share_module(trainer)
+        in_place = sender.send(trainer.named_weights(), weight_version=2)
+    assert in_place.direct_buckets == 1
+    assert_holds(target, trainer)
+    assert target.weight_version == 2
+
+
+def test_a_rejected_update_changes_nothing_and_names_the_tensor(policy):
+    target = engine()
+    before = {n: t.clone() for n, t in target.model.named_weights()}
+    wrong = [(n, t[..., :1] if n == "lm_head.weight" else t) for n, t in policy.named_weights()]
+    with (
+        IPCWeightSender([target]) as sender,
+        pytest.raises(WeightValidationError, match=r"lm_head\.weight"),
+    ):
+        sender.send(wrong, weight_version=1)
+    for name, tensor in target.model.named_weights():
+        assert torch.equal(tensor, before[name]), name
+    assert target.weight_version == 0
