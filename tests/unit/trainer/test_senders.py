@@ -58,6 +58,7 @@ def test_broadcast_ranks_follow_the_engines_order():
 
 def test_send_before_connect_says_to_connect(policy):
     sender = IPCWeightSender([engine()])
+    assert not sender.is_connected
     with pytest.raises(WeightTransferError, match=r"call connect\(\)"):
         sender.send(policy.named_weights())
     sender.close()
@@ -66,9 +67,11 @@ def test_send_before_connect_says_to_connect(policy):
 def test_gloo_broadcast_reaches_every_engine(policy):
     engines = [engine(0), engine(1)]
     with BroadcastWeightSender(engines, backend="gloo", timeout_s=60) as sender:
+        assert sender.is_connected
         stats = sender.send(policy.named_weights(), weight_version="step-1")
         assert stats.num_tensors == len(policy.weight_specs())
         second = sender.send(policy.named_weights(), weight_version="step-2")
+    assert not sender.is_connected
     for e in engines:
         assert_holds(e, policy)
         assert e.weight_version == "step-2"
