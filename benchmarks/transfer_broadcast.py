@@ -8,10 +8,12 @@ over the rounds (the best run is reported beside it).
 
 - `raw`: one broadcast of one preallocated buffer holding all the bytes (the wire ceiling).
 - `naive`: one blocking broadcast per tensor into preallocated tensors.
-- `weightsync`: `trainer_send_weights` from separate parameter tensors into the receivers'
-  separate parameters (pack, pipeline, unpack).
-- `weightsync_flat`: the same between modules laid out by `flatten_module` on both sides (no pack
-  or unpack copy).
+- `weightsync`: `trainer_send_weights` from an ordinary module (separate parameter tensors)
+  into the receivers' parameters, which the receiving engine laid out once in the bucket layout
+  (`flat_tensors`), so buckets land in place: one pack copy on the trainer, none on receivers.
+- `weightsync_flat`: the same from a trainer module laid out by `flatten_module`: no copy at all.
+- `weightsync_separate`: both sides ordinary (separate tensors): pack, pipeline, unpack. Its
+  receivers hold the bucket buffers, so `receiver_peak_extra_bytes` is measured there.
 """
 
 from __future__ import annotations
@@ -76,24 +78,28 @@ def _receiver_main(
             if tensor.numel():
                 state["raw"].broadcast(tensor.view(-1).view(torch.uint8), "naive").wait()
 
-    def init(init_info: dict[str, Any], use_flat: bool) -> None:
+    def init(init_info: dict[str, Any], mode: str, use_flat: bool) -> None:
         params = flat if use_flat else separate
         engine = GlooWeightTransferEngine(worker_index=rank - 1, params=params)
         engine.init_transfer_engine(init_info)
-        state[use_flat] = engine
+        state[mode] = engine
 
-    def update(update_info: dict[str, Any], use_flat: bool) -> dict[str, Any]:
+    def update(update_info: dict[str, Any], mode: str, use_flat: bool) -> dict[str, Any]:
         params = flat if use_flat else separate
 
         def load_weights(pairs: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in pairs:
                 params[name].copy_(tensor)
 
-        stats = state[use_flat].receive_weights(update_info, load_weights)
+        stats = state[mode].receive_weights(update_info, load_weights)
         return {"direct_buckets": stats.direct_buckets, "num_buckets": stats.num_buckets}
 
     def digests(use_flat: bool) -> dict[str, Any]:
         return {"digests": tensor_digests(flat if use_flat else separate)}
+
+    def zero(use_flat: bool) -> None:
+        for tensor in (flat if use_flat else separate).values():
+            tensor.zero_()
 
     def peak() -> dict[str, int]:
         with open("/proc/self/status") as status:
@@ -114,6 +120,7 @@ def _receiver_main(
             "init": init,
             "update": update,
             "digests": digests,
+            "zero": zero,
             "reset_peak": reset_peak,
             "peak": peak,
         },
@@ -180,8 +187,9 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
         }
         groups = []
         for name, use_flat, tensors in (
-            ("weightsync", False, separate),
+            ("weightsync", True, separate),
             ("weightsync_flat", True, flat),
+            ("weightsync_separate", False, separate),
         ):
             group = trainer_init(
                 world_size=world_size,
@@ -192,23 +200,36 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
             )
             groups.append(group)
             for receiver in receivers:
-                receiver.start("init", init_info=group.init_info, use_flat=use_flat)
+                receiver.start("init", init_info=group.init_info, mode=name, use_flat=use_flat)
             group.connect()
             for receiver in receivers:
                 receiver.reply()
             args = NCCLTrainerSendWeightsArgs(group, update_info)
             send = lambda tensors=tensors, args=args: trainer_send_weights(tensors.items(), args)  # noqa: E731
-            modes[name] = ("update", send, {"update_info": update_info, "use_flat": use_flat})
+            fields = {"update_info": update_info, "mode": name, "use_flat": use_flat}
+            modes[name] = ("update", send, fields)
 
-        # Warm-up; receiver peak memory is read around the engine's first update, buffer
-        # allocation included.
+        # Warm-up, which also checks each update mode on its own: the receivers' tensors are
+        # zeroed first and must hold the trainer's bytes after it. Receiver peak memory is read
+        # around each engine's first update, buffer allocation included.
+        want = tensor_digests(separate)  # flat holds the same values
         peak_extra = 0
         for name, (op, send, fields) in modes.items():
+            if op == "update":
+                for receiver in receivers:
+                    receiver.call("zero", use_flat=fields["use_flat"])
             baselines = [receiver.call("reset_peak")["peak_rss"] for receiver in receivers]
             _timed(receivers, op, send, **fields)
             peaks = [receiver.call("peak")["peak_rss"] for receiver in receivers]
-            if name == "weightsync":
+            if name == "weightsync_separate":
                 peak_extra = max(p - b for p, b in zip(peaks, baselines, strict=True))
+            if op == "update":
+                for receiver in receivers:
+                    got = receiver.call("digests", use_flat=fields["use_flat"])["digests"]
+                    if got != want:
+                        raise AssertionError(
+                            f"{name}: a receiver's tensors differ from the trainer's"
+                        )
         runs: dict[str, list[float]] = {name: [] for name in modes}
         direct: dict[str, int] = {}
         num_buckets = 0
@@ -219,11 +240,6 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
                 if op == "update":
                     direct[name] = min(reply["direct_buckets"] for reply in replies)
                     num_buckets = replies[0]["num_buckets"]
-        for use_flat, tensors in ((False, separate), (True, flat)):
-            want = tensor_digests(tensors)
-            for receiver in receivers:
-                if receiver.call("digests", use_flat=use_flat)["digests"] != want:
-                    raise AssertionError("a receiver's tensors differ from the trainer's")
         for group in groups:
             group.close()
         raw_group.close()
@@ -236,7 +252,7 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
         log(
             f"[{num_receivers} receivers] {name}: median {median[name]:.2f} GB/s, best {best[name]:.2f}"
         )
-    log(f"[{num_receivers} receivers] weightsync receiver peak extra {peak_extra / 2**20:.0f} MiB")
+    log(f"[{num_receivers} receivers] receiver peak extra (separate) {peak_extra / 2**20:.0f} MiB")
     return {
         "raw_gbps": median["raw"],
         "naive_gbps": median["naive"],
@@ -245,6 +261,8 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
         "ratio_vs_raw": median["weightsync"] / median["raw"],
         "ratio_vs_naive": median["weightsync"] / median["naive"],
         "flat_ratio_vs_raw": median["weightsync_flat"] / median["raw"],
+        "weightsync_separate_gbps": median["weightsync_separate"],
+        "separate_ratio_vs_naive": median["weightsync_separate"] / median["naive"],
         "receiver_peak_extra_bytes": peak_extra,
         "num_buckets": num_buckets,
         "flat_direct_buckets": direct["weightsync_flat"],

@@ -18,7 +18,7 @@ import mkdocs_gen_files
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-COLORS = ("#3f51b5", "#ff9800", "#009688", "#9c27b0")
+COLORS = ("#3f51b5", "#ff9800", "#009688", "#9c27b0", "#795548", "#607d8b")
 # Settings shown under each chart, when the results file records them.
 SETTINGS = {
     "backend": "backend",
@@ -27,7 +27,7 @@ SETTINGS = {
     "bucket_size_bytes": "bucket size (bytes)",
     "num_buffers": "buffers in flight",
     "num_buckets": "buckets per update",
-    "repeats": "timed repetitions (best kept)",
+    "repeats": "timed repetitions",
     "cpu_count": "CPU cores",
     "torch": "torch",
 }
