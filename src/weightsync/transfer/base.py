@@ -440,11 +440,19 @@ class WeightTransferEngine(ABC):
     Lifecycle: `init_transfer_engine` once, then any number of `receive_weights`, then `shutdown`.
     After a failed transfer the engine is shut down and must be initialized again.
 
+    Every backend is built with the same keyword arguments (a control plane creates engines through
+    the registry without knowing the backend), and may ignore those it does not need.
+
     Args:
+        worker_index: This worker's index among the transfer's workers (its rank in a broadcast
+            group is `rank_offset + worker_index`).
         expected_specs: What the receiving model holds, by name. Every update is validated against
             it before any byte moves. Defaults to the specs of `params`, if given.
         params: The receiving model's tensors, by name. Backends may write straight into them when
             their memory layout allows; such tensors are then not passed to `load_weights`.
+
+    Raises:
+        WeightValidationError: `worker_index` is not an int >= 0.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]] = WeightTransferInitInfo
@@ -453,9 +461,13 @@ class WeightTransferEngine(ABC):
     def __init__(
         self,
         *,
+        worker_index: int = 0,
         expected_specs: Mapping[str, TensorSpec] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        if not isinstance(worker_index, int) or isinstance(worker_index, bool) or worker_index < 0:
+            raise WeightValidationError(f"worker_index must be an int >= 0, got {worker_index!r}")
+        self.worker_index = worker_index
         if expected_specs is None and params is not None:
             expected_specs = {name: TensorSpec.of(name, t) for name, t in params.items()}
         self.expected_specs = dict(expected_specs) if expected_specs is not None else None

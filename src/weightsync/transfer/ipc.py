@@ -198,8 +198,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         expected_specs: Mapping[str, TensorSpec] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(expected_specs=expected_specs, params=params)
-        self.worker_index = worker_index
+        super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
         self._session: str | None = None
         self._segments: dict[str, shm.AttachedSegment] = {}
         self._cuda: dict[tuple[str, int], torch.Tensor] = {}

@@ -57,14 +57,11 @@ logger = logging.getLogger(__name__)
 class NCCLWeightTransferEngine(WeightTransferEngine):
     """Worker side of the broadcast transfer over NCCL (CUDA tensors).
 
-    Args:
-        worker_index: This worker's index among the group's workers; its rank is
-            `rank_offset + worker_index`.
-        expected_specs: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine].
-        params: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]. When a
-            bucket's tensors lie in one of them at the plan's offsets (a module laid out by
-            [`flatten_module`][weightsync.transfer.flat.flatten_module]), the bucket is received
-            straight into parameter memory.
+    Arguments as for [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; its
+    rank is `rank_offset + worker_index`. When a bucket's tensors lie in `params` at the plan's
+    offsets (a module laid out by [`flatten_module`][weightsync.transfer.flat.flatten_module], or
+    tensors from [`flat_tensors`][weightsync.transfer.flat.flat_tensors]), the bucket is received
+    straight into parameter memory.
 
     Raises:
         WeightValidationError: The backend cannot run in this process (`nccl` without CUDA).
@@ -83,11 +80,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         expected_specs: Mapping[str, TensorSpec] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(expected_specs=expected_specs, params=params)
-        if not isinstance(worker_index, int) or worker_index < 0:
-            raise WeightValidationError(f"worker_index must be an int >= 0, got {worker_index!r}")
+        super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
         self.device = check_backend(self.backend)
-        self.worker_index = worker_index
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool | None = None
