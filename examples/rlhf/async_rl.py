@@ -222,12 +222,15 @@ def main() -> int:
             straddled = 0
             for step in range(1, args.steps + 1):
                 # 1. The engine generates batch `step` with the current policy, meanwhile...
-                request_ids = engine.add_requests(*rollout_requests(step, args))
+                # ...and freezes it at token --land-at, whatever the timing (the pause is armed
+                # with the requests, so the engine cannot run past it first).
+                request_ids = engine.add_requests(
+                    *rollout_requests(step, args),
+                    pause_after_tokens=args.land_at if args.land_at > 0 else None,
+                )
                 landing = None
-                if args.land_at > 0:  # ...and freezes it at token --land-at, whatever the timing
-                    landing = background.submit(
-                        engine.pause_generation, mode="keep", after_tokens=args.land_at
-                    )
+                if args.land_at > 0:
+                    landing = background.submit(engine.pause_generation, mode="keep")
                 # 2. ...the trainer learns from batch `step - 1` (policy version step - 1 -> step).
                 rewards.append(batch.rewards.mean().item())
                 weights = {n: p.detach().clone() for n, p in policy.named_parameters()}

@@ -121,6 +121,9 @@ class _EngineLoop:
         self.engine = engine
         self.live: dict[str, int] = {}  # unfinished request id -> output tokens so far
         self.finished: dict[str, RequestOutput] = {}  # finished, not yet collected
+        # A pause waiting for every unfinished request to reach `after_tokens` output tokens;
+        # checked before every step, so it lands exactly there.
+        self.armed: dict[str, Any] | None = None
 
     def absorb(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -133,13 +136,30 @@ class _EngineLoop:
     def step(self) -> None:
         self.absorb(self.engine.step())
 
+    def fire_armed_pause(self) -> None:
+        """Starts the armed pause once every unfinished request has its `after_tokens` tokens."""
+        armed = self.armed
+        if armed is None:
+            return
+        if not self.engine.is_paused() and any(
+            count < armed["after_tokens"] for count in self.live.values()
+        ):
+            return
+        self.armed = None
+        if not self.engine.is_paused():  # pausing an already paused engine changes nothing
+            self.engine.start_pause(mode=armed["mode"], clear_cache=armed["clear_cache"])
+
     # --- commands ------------------------------------------------------------------------------
 
-    def add_requests(self, requests: list[dict[str, Any]]) -> None:
+    def add_requests(
+        self, requests: list[dict[str, Any]], pause: dict[str, Any] | None = None
+    ) -> None:
         for request in requests:
             params = SamplingParams(**request["sampling_params"])
             self.engine.add_request(request["request_id"], request["prompt"], params)
             self.live[request["request_id"]] = 0
+        if pause is not None:  # armed in the same command: no step can run before it
+            self.armed = pause
 
     def collect(self, request_ids: list[str]) -> _Deferred:
         unknown = [r for r in request_ids if r not in self.live and r not in self.finished]
@@ -167,23 +187,17 @@ class _EngineLoop:
 
     def pause(self, mode: PauseMode, clear_cache: bool, after_tokens: int | None) -> _Deferred:
         engine = self.engine
-
-        def landed() -> bool:
-            # Every unfinished request has produced `after_tokens` tokens (finished ones left
-            # `live`), or the engine is paused already (pausing again is harmless).
-            if after_tokens is None or engine.is_paused():
-                return True
-            return all(count >= after_tokens for count in self.live.values())
-
-        started: list[bool] = []
+        if self.armed is None:  # else: wait for the pause armed with the requests
+            self.armed = {
+                "mode": mode,
+                "clear_cache": clear_cache,
+                "after_tokens": after_tokens or 0,
+            }
+        self.fire_armed_pause()
 
         def ready() -> bool:
-            if not started:
-                if not landed():
-                    return False
-                engine.start_pause(mode=mode, clear_cache=clear_cache)
-                started.append(True)
-            return engine.pause_state is not PauseState.DRAINING  # a `wait` pause drains first
+            # A `wait` pause drains its running requests first.
+            return self.armed is None and engine.pause_state is not PauseState.DRAINING
 
         def answer() -> None:
             self.step()  # paused: computes nothing, delivers the outputs the pause ended
@@ -227,6 +241,7 @@ class _EngineLoop:
         handlers = self.handlers()
         deferred: _Deferred | None = None
         while True:
+            self.fire_armed_pause()
             if deferred is not None:
                 try:
                     if deferred.ready():
@@ -387,6 +402,10 @@ class EngineProcess(CommandProcess):
         prompts: Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         request_ids: Sequence[str] | None = None,
+        *,
+        pause_after_tokens: int | None = None,
+        pause_mode: PauseMode = "keep",
+        clear_cache: bool = True,
     ) -> list[str]:
         """Queues requests in the engine and returns at once; they run while the trainer works.
 
@@ -394,6 +413,12 @@ class EngineProcess(CommandProcess):
             prompts: Text or token-id prompts.
             sampling_params: One for all, or one per prompt.
             request_ids: Unique ids; random ones by default.
+            pause_after_tokens: Also arm a pause (`pause_mode`, `clear_cache`) that lands at the
+                first step boundary where every unfinished request has this many output tokens.
+                Armed in the same command as the requests, so no step runs before it and it
+                lands exactly there; `pause_generation(...)` then waits for it.
+            pause_mode: Mode of that pause.
+            clear_cache: Whether that pause drops the KV and prefix caches.
 
         Returns:
             The request ids, for `collect`.
@@ -417,7 +442,22 @@ class EngineProcess(CommandProcess):
             {"request_id": i, "prompt": p, "sampling_params": dataclasses.asdict(sp)}
             for i, p, sp in zip(ids, prompts, params, strict=True)
         ]
-        self._call("add_requests", requests=requests)
+        if pause_after_tokens is not None and (
+            not isinstance(pause_after_tokens, int) or pause_after_tokens < 0
+        ):
+            raise InvalidRequestError(
+                f"pause_after_tokens must be an int >= 0 or None, got {pause_after_tokens!r}"
+            )
+        pause = (
+            None
+            if pause_after_tokens is None
+            else {
+                "mode": pause_mode,
+                "clear_cache": clear_cache,
+                "after_tokens": pause_after_tokens,
+            }
+        )
+        self._call("add_requests", requests=requests, pause=pause)
         return ids
 
     def collect(
@@ -465,9 +505,10 @@ class EngineProcess(CommandProcess):
             mode: `abort`, `wait` or `keep`.
             clear_cache: Drop the KV and prefix caches (kept requests recompute on resume).
             after_tokens: Pause at the first step boundary where every unfinished request has
-                at least this many output tokens (or has finished), instead of now. The pause
-                then lands at the same token whatever the trainer is doing, which makes a run
-                reproducible; the engine keeps generating until then.
+                at least this many output tokens (or has finished), instead of now; the engine
+                keeps generating until then. Requests may already be past that count when this
+                call arrives: to land exactly at a token, arm the pause with the requests
+                (`add_requests(..., pause_after_tokens=...)`); this call then waits for it.
             timeout_s: Limit in seconds; by default the handle's `timeout_s`.
 
         Raises:

@@ -57,8 +57,8 @@ def test_generate_returns_request_outputs_with_versions(engine):
 def test_a_pause_after_tokens_lands_at_that_token_and_kept_requests_continue(
     engine, sender, policy
 ):
-    ids = engine.add_requests(["a", "bb", "ccc"], greedy())
-    engine.pause_generation(mode="keep", after_tokens=5)
+    ids = engine.add_requests(["a", "bb", "ccc"], greedy(), pause_after_tokens=5)
+    engine.pause_generation(mode="keep")  # waits for the pause armed with the requests
     assert engine.is_paused()
     sender.send(policy.named_weights(), weight_version="v1")
     engine.resume_generation()
@@ -68,8 +68,10 @@ def test_a_pause_after_tokens_lands_at_that_token_and_kept_requests_continue(
 
 
 def test_a_finished_request_does_not_hold_up_a_pause_after_tokens(engine):
-    ids = engine.add_requests(["short", "long"], [greedy(2), greedy()])
-    engine.pause_generation(mode="abort", after_tokens=4)
+    ids = engine.add_requests(
+        ["short", "long"], [greedy(2), greedy()], pause_after_tokens=4, pause_mode="abort"
+    )
+    engine.pause_generation(mode="abort")
     short, long = engine.collect(ids)
     assert (short.outputs[0].finish_reason, len(short.outputs[0].token_ids)) == ("length", 2)
     assert (long.outputs[0].finish_reason, len(long.outputs[0].token_ids)) == ("abort", 4)
@@ -77,7 +79,9 @@ def test_a_finished_request_does_not_hold_up_a_pause_after_tokens(engine):
 
 
 def test_a_wait_pause_returns_once_requests_finished(engine):
-    ids = engine.add_requests(["drain me"], greedy())
+    # Armed at its first token: the request is running, so the wait pause lets it finish (a
+    # request still queued when a wait pause starts would wait for resume instead).
+    ids = engine.add_requests(["drain me"], greedy(), pause_after_tokens=1, pause_mode="wait")
     engine.pause_generation(mode="wait")
     assert engine.is_paused()
     (out,) = engine.collect(ids)
@@ -97,7 +101,11 @@ def test_errors_keep_their_class_and_message(engine, policy):
         engine.collect(["nobody"])
     with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):
         engine.add_requests([[999]], greedy())
-    ids = engine.add_requests(["busy"], greedy(400))
+    # Running for sure (not just queued, which an update may overtake): pause at its first token,
+    # then let it go on.
+    ids = engine.add_requests(["busy"], greedy(400), pause_after_tokens=1)
+    engine.pause_generation(mode="keep")
+    engine.resume_generation()
     update_info = WeightTransferUpdateInfo.from_named_tensors(policy.named_weights()).to_dict()
     with pytest.raises(EngineBusyError, match="pause_generation"):
         engine.update_weights({"update_info": update_info})
