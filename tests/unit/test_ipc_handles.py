@@ -244,7 +244,7 @@ def test_a_rejected_announcement_stops_the_trainer_before_data_moves(rig):
     assert len(rig.delivered) == 1
 
 
-def test_a_bad_later_part_fails_as_partially_applied():
+def test_a_bad_later_part_is_refused_and_the_update_goes_on():
     rig = Rig(packed=True, bucket_size_bytes=256)
     try:
         rig.send(deliver=rig.delivered.append)
@@ -253,10 +253,13 @@ def test_a_bad_later_part_fails_as_partially_applied():
         rig.receive(rig.delivered[0])
         rig.receive(parts[0])
         bad = corrupt(parts[1], 0, segment=rig.session.session + "-999")
-        with pytest.raises(WeightTransferError, match=r"does not exist.*earlier parts") as raised:
+        with pytest.raises(WeightValidationError, match=r"refused, no byte moved.*does not exist"):
             rig.receive(bad)
-        assert raised.value.partially_applied
-        assert not rig.engine.is_initialized  # a torn receiver must be initialized again
+        with pytest.raises(WeightValidationError, match=r"expects tensor"):
+            rig.receive(parts[0])  # a duplicate of a part that landed
+        for part in parts[1:]:  # the update in progress was not touched by either
+            rig.receive(part)
+        assert not rig.engine.update_in_progress
     finally:
         rig.close()
 
@@ -369,7 +372,7 @@ def test_engine_refuses_updates_before_init():
         engine.init_transfer_engine({"session": "/dev/shm/x"})
 
 
-def test_a_failing_load_weights_leaves_the_receiver_torn_and_closed(rig, data_info):
+def test_a_failing_load_weights_is_partially_applied_and_drops_the_update(rig, data_info):
     def broken(pairs):
         raise RuntimeError("out of memory")
 
@@ -378,7 +381,7 @@ def test_a_failing_load_weights_leaves_the_receiver_torn_and_closed(rig, data_in
     ) as raised:
         rig.engine.receive_weights(data_info, broken)
     assert raised.value.partially_applied
-    assert not rig.engine.is_initialized
+    assert rig.engine.is_initialized and not rig.engine.update_in_progress
 
 
 def test_share_module_makes_parameters_exportable_in_place():

@@ -247,8 +247,14 @@ class AsyncEngine:
         async with self._transfer_lock:
             await _to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
 
+    async def start_weight_update(self) -> None:
+        """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
+        self._start()
+        async with self._lock:
+            self.engine.start_weight_update()
+
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
-        """Receives one update (`{"update_info": {...}}`), off the event loop.
+        """Receives one update message (`{"update_info": {...}}`), off the event loop.
 
         No step runs until it ends; see `LLMEngine.update_weights` for when it is accepted and
         what a failure leaves behind.
@@ -256,6 +262,21 @@ class AsyncEngine:
         self._start()
         async with self._transfer_lock, self._lock:
             return await _to_thread_uninterrupted(self.engine.update_weights, request)
+
+    async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""
+        self._start()
+        async with self._lock:
+            self.engine.finish_weight_update(weight_version)
+        self._wake.set()
+
+    async def abort_weight_update(self) -> bool:
+        """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""
+        self._start()
+        async with self._lock:
+            aborted = self.engine.abort_weight_update()
+        self._wake.set()
+        return aborted
 
     # --- lifecycle ----------------------------------------------------------------------------
 

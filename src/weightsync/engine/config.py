@@ -25,6 +25,10 @@ class EngineConfig:
         max_model_len: Longest sequence (prompt + output) in tokens; defaults to the model's
             `max_position_embeddings`.
         seed: Seeds the sampling of requests that set no seed of their own.
+        weight_update_staging: Before a weight update touches a weight, keep a copy of it, so
+            that a failed or aborted update restores the previous weights and version instead
+            of leaving them torn. Costs memory for one copy of the updated weights and one
+            copy per update; see the transfer overview's figures.
 
     Raises:
         EngineConfigError: A value is out of range; the message names the field.
@@ -40,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
+    weight_update_staging: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
@@ -60,6 +65,11 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.weight_update_staging, bool):
+            raise EngineConfigError(
+                "EngineConfig.weight_update_staging must be a bool, got "
+                f"{self.weight_update_staging!r}"
+            )
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """Returns the longest sequence for a model with `max_position_embeddings` positions.

@@ -8,8 +8,10 @@ __all__ = [
     "EngineBusyError",
     "EngineConfigError",
     "EngineStateError",
+    "IncompleteWeightUpdateError",
     "InvalidRequestError",
     "TornWeightsError",
+    "WeightUpdateStateError",
 ]
 
 
@@ -36,4 +38,20 @@ class TornWeightsError(EngineStateError):
     """The weights are torn: a failed update wrote part of them, so the engine will not generate.
 
     Land a complete update with `update_weights(...)` before calling `resume_generation()`.
+    """
+
+
+class WeightUpdateStateError(EngineStateError):
+    """A weight-update call came out of order; the message says which call comes next.
+
+    For example `start_weight_update` while a transaction is open, `finish_weight_update`
+    without one, or `resume_generation` while an update is in progress.
+    """
+
+
+class IncompleteWeightUpdateError(WeightUpdateStateError):
+    """`finish_weight_update` was called before every announced weight landed.
+
+    The transaction stays open: deliver the missing weights (the message names them), or end it
+    with `abort_weight_update()`.
     """

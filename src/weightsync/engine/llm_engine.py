@@ -10,11 +10,12 @@ paused or idle, torn weights) is described on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from weightsync.engine.errors import (
     EngineStateError,
     InvalidRequestError,
     TornWeightsError,
+    WeightUpdateStateError,
 )
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
@@ -38,7 +40,7 @@ from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
-from weightsync.engine.weights import LiveWeights
+from weightsync.engine.weights import LiveWeights, _Transaction
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["LLMEngine"]
@@ -125,6 +127,7 @@ class LLMEngine:
             transfer_config=weight_transfer_config,
             weight_version=weight_version,
             worker_index=worker_index,
+            staging=config.weight_update_staging,
         )
         self.num_steps = 0
         # add_request / abort_request may come from another thread while a step runs: they
@@ -135,7 +138,6 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
-        self._paused_for_update = False  # paused by a multi-part update, resumed when it lands
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -189,21 +191,24 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
         return bool(
-            self._inbox
-            or self._abort_inbox
-            or self._pending_outputs
-            or self.scheduler.can_schedule()
+            self._inbox or self._abort_inbox or self._pending_outputs or self._can_compute()
         )
+
+    def _can_compute(self) -> bool:
+        # The guard of every forward pass: none runs while an update is open or weights are torn,
+        # whatever left the scheduler unpaused.
+        return self.scheduler.can_schedule() and not self.weights.holds_generation
 
     # --- the step loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step and returns the outputs of the requests it changed.
 
-        Paused, it only delivers pending outputs (aborts); new requests stay queued.
+        Paused, or while a weight update is open or weights are torn, it only delivers pending
+        outputs (aborts); new requests stay queued.
         """
         self._drain_inbox()
-        if self.scheduler.can_schedule():
+        if self._can_compute():
             batch = self.scheduler.schedule()
             if batch:
                 tokens = self.runner.execute(batch)
@@ -231,13 +236,11 @@ class LLMEngine:
         Outputs of other requests produced meanwhile are returned by the next `step()`.
 
         Raises:
-            EngineStateError: The engine is paused (it would wait forever): resume it first.
+            EngineStateError: The engine is paused, a weight update is in progress, or weights
+                are torn: it would wait forever.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
-        if self.is_paused() or self.weights.is_torn:
-            raise EngineStateError(
-                "the engine is paused, so generate() would wait forever: call resume_generation() first"
-            )
+        self._check_can_generate("generate()")
         batch: list[Prompt] = (
             [prompts]  # type: ignore[list-item]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
@@ -257,6 +260,7 @@ class LLMEngine:
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             if not self.has_work():
+                self._check_can_generate("generate()")
                 raise EngineStateError("generate() cannot make progress: the engine was paused")
             for output in self.step():
                 if output.request_id not in ids:
@@ -274,7 +278,8 @@ class LLMEngine:
         A `wait` pause is then draining until later steps finish its running requests.
         """
         self._drain_inbox()
-        self._paused_for_update = False  # the caller owns this pause now: no automatic resume
+        if self.weights.transaction is not None:
+            self.weights.transaction.resume_after = False  # the caller owns this pause now
         aborted = self.scheduler.pause(mode)
         self._emit_finished(aborted)
         if clear_cache:
@@ -318,16 +323,30 @@ class LLMEngine:
 
         Raises:
             TornWeightsError: A failed update left torn weights; land a complete update first.
+            WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
+        self._check_can_generate("resume_generation()")
+        self._clear_cache_after_drain = False
+        self.scheduler.resume()
+
+    def _check_can_generate(self, call: str) -> None:
         if self.weights.is_torn:
             names = sorted(self.weights.torn_names)
             raise TornWeightsError(
-                f"refusing to resume: a failed weight update left {len(names)} weights torn "
-                f"(e.g. {names[:3]}); land a complete update with update_weights(...) first"
+                f"{call}: a failed weight update left {len(names)} weights torn (e.g. "
+                f"{names[:3]}), so the engine does not generate: land an update that covers them "
+                "with update_weights(...) first"
             )
-        self._clear_cache_after_drain = False
-        self._paused_for_update = False
-        self.scheduler.resume()
+        if self.weights.transaction is not None:
+            raise WeightUpdateStateError(
+                f"{call}: a weight update is in progress: finish_weight_update(...) or "
+                "abort_weight_update() first"
+            )
+        if call == "generate()" and self.is_paused():
+            raise EngineStateError(
+                "the engine is paused, so generate() would wait forever: call "
+                "resume_generation() first"
+            )
 
     def is_paused(self) -> bool:
         """Whether generation is paused (a draining `wait` pause is not paused yet)."""
@@ -354,24 +373,112 @@ class LLMEngine:
             _unwrap(request, "init_info", "init_weight_transfer_engine")
         )
 
-    def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
-        """Receives one weight update: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
+    def start_weight_update(self) -> None:
+        """Opens a weight-update transaction, as vLLM's `start_weight_update`.
 
-        Accepted while paused or idle. The update is validated against the model before any
-        byte moves. On success the weight version advances (or takes the update's
-        `weight_version` label) and cached prefixes of the old weights are forgotten. If the
-        transfer fails after writing part of the weights, the engine pauses and refuses to
-        resume until a complete update lands.
+        Accepted while paused or idle. From now until `finish_weight_update` or
+        `abort_weight_update` no forward pass runs; requests that arrive are queued. An idle,
+        unpaused engine pauses itself for the transaction and resumes after it.
+
+        Raises:
+            EngineBusyError: Requests are in flight and the engine is not paused.
+            EngineStateError: No transfer engine was initialized.
+            WeightUpdateStateError: A transaction is already open.
+        """
+        self._check_idle("start_weight_update")
+        running = self.scheduler.state is PauseState.UNPAUSED
+        self.weights.start(resume_after=running)
+        if running:
+            self.scheduler.pause("keep")
+
+    def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
+        """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
+
+        Accepted while paused or idle, inside a transaction (`start_weight_update` ...
+        `finish_weight_update`) or bare: a bare update is a transaction of its own, finished
+        once every weight it announced has landed (one call for a broadcast; the announcement
+        and its parts for IPC). The update is validated against the model before any byte moves;
+        a message of another update is refused and changes nothing. If the transfer fails after
+        writing part of the weights, the transaction ends, and the engine pauses and refuses to
+        generate until an update covering them lands (with staging, the previous weights are
+        restored instead). Cached prefixes are forgotten whenever weight bytes change.
 
         Returns:
             What was received and how fast.
 
         Raises:
-            EngineBusyError: Requests are in flight and the engine is not paused.
-            WeightValidationError: The update does not match the model; nothing changed.
+            EngineBusyError: Requests are in flight and the engine is not paused; the trainer
+                learns it too (a broadcast's handshake fails with this reason on every rank).
+            WeightValidationError: The message was refused; nothing changed.
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
         update_info = _unwrap(request, "update_info", "update_weights")
+        try:
+            self._check_idle("update_weights")
+        except EngineBusyError as exc:
+            self.weights.refuse(update_info, exc)
+            raise
+        running = self.scheduler.state is PauseState.UNPAUSED
+        with self._weight_call(running):
+            return self.weights.update(update_info)
+
+    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Ends the open transaction and moves the weight version, as vLLM's call of that name.
+
+        The version becomes `weight_version`, else the label the update carried, else the count
+        of updates. It moves only if every announced weight landed and no weight is torn. The
+        engine then returns to the pause state it had before the transaction.
+
+        Raises:
+            WeightUpdateStateError: No transaction is open.
+            IncompleteWeightUpdateError: Announced weights are missing; the transaction stays
+                open (send them, or `abort_weight_update()`).
+            TornWeightsError: Weights torn by an earlier failure remain; the version stays.
+        """
+        with self._weight_call(running=False):
+            self.weights.finish(weight_version)
+
+    def abort_weight_update(self) -> bool:
+        """Ends the open transaction on purpose (a weightsync extension). Harmless without one.
+
+        If no byte moved, the engine is as before the transaction and resumes if it was running.
+        If bytes moved, the touched weights are torn (the engine stays paused until an update
+        covering them lands), or restored from the staged copy when staging is on.
+
+        Returns:
+            Whether a transaction was open.
+        """
+        with self._weight_call(running=False):
+            return self.weights.abort()
+
+    @contextlib.contextmanager
+    def _weight_call(self, running: bool) -> Iterator[None]:
+        """Settles the pause state and the prefix cache after a transaction call, however it ends.
+
+        Args:
+            running: The engine was unpaused before the call (a transaction it opens then
+                resumes the engine when it ends).
+        """
+        before: _Transaction | None = self.weights.transaction
+        writes = self.weights.num_writes
+        try:
+            yield
+        finally:
+            after = self.weights.transaction
+            if after is not None and after is not before and before is None:
+                after.resume_after = running  # opened by this bare update and still open
+            if self.weights.num_writes != writes:
+                self.block_manager.bump_epoch()  # KV of the old weights must not be reused
+            if self.weights.holds_generation:
+                if self.scheduler.state is not PauseState.PAUSED:
+                    self.scheduler.pause("keep")  # queued and frozen requests wait for the update
+                if self.weights.is_torn:
+                    logger.error("weights are torn: the engine stays paused")
+            elif before is not None and after is None and before.resume_after:
+                self.scheduler.resume()
+
+    def _check_idle(self, call: str) -> None:
+        """Raises `EngineBusyError` when requests run on an engine that is not paused."""
         # Requests still in the inbox have not started: they will simply run on the new weights.
         state = self.scheduler.state
         if state is not PauseState.PAUSED and self.scheduler.num_unfinished:
@@ -381,30 +488,10 @@ class LLMEngine:
                 else "it is not paused"
             )
             raise EngineBusyError(
-                f"update_weights needs a paused or idle engine, but {self.scheduler.num_unfinished} "
+                f"{call} needs a paused or idle engine, but {self.scheduler.num_unfinished} "
                 f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
-                "'abort') first, then update_weights, then resume_generation()"
+                f"'abort') first, then {call}, then resume_generation()"
             )
-        try:
-            stats = self.weights.update(update_info)
-        except Exception:
-            if self.weights.is_torn:
-                self.scheduler.pause("keep")  # never generate from half-written weights
-                logger.error(
-                    "weight update failed after writing part of the weights; engine paused"
-                )
-            raise
-        finally:
-            self.block_manager.bump_epoch()
-        if not stats.update_complete and state is PauseState.UNPAUSED:
-            # A multi-part update (ipc) left the weights mid-update: hold new requests until
-            # its last part lands, then run again as before.
-            self.scheduler.pause("keep")
-            self._paused_for_update = True
-        elif stats.update_complete and self._paused_for_update:
-            self._paused_for_update = False
-            self.scheduler.resume()
-        return stats
 
     def shutdown(self) -> None:
         """Releases the transfer engine. Safe to call twice."""

@@ -1,25 +1,44 @@
-"""`LiveWeights`: a model's weights as a trainer updates them, with a version and a torn flag.
+"""`LiveWeights`: a model's weights as a trainer updates them, one transaction at a time.
 
-It owns the receiver side of a transfer backend (see `weightsync.transfer`), validates every
-update against the model's Hugging Face-named parameter specs before any byte moves, counts
-complete updates into a weight version, and remembers which weights a failed update may have
-half-written, so the engine can refuse to generate with torn weights.
+It owns the receiver side of a transfer backend (see `weightsync.transfer`) and the update
+transaction, vLLM's four calls as one state machine:
+
+```
+idle --start()--> open --update()*--> open --finish(version)--> idle   (version moves)
+                   |                    |
+                   +------abort()-------+--> idle: nothing moved -> as before;
+                                              bytes moved -> torn, or restored (staging)
+```
+
+A bare `update()` outside start/finish opens an implicit transaction that finishes itself once
+every weight it announced has landed (one call for a broadcast, an announcement and its parts
+for IPC). The version moves only at finish, and only when every announced weight landed and no
+weight is torn. Weights that a failed transaction may have half-written are *torn* until a
+complete transaction covers them; the engine does not generate meanwhile. With staging, a
+transaction first copies the weights it will touch, and a failure or abort copies them back.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
-from weightsync.engine.errors import EngineStateError
+from weightsync.engine.errors import (
+    EngineStateError,
+    IncompleteWeightUpdateError,
+    TornWeightsError,
+    WeightUpdateStateError,
+)
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
 from weightsync.transfer.base import (
     TransferStats,
+    WeightSyncError,
     WeightTransferEngine,
     WeightTransferError,
     WeightTransferUpdateInfo,
@@ -38,8 +57,35 @@ def _field(info: Any, key: str) -> Any:
     return getattr(info, key, None)
 
 
+@dataclass
+class _Transaction:
+    """One weight update in progress: what it announced, what landed, what it may have written.
+
+    Attributes:
+        explicit: Opened by `start()` (ended by `finish()` or `abort()`); else opened by a bare
+            `update()` and finished by the call that completes it.
+        update_id: The transfer's own id of the update, from its first message that has one;
+            a message with another id belongs to another update.
+        announced: Names the transaction's messages said they deliver.
+        landed: Names delivered completely.
+        touched: Names whose bytes may have been written, completely or not.
+        label: The `weight_version` the messages carry, if any.
+        staged: Copies of the weights taken before they were touched (staging only).
+        resume_after: The engine was running when the transaction began and resumes after it.
+    """
+
+    explicit: bool
+    update_id: str | None = None
+    announced: set[str] = field(default_factory=set)
+    landed: set[str] = field(default_factory=set)
+    touched: set[str] = field(default_factory=set)
+    label: WeightVersion | None = None
+    staged: dict[str, torch.Tensor] | None = None
+    resume_after: bool = False
+
+
 class LiveWeights:
-    """Receives weight updates into a model and tracks their version.
+    """Receives weight updates into a model as transactions and tracks their version.
 
     Args:
         model: The model whose weights are updated in place.
@@ -47,6 +93,9 @@ class LiveWeights:
             init info.
         weight_version: Version of the initial weights.
         worker_index: This worker's index among the transfer group's workers.
+        staging: Copy the weights a transaction touches before it touches them, so a failed or
+            aborted transaction restores them (costs one copy of the updated weights in memory
+            and a copy per update).
     """
 
     def __init__(
@@ -56,20 +105,31 @@ class LiveWeights:
         transfer_config: WeightTransferConfig | None = None,
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
+        staging: bool = False,
     ) -> None:
         self.model = model
         self.transfer_config = transfer_config
         self.worker_index = worker_index
+        self.staging = staging
         self.weight_version: WeightVersion = weight_version
         self.num_updates = 0
         self.torn_names: set[str] = set()
-        self._in_progress: set[str] = set()  # names of a multi-part update not yet complete
+        self.transaction: _Transaction | None = None
+        self.num_writes = 0  # counts calls that changed weight bytes: cached KV is stale after
+
         self._transfer: WeightTransferEngine | None = None
 
     @property
     def is_torn(self) -> bool:
         """Whether some weights may be half-written by a failed update."""
         return bool(self.torn_names)
+
+    @property
+    def holds_generation(self) -> bool:
+        """Whether the engine must not run a forward pass: an update is open or weights are torn."""
+        return self.transaction is not None or self.is_torn
+
+    # --- the transfer engine ------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         """Creates the receiver engine (once) and joins the trainer's transfer group.
@@ -97,68 +157,193 @@ class LiveWeights:
             )
         self._transfer.init_transfer_engine(init_info)
 
-    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_weights(pairs)
+    def _require_transfer(self, call: str) -> WeightTransferEngine:
+        if self._transfer is None:
+            raise EngineStateError(
+                f"{call} needs a transfer engine: call "
+                "init_weight_transfer_engine({'init_info': ...}) first"
+            )
+        return self._transfer
 
-    def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
-        """Receives one update (or one delivery of a multi-part update) into the model.
+    # --- the transaction ----------------------------------------------------------------------
 
-        The version advances when the update completes.
-
-        The new version is the update's `weight_version` label if it has one, else the number
-        of complete updates so far.
+    def start(self, *, resume_after: bool = False) -> None:
+        """Opens a transaction (`start_weight_update`).
 
         Raises:
             EngineStateError: No transfer engine was initialized.
-            WeightValidationError: The update does not match the model; nothing was written.
-            WeightTransferError: The transfer failed. When `partially_applied` is set, the
-                announced weights count as torn until a complete update covers them.
+            WeightUpdateStateError: A transaction is already open.
         """
-        if self._transfer is None:
-            raise EngineStateError(
-                "update_weights needs a transfer engine: call "
-                "init_weight_transfer_engine({'init_info': ...}) first"
+        self._require_transfer("start_weight_update")
+        if self.transaction is not None:
+            raise WeightUpdateStateError(
+                "start_weight_update: a weight update is already in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update()"
             )
-        names = _field(update_info, "names")
-        announced = (
-            set(names) if isinstance(names, list | tuple) else set(self.model.weight_specs())
-        )
-        label = _field(update_info, "weight_version")
+        self.transaction = _Transaction(explicit=True, resume_after=resume_after)
+
+    def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
+        """Receives one message of the open transaction; opens an implicit one if none is open.
+
+        The message is validated against the model before any byte moves. A message of another
+        update (a late part, a stray or duplicated one) is refused and changes nothing.
+
+        Raises:
+            EngineStateError: No transfer engine was initialized.
+            WeightValidationError: The message was refused; nothing moved and the transaction
+                is as it was.
+            WeightTransferError: The transfer failed after bytes moved; the transaction is
+                over, its weights torn (or restored, with staging).
+        """
+        transfer = self._require_transfer("update_weights")
+        info = transfer.parse_update_info(update_info)
+        update_id = getattr(info, "update_id", None)
+        txn = self.transaction
+        if txn is not None and txn.update_id is not None and update_id != txn.update_id:
+            if txn.explicit or not info.opens_update:
+                raise WeightValidationError(
+                    f"update_weights refused: the message belongs to update {update_id!r}, but "
+                    f"the transaction in progress is for update {txn.update_id!r}; it is left "
+                    "untouched (finish or abort it before sending another update)"
+                )
+            # A bare multi-part update was abandoned by its sender, and a new one begins.
+            logger.warning("update %s was abandoned before it completed", txn.update_id)
+            self._end_failed(txn)
+            txn = self.transaction = _Transaction(explicit=False, resume_after=txn.resume_after)
+        if txn is None:
+            txn = self.transaction = _Transaction(explicit=False)
+        names = list(info.names)
+        if self.staging:
+            self._stage(txn, names)
         try:
-            stats = self._transfer.receive_weights(update_info, self._load)
+            stats = transfer.receive_weights(info, self._load)
         except WeightValidationError:
-            # Rejected before this call moved a byte; a multi-part update's earlier parts, if
-            # any, stay torn (they are in torn_names already).
-            self._in_progress = set()
+            if not txn.explicit and not txn.touched:
+                self.transaction = None  # an implicit transaction that never began
             raise
         except WeightTransferError as exc:
             if exc.partially_applied:
-                self.torn_names |= announced
-            self._in_progress = set()
+                txn.touched.update(names)
+            self._end_failed(txn)
             raise
         except BaseException:
-            self.torn_names |= announced  # an unexpected failure: assume the worst
-            self._in_progress = set()
+            txn.touched.update(names)  # an unexpected failure: assume the worst
+            self._end_failed(txn)
             raise
-        if not stats.update_complete:
-            # A multi-part update (the ipc backend): the weights are mid-update, hence torn,
-            # until its last part lands; the version stays until then.
-            self._in_progress |= announced
-            self.torn_names |= announced
-            return stats
-        self.torn_names -= announced | self._in_progress
-        self._in_progress = set()
-        self.num_updates += 1
-        self.weight_version = label if isinstance(label, str | int) else self.num_updates
-        logger.info(
-            "weights updated to version %r: %d tensors, %.1f MB in %.3f s",
-            self.weight_version, stats.num_tensors, stats.num_bytes / 1e6, stats.seconds,
-        )  # fmt: skip
-        if self.torn_names:
-            logger.warning(
-                "%d weights are still torn by an earlier failed update", len(self.torn_names)
-            )
+        loaded = names if stats.loaded_names is None else stats.loaded_names
+        if loaded:
+            self.num_writes += 1
+        if txn.update_id is None:
+            txn.update_id = update_id
+        txn.announced.update(names)
+        txn.landed.update(loaded)
+        txn.touched.update(loaded)
+        if info.weight_version is not None:
+            txn.label = info.weight_version
+        if not txn.explicit and txn.announced <= txn.landed:
+            self.finish(None)
         return stats
+
+    def finish(self, weight_version: WeightVersion | None) -> None:
+        """Ends the open transaction; the version moves (`finish_weight_update`).
+
+        The new version is `weight_version`, else the label the messages carried, else the
+        count of finished updates.
+
+        Raises:
+            WeightUpdateStateError: No transaction is open.
+            IncompleteWeightUpdateError: Announced weights have not landed; the transaction
+                stays open.
+            TornWeightsError: The transaction landed, but weights torn by an earlier failure
+                remain; the version stays.
+        """
+        txn = self.transaction
+        if txn is None:
+            raise WeightUpdateStateError(
+                "finish_weight_update: no weight update is in progress: call "
+                "start_weight_update() and update_weights(...) first"
+            )
+        missing = sorted(txn.announced - txn.landed)
+        if missing:
+            raise IncompleteWeightUpdateError(
+                f"finish_weight_update: {len(missing)} announced weights have not landed "
+                f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
+                "with abort_weight_update()"
+            )
+        self.transaction = None
+        self.torn_names -= txn.landed
+        if self.torn_names:
+            names = sorted(self.torn_names)
+            raise TornWeightsError(
+                f"finish_weight_update: the update landed, but {len(names)} weights are still "
+                f"torn by an earlier failed update (e.g. {names[:3]}); the version stays "
+                f"{self.weight_version!r}: send an update that covers them"
+            )
+        self.num_updates += 1
+        label = weight_version if weight_version is not None else txn.label
+        self.weight_version = label if label is not None else self.num_updates
+        logger.info(
+            "weights updated to version %r: %d tensors", self.weight_version, len(txn.landed)
+        )
+
+    def abort(self) -> bool:
+        """Ends the open transaction on purpose (`abort_weight_update`).
+
+        Nothing moved: the weights and version are as before. Bytes moved: the touched weights
+        are torn, or restored with staging.
+
+        Returns:
+            Whether a transaction was open.
+        """
+        txn = self.transaction
+        if txn is None:
+            return False
+        self._end_failed(txn)
+        return True
+
+    def _stage(self, txn: _Transaction, names: list[str]) -> None:
+        """Copies the weights of `names` not copied yet in this transaction."""
+        if txn.staged is None:
+            txn.staged = {}
+        wanted = set(names) - txn.staged.keys()
+        if wanted:
+            for name, tensor in self.model.named_weights():
+                if name in wanted:
+                    txn.staged[name] = tensor.detach().clone()
+
+    def refuse(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
+    ) -> None:
+        """Tells the trainer that the engine refuses this update, before anything moves.
+
+        The caller raises `reason` afterwards; see `WeightTransferEngine.refuse_update`.
+        """
+        if self._transfer is not None:
+            self._transfer.refuse_update(update_info, reason)
+
+    def _end_failed(self, txn: _Transaction) -> None:
+        """Closes a transaction that will not finish: restores or marks what it touched."""
+        self.transaction = None
+        if self._transfer is not None:
+            self._transfer.abort_update()
+        if not txn.touched:
+            return
+        self.num_writes += 1
+        if txn.staged is not None:
+            self.model.load_weights([(n, t) for n, t in txn.staged.items() if n in txn.touched])
+            logger.warning(
+                "weight update failed or aborted: %d weights restored; version stays %r",
+                len(txn.touched), self.weight_version,
+            )  # fmt: skip
+            return
+        self.torn_names |= txn.touched
+        logger.error(
+            "weight update failed or aborted after writing part of the weights: %d weights torn",
+            len(txn.touched),
+        )
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_weights(pairs)
 
     def shutdown(self) -> None:
         """Shuts the transfer engine down. Safe to call twice."""

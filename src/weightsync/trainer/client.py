@@ -2,8 +2,9 @@
 
 An engine in the trainer's own process ([`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]) and
 one in a process of its own ([`EngineProcess`][weightsync.trainer.engine_process.EngineProcess])
-answer the same blocking calls, named as in vLLM's `LLM`: `init_weight_transfer_engine`,
-`update_weights`, `pause_generation` and `resume_generation`. The weight senders and
+answer the same blocking calls, named as in vLLM's `LLM`: `init_weight_transfer_engine`, the
+update transaction (`start_weight_update`, `update_weights`, `finish_weight_update`, and
+weightsync's `abort_weight_update`), `pause_generation` and `resume_generation`. The weight senders and
 [`sync_weights`][weightsync.trainer.sync.sync_weights] are written against this protocol only, so
 one sync flow serves both. [`call_each`][weightsync.trainer.client.call_each] runs one call on
 several engines (data-parallel replicas) at once.
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseMode
 from weightsync.transfer.base import TransferStats, WeightValidationError
 
@@ -33,8 +35,18 @@ class EngineClient(Protocol):
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins the trainer's transfer (`{"init_info": {...}}`); may block until it forms."""
 
+    def start_weight_update(self) -> None:
+        """Opens a weight-update transaction; no forward pass runs until it ends."""
+
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
-        """Receives one update (`{"update_info": {...}}`); accepted while paused or idle."""
+        """Receives one update message (`{"update_info": {...}}`); while paused or idle."""
+        ...
+
+    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Ends the transaction; the version moves if every announced weight landed."""
+
+    def abort_weight_update(self) -> bool:
+        """Ends the transaction on purpose: as before if nothing moved, else torn or restored."""
         ...
 
     def pause_generation(self, *, mode: PauseMode = ..., clear_cache: bool = ...) -> None:

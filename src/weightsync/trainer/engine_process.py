@@ -31,8 +31,10 @@ from weightsync.engine.errors import (
     EngineBusyError,
     EngineConfigError,
     EngineStateError,
+    IncompleteWeightUpdateError,
     InvalidRequestError,
     TornWeightsError,
+    WeightUpdateStateError,
 )
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
@@ -63,8 +65,10 @@ _REMOTE_ERRORS: dict[str, type[Exception]] = {
         EngineBusyError,
         EngineConfigError,
         EngineStateError,
+        IncompleteWeightUpdateError,
         InvalidRequestError,
         TornWeightsError,
+        WeightUpdateStateError,
         WeightTransferError,
         WeightTransferTimeout,
         WeightValidationError,
@@ -230,7 +234,12 @@ class _EngineLoop:
             "init_weight_transfer_engine": lambda init_info: engine.init_weight_transfer_engine(
                 {"init_info": init_info}
             ),
+            "start_weight_update": engine.start_weight_update,
             "update_weights": self.update_weights,
+            "finish_weight_update": lambda weight_version: engine.finish_weight_update(
+                weight_version
+            ),
+            "abort_weight_update": lambda: {"aborted": engine.abort_weight_update()},
             "state": self.state,
             "weight_digests": lambda: {
                 "digests": tensor_digests(dict(engine.model.named_weights()))
@@ -547,6 +556,19 @@ class EngineProcess(CommandProcess):
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer: `{"init_info": {...}}`; blocks until the group forms."""
         self._call("init_weight_transfer_engine", init_info=dict(request["init_info"]))
+
+    def start_weight_update(self) -> None:
+        """Opens a weight-update transaction (see `LLMEngine.start_weight_update`)."""
+        self._call("start_weight_update")
+
+    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Ends the transaction; the version moves (see `LLMEngine.finish_weight_update`)."""
+        self._call("finish_weight_update", weight_version=weight_version)
+
+    def abort_weight_update(self) -> bool:
+        """Ends the transaction on purpose (see `LLMEngine.abort_weight_update`)."""
+        aborted: bool = self._call("abort_weight_update")["aborted"]
+        return aborted
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update: `{"update_info": {...}}` (see `LLMEngine.update_weights`).

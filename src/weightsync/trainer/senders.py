@@ -89,16 +89,17 @@ class WeightSender(ABC):
     def connect(self) -> None:
         """Joins every engine to this transfer; blocks until all of them are in."""
 
-    @abstractmethod
     def send(
         self,
         weights: Iterable[tuple[str, torch.Tensor]],
         *,
         weight_version: WeightVersion | None = None,
     ) -> TransferStats:
-        """Pushes `(name, tensor)` pairs into every engine; returns the trainer side's stats.
+        """Pushes `(name, tensor)` pairs into every engine as one update transaction.
 
-        The engines must be paused or idle (see
+        Every engine opens the transaction (`start_weight_update`) before any byte moves, and
+        finishes it (`finish_weight_update`) once the transfer is done; if anything fails, every
+        engine aborts it (`abort_weight_update`). The engines must be paused or idle (see
         [`sync_weights`][weightsync.trainer.sync.sync_weights], which pauses them). Each one
         validates the update against its model before any byte moves.
 
@@ -109,9 +110,34 @@ class WeightSender(ABC):
                 None counts updates.
 
         Raises:
-            WeightValidationError: An engine rejected the update; nothing moved.
+            EngineBusyError: An engine is running requests and is not paused; nothing moved.
+            WeightValidationError: An engine rejected the update; nothing moved, and every
+                engine is as it was.
             WeightTransferError: The transfer failed; see `partially_applied`.
         """
+        self._check_connected()
+        try:
+            call_each(self.engines, lambda engine: engine.start_weight_update())
+            stats = self._transfer(weights, weight_version)
+            call_each(self.engines, lambda engine: engine.finish_weight_update(weight_version))
+        except BaseException:
+            self._abort_all()
+            raise
+        return stats
+
+    def _abort_all(self) -> None:
+        """Ends the transaction on every engine that still has one; never raises."""
+        for index, engine in enumerate(self.engines):
+            try:
+                engine.abort_weight_update()
+            except Exception:
+                logger.exception("engine %d: abort_weight_update failed", index)
+
+    @abstractmethod
+    def _transfer(
+        self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: WeightVersion | None
+    ) -> TransferStats:
+        """Moves the tensors into every engine inside their open transactions."""
 
     @abstractmethod
     def close(self) -> None:
@@ -214,14 +240,10 @@ class BroadcastWeightSender(WeightSender):
         self.group, self._connected = group, True
         logger.info("%s group formed with %d engines", self.backend, len(self.engines))
 
-    def send(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        *,
-        weight_version: WeightVersion | None = None,
+    def _transfer(
+        self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: WeightVersion | None
     ) -> TransferStats:
         """Broadcasts the tensors to every engine (see `WeightSender.send`)."""
-        self._check_connected()
         assert self.group is not None
         pairs = list(weights)  # announced first, then sent: the iterator is read twice
         update_info = WeightTransferUpdateInfo.from_named_tensors(
@@ -231,6 +253,8 @@ class BroadcastWeightSender(WeightSender):
         receives = [self._pool.submit(e.update_weights, request) for e in self.engines]
         try:
             stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
+        except WeightValidationError:
+            raise  # rejected in the handshake: nothing moved and the group stays usable
         except Exception:
             self._connected = False  # the group is closed after a failed send
             raise
@@ -301,14 +325,10 @@ class IPCWeightSender(WeightSender):
         call_each(self.engines, lambda engine: engine.init_weight_transfer_engine(request))
         self._connected = True
 
-    def send(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        *,
-        weight_version: WeightVersion | None = None,
+    def _transfer(
+        self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: WeightVersion | None
     ) -> TransferStats:
         """Hands the tensors to every engine through memory handles (see `WeightSender.send`)."""
-        self._check_connected()
 
         def deliver(update_info: dict[str, Any]) -> None:
             request = {"update_info": update_info}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from weightsync.engine.errors import TornWeightsError
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseMode
-from weightsync.trainer.client import call_each
+from weightsync.trainer.client import EngineClient, call_each
 from weightsync.trainer.senders import WeightSender
 from weightsync.transfer.base import TransferStats
 
@@ -51,10 +52,13 @@ def sync_weights(
         The trainer side's transfer stats.
 
     Raises:
-        WeightValidationError: An engine rejected the update; nothing moved. The engines stay
-            paused: resume them (their weights are unchanged) or send a matching update.
-        WeightTransferError: The transfer failed; the engines stay paused, and an engine with
-            torn weights refuses to resume until a complete update lands.
+        EngineBusyError: An engine could not pause in a way that stops its requests (a `wait`
+            pause still draining); nothing moved.
+        WeightValidationError: An engine rejected the update; nothing moved. Every engine is
+            resumed on its unchanged weights and version, as before the call.
+        WeightTransferError: The transfer failed after bytes moved; every engine whose weights
+            are whole (untouched, or restored by staging) is resumed, and an engine with torn
+            weights stays paused until an update covering them lands.
 
     >>> from weightsync.engine.llm_engine import LLMEngine
     >>> from weightsync.engine.model import LlamaForCausalLM
@@ -69,7 +73,11 @@ def sync_weights(
     start = time.perf_counter()
     call_each(sender.engines, lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
     paused = time.perf_counter()
-    stats = sender.send(weights, weight_version=weight_version)
+    try:
+        stats = sender.send(weights, weight_version=weight_version)
+    except BaseException:
+        _resume_whole(sender.engines)
+        raise
     sent = time.perf_counter()
     call_each(sender.engines, lambda e: e.resume_generation())
     logger.info(
@@ -78,3 +86,14 @@ def sync_weights(
         (sent - paused) * 1e3, (time.perf_counter() - sent) * 1e3,
     )  # fmt: skip
     return stats
+
+
+def _resume_whole(engines: Sequence[EngineClient]) -> None:
+    """Resumes every engine whose weights are whole after a failed update; never raises."""
+    for index, engine in enumerate(engines):
+        try:
+            engine.resume_generation()
+        except TornWeightsError:
+            logger.error("engine %d keeps torn weights and stays paused", index)
+        except Exception:
+            logger.exception("engine %d could not resume after the failed update", index)

@@ -172,10 +172,9 @@ class TransferStats:
         num_buckets: Buckets (packed mode) or broadcasts (unpacked mode) used.
         direct_buckets: Buckets sent or received in place, without a pack or unpack copy.
         seconds: Wall time of the update on this side, handshake included.
-        update_complete: False when this call delivered only part of a multi-part update (the
-            `ipc` backend's announcement and every part but the last): the receiver's weights
-            are mid-update, and a control plane advances its weight version only once a call
-            returns True.
+        loaded_names: On a receiver, the names this call wrote completely, which the
+            engine's update transaction counts against what was announced: None (the default)
+            means every tensor the message named; an `ipc` announcement loads none (`[]`).
     """
 
     num_tensors: int = 0
@@ -183,7 +182,7 @@ class TransferStats:
     num_buckets: int = 0
     direct_buckets: int = 0
     seconds: float = 0.0
-    update_complete: bool = True
+    loaded_names: list[str] | None = None
 
     @property
     def gbps(self) -> float:
@@ -331,6 +330,14 @@ class WeightTransferUpdateInfo:
         return cls.from_specs(
             (TensorSpec.of(name, t) for name, t in named_tensors), weight_version=weight_version
         )
+
+    @property
+    def opens_update(self) -> bool:
+        """Whether this message starts an update: it announces every tensor the update brings.
+
+        A broadcast update info always does; an `ipc` part continues the announced update.
+        """
+        return True
 
     def specs(self) -> list[TensorSpec]:
         """Returns one [`TensorSpec`][weightsync.transfer.base.TensorSpec] per tensor, in order."""
@@ -522,6 +529,26 @@ class WeightTransferEngine(ABC):
             WeightTransferError: The transfer failed; check `partially_applied`.
             WeightTransferTimeout: A step ran past the timeout.
         """
+
+    def refuse_update(
+        self,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+        reason: WeightSyncError,
+    ) -> None:
+        """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
+
+        A broadcast backend takes part in the update's handshake with `reason` as this rank's
+        rejection, so the trainer and every peer fail at once with it and the group stays usable
+        for the next attempt. The default does nothing: the caller raises `reason` itself.
+        """
+        return None
+
+    def abort_update(self) -> None:
+        """Forgets a multi-message update in progress (the engine's transaction ended).
+
+        The default does nothing: a backend whose update is one message keeps no such state.
+        """
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -147,6 +147,11 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         """Whether this delivery only announces the update (no handles)."""
         return self.ipc_handles is None
 
+    @property
+    def opens_update(self) -> bool:
+        """Whether this delivery starts an update: the announcement does, a part does not."""
+        return self.is_announcement
+
     def handles(self) -> list[IPCHandle]:
         """The checked records of this delivery, in order."""
         return list(self._handles)
@@ -268,10 +273,10 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                     progress.update_id,
                     info.update_id,
                 )
-            self._progress = _Progress(info.update_id, specs, info.weight_version)
-            if not specs:
-                self._progress = None
-            stats.update_complete = self._progress is None
+            self._progress = (
+                _Progress(info.update_id, specs, info.weight_version) if specs else None
+            )
+            stats.loaded_names = []
             stats.seconds = time.perf_counter() - start
             return stats
         progress = self._progress
@@ -324,7 +329,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         stats.num_tensors = len(part)
         stats.num_bytes = sum(s.nbytes for s in part)
         stats.num_buckets = 1
-        stats.update_complete = self._progress is None
+        stats.loaded_names = [s.name for s in part]
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -380,21 +385,27 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
         self._used = set()
 
-    def _reject(self, message: str) -> WeightTransferError | WeightValidationError:
-        """The error for an invalid delivery: a validation error while the weights are whole."""
-        if self._progress is not None and self._progress.touched:
-            return self._fail(f"{message} (earlier parts of the update were loaded)")
-        self._progress = None
-        return WeightValidationError(f"update rejected before any byte moved: {message}")
+    def _reject(self, message: str) -> WeightValidationError:
+        """The error for a refused delivery; the update in progress, if any, is untouched.
+
+        A late, stray, duplicated or malformed message moves no byte, so the update it does not
+        belong to goes on as if it never came.
+        """
+        return WeightValidationError(f"delivery refused, no byte moved: {message}")
 
     def _fail(self, message: str) -> WeightTransferError:
-        """Shuts down after the weights may have been written in part; returns the error."""
-        self.shutdown()
+        """Drops the update after its weights may have been written in part; returns the error."""
+        self.abort_update()
         return WeightTransferError(
             f"worker {self.worker_index}: IPC weight transfer failed: {message}; the weights may "
-            "be torn: initialize the engine again and send a complete update",
+            "be torn: send a complete update",
             partially_applied=True,
         )
+
+    def abort_update(self) -> None:
+        """Forgets the update in progress and unmaps what it alone used."""
+        self._progress = None
+        self._drop_unused()
 
     def shutdown(self) -> None:
         """Drops every mapping and the session. Safe to call twice."""

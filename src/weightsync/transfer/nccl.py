@@ -25,6 +25,7 @@ from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
+    WeightSyncError,
     WeightTransferEngine,
     WeightTransferError,
     WeightTransferInitInfo,
@@ -177,7 +178,11 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         except WeightTransferError as exc:
             raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
         assert specs is not None
-        stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
+        stats = TransferStats(
+            num_tensors=len(specs),
+            num_bytes=sum(s.nbytes for s in specs),
+            loaded_names=[s.name for s in specs],
+        )
         if self._pool is None:
             self._pool = BufferPool(info.num_buffers, group.device)
         self._pool.reset()
@@ -207,6 +212,27 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
             stats.gbps,
         )
         return stats
+
+    def refuse_update(
+        self,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+        reason: WeightSyncError,
+    ) -> None:
+        """Joins the update's handshake only to reject it with `reason` (see the base class).
+
+        Blocks until the trainer reaches the handshake of this update, or the group's timeout.
+        """
+        group = self._group
+        if group is None or not group.is_connected:
+            return  # no group: the trainer cannot be waiting on this rank
+        self._seq += 1
+        problem = WeightValidationError(f"{type(reason).__name__}: {reason}")
+        try:
+            broadcast.handshake(group, self._seq, None, problem)
+        except WeightValidationError:
+            pass  # the rejection went round: every rank fails this update with it
+        except WeightTransferError as exc:
+            raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
 
     def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""

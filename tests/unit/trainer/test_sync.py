@@ -44,6 +44,16 @@ class Recorder:
     def resume_generation(self):
         self.calls.append((self.name, "resume"))
 
+    def start_weight_update(self):
+        self.calls.append((self.name, "start"))
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append((self.name, "finish", weight_version))
+
+    def abort_weight_update(self):
+        self.calls.append((self.name, "abort"))
+        return False
+
 
 class RecordingSender(WeightSender):
     def __init__(self, engines, calls):
@@ -53,7 +63,7 @@ class RecordingSender(WeightSender):
     def connect(self):
         self._connected = True
 
-    def send(self, weights, *, weight_version=None):
+    def _transfer(self, weights, weight_version):
         self.calls.append(("sender", "send", weight_version, [name for name, _ in weights]))
         return TransferStats(num_tensors=1)
 
@@ -64,13 +74,16 @@ class RecordingSender(WeightSender):
 def test_every_engine_pauses_before_the_send_and_resumes_after_it():
     calls = []
     sender = RecordingSender([Recorder("e0", calls), Recorder("e1", calls)], calls)
+    sender.connect()
     stats = sync_weights(
         sender, [("w", torch.ones(1))], weight_version=3, mode="wait", clear_cache=False
     )
     assert stats.num_tensors == 1
     assert sorted(calls[:2]) == [("e0", "pause", "wait", False), ("e1", "pause", "wait", False)]
-    assert calls[2] == ("sender", "send", 3, ["w"])
-    assert sorted(calls[3:]) == [("e0", "resume"), ("e1", "resume")]
+    assert sorted(calls[2:4]) == [("e0", "start"), ("e1", "start")]
+    assert calls[4] == ("sender", "send", 3, ["w"])
+    assert sorted(calls[5:7]) == [("e0", "finish", 3), ("e1", "finish", 3)]
+    assert sorted(calls[7:]) == [("e0", "resume"), ("e1", "resume")]
 
 
 def test_keep_mode_requests_continue_on_the_new_weights(policy):
@@ -95,7 +108,7 @@ def test_abort_mode_ends_requests_in_flight(policy):
     assert final.finish_reason == "abort" and final.weight_versions == [0]
 
 
-def test_a_rejected_update_leaves_the_engine_paused_with_its_weights(policy):
+def test_a_rejected_update_resumes_the_engine_on_its_weights(policy):
     target = engine()
     before = {n: t.clone() for n, t in target.model.named_weights()}
     target.add_request("a", "in flight", GREEDY)
@@ -103,8 +116,7 @@ def test_a_rejected_update_leaves_the_engine_paused_with_its_weights(policy):
     wrong = [(n, t.double()) for n, t in policy.named_weights()]
     with IPCWeightSender([target]) as sender, pytest.raises(WeightValidationError):
         sync_weights(sender, wrong, weight_version=1)
-    assert target.is_paused()
+    assert not target.is_paused() and target.weights.transaction is None
     for name, tensor in target.model.named_weights():
         assert torch.equal(tensor, before[name]), name
-    target.resume_generation()  # nothing was written: resuming is safe
     assert run_to_end(target)["a"].weight_versions == [0] * 8
