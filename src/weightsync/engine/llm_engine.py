@@ -480,8 +480,10 @@ class LLMEngine:
     def _check_idle(self, call: str) -> None:
         """Raises `EngineBusyError` when requests run on an engine that is not paused."""
         # Requests still in the inbox have not started: they will simply run on the new weights.
+        # While the weights hold generation (an open update, torn weights) nothing computes.
         state = self.scheduler.state
-        if state is not PauseState.PAUSED and self.scheduler.num_unfinished:
+        busy = state is not PauseState.PAUSED and not self.weights.holds_generation
+        if busy and self.scheduler.num_unfinished:
             what = (
                 "a wait-mode pause is still draining"
                 if state is PauseState.DRAINING

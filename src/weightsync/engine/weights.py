@@ -218,7 +218,7 @@ class LiveWeights:
         try:
             stats = transfer.receive_weights(info, self._load)
         except WeightValidationError:
-            if not txn.explicit and not txn.touched:
+            if not txn.explicit and not txn.announced:
                 self.transaction = None  # an implicit transaction that never began
             raise
         except WeightTransferError as exc:

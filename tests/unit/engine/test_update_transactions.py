@@ -1,0 +1,288 @@
+"""Update transactions: start / update / finish / abort, and never a torn engine that computes.
+
+The IPC cases record an update's messages (announcement, then parts) without delivering them, so
+each test can deliver them in whatever order, late, twice or never, as a faulty trainer would.
+"""
+
+import pytest
+import torch
+from engine_helpers import debug_model, greedy, make_engine
+
+from weightsync.engine.errors import (
+    EngineBusyError,
+    IncompleteWeightUpdateError,
+    TornWeightsError,
+    WeightUpdateStateError,
+)
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.trainer.senders import IPCWeightSender
+from weightsync.transfer.base import WeightTransferError, WeightValidationError
+from weightsync.transfer.ipc_trainer import (
+    IPCTrainerSendWeightsArgs,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
+)
+
+BUCKET = 128 << 10  # the debug model (~0.5 MB) then travels in ~5 parts
+
+
+def weights_of(engine):
+    return {name: t.clone() for name, t in engine.model.named_weights()}
+
+
+def assert_weights(engine, expected):
+    for name, tensor in engine.model.named_weights():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.fixture
+def session():
+    # Enough buffers that no part's buffer is refilled: recorded parts stay deliverable.
+    session = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET, num_buffers=16)
+    yield session
+    session.close()
+
+
+def record(session, named_tensors, weight_version=None):
+    """Runs a send whose deliveries are only recorded: [announcement, part, part, ...]."""
+    messages = []
+    args = IPCTrainerSendWeightsArgs(
+        session, lambda info: messages.append({"update_info": info}), weight_version=weight_version
+    )
+    ipc_trainer_send_weights(named_tensors, args)
+    return messages
+
+
+def ipc_engine(session, **config):
+    engine = LLMEngine(debug_model(seed=0), **config)
+    engine.init_weight_transfer_engine({"init_info": session.init_info})
+    return engine
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return dict(debug_model(seed=1).named_weights())
+
+
+@pytest.fixture(scope="module")
+def policy2():
+    return dict(debug_model(seed=2).named_weights())
+
+
+# --- the four calls -----------------------------------------------------------------------------
+
+
+def test_the_version_moves_only_at_finish_and_nothing_computes_in_between(local_source, policy):
+    engine = make_engine()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    local_source.tensors = policy
+    engine.start_weight_update()
+    engine.add_request("r", "hello", greedy(3))
+    engine.update_weights(local_source.update_info(weight_version="ignored"))
+    assert engine.weight_version == 0
+    assert engine.step() == [] and engine.num_steps == 0  # queued until the update ends
+    engine.finish_weight_update("v1")
+    assert engine.weight_version == "v1" and not engine.is_paused()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_steps == 3
+    assert_weights(engine, policy)
+
+
+def test_calls_out_of_order_are_refused_and_say_what_comes_next(local_source):
+    engine = make_engine()
+    with pytest.raises(Exception, match=r"init_weight_transfer_engine"):
+        engine.start_weight_update()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    with pytest.raises(WeightUpdateStateError, match=r"start_weight_update\(\) and update_weights"):
+        engine.finish_weight_update()
+    engine.start_weight_update()
+    with pytest.raises(WeightUpdateStateError, match=r"already in progress: finish it"):
+        engine.start_weight_update()
+    with pytest.raises(WeightUpdateStateError, match=r"abort_weight_update\(\) first"):
+        engine.resume_generation()
+    assert engine.abort_weight_update() is True
+    assert engine.abort_weight_update() is False  # harmless without a transaction
+
+
+def test_start_on_a_busy_unpaused_engine_says_to_pause_first(local_source):
+    engine = make_engine()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    engine.add_request("r", "hello", greedy(8))
+    engine.step()
+    with pytest.raises(EngineBusyError, match=r"call pause_generation"):
+        engine.start_weight_update()
+    assert engine.weights.transaction is None
+    engine.pause_generation(mode="keep")
+    engine.start_weight_update()
+    engine.finish_weight_update()
+    assert engine.is_paused()  # the caller's pause outlives the transaction
+
+
+def test_finishing_an_incomplete_update_names_what_is_missing_and_stays_open(session, policy):
+    engine = ipc_engine(session)
+    announcement, first, *rest = record(session, policy.items(), weight_version=7)
+    assert len(rest) >= 2
+    engine.start_weight_update()
+    engine.update_weights(announcement)
+    engine.update_weights(first)
+    missing = sorted(set(policy) - set(first["update_info"]["names"]))
+    with pytest.raises(IncompleteWeightUpdateError, match=rf"{len(missing)} announced weights"):
+        engine.finish_weight_update()
+    for part in rest:
+        engine.update_weights(part)
+    engine.finish_weight_update()
+    assert engine.weight_version == 7 and not engine.weights.is_torn
+    assert_weights(engine, policy)
+
+
+# --- refusals leave everything as it was --------------------------------------------------------
+
+
+def test_a_rejection_by_another_engine_leaves_every_engine_resumable(session, policy):
+    accepting = LLMEngine(debug_model(seed=0))
+    rejecting = LLMEngine(debug_model(seed=0).float())
+    before = weights_of(accepting)
+    for engine in (accepting, rejecting):
+        engine.pause_generation(mode="keep")
+    with IPCWeightSender([accepting, rejecting]) as sender, pytest.raises(WeightValidationError):
+        sender.send(policy.items(), weight_version=1)
+    for engine in (accepting, rejecting):
+        assert engine.weights.transaction is None and not engine.weights.is_torn
+        assert engine.weight_version == 0
+        engine.resume_generation()
+    assert_weights(accepting, before)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_message_of_another_update_is_refused_without_touching_the_current_one(
+    session, policy, policy2, explicit
+):
+    engine = ipc_engine(session)
+    old = record(session, policy.items(), weight_version="old")
+    new = record(session, policy2.items(), weight_version="new")
+    if explicit:
+        engine.start_weight_update()
+    engine.update_weights(new[0])
+    engine.update_weights(new[1])
+    late = old[2]
+    with pytest.raises(WeightValidationError, match=r"refused"):
+        engine.update_weights(late)  # a late part of an earlier update
+    with pytest.raises(WeightValidationError, match=r"expects tensor"):
+        engine.update_weights(new[1])  # duplicated
+    with pytest.raises(WeightValidationError, match=r"expects tensor"):
+        engine.update_weights(new[3])  # out of order
+    if explicit:  # inside a transaction, even a whole other update is refused
+        with pytest.raises(WeightValidationError, match=r"transaction in progress is for update"):
+            engine.update_weights(old[0])
+    for part in new[2:]:
+        engine.update_weights(part)
+    if explicit:
+        engine.finish_weight_update()
+    assert engine.weight_version == "new" and not engine.weights.holds_generation
+    assert_weights(engine, policy2)
+
+
+# --- torn weights never compute -----------------------------------------------------------------
+
+
+def test_an_abandoned_part_then_a_partial_update_keeps_the_engine_torn(session, policy):
+    engine = ipc_engine(session)
+    engine.add_request("r", "hello", greedy(4))
+    abandoned = record(session, policy.items(), weight_version="a")
+    engine.update_weights(abandoned[0])
+    engine.update_weights(abandoned[1])  # and the rest never comes
+    one = [("model.norm.weight", policy["model.norm.weight"])]
+    announcement, part = record(session, one, weight_version="b")
+    engine.update_weights(announcement)
+    with pytest.raises(WeightValidationError):  # a rejected update in between changes nothing
+        engine.update_weights({"update_info": {**announcement["update_info"], "shapes": [[3]]}})
+    with pytest.raises(TornWeightsError, match=r"still torn by an earlier failed update"):
+        engine.update_weights(part)
+    assert engine.weight_version == 0 and engine.weights.is_torn
+    engine.scheduler.resume()  # whatever path unpauses the scheduler, the step stays guarded
+    assert engine.step() == [] and engine.num_steps == 0
+    with pytest.raises(TornWeightsError):
+        engine.resume_generation()
+    for message in record(session, policy.items(), weight_version="c"):
+        engine.update_weights(message)
+    assert engine.weight_version == "c" and not engine.weights.is_torn
+    engine.resume_generation()
+    engine.step()
+    assert engine.num_steps == 1
+
+
+def test_a_bare_update_on_an_idle_engine_holds_requests_until_its_last_part(session, policy):
+    engine = ipc_engine(session)
+    messages = record(session, policy.items(), weight_version=1)
+    for message in messages[:-1]:
+        engine.update_weights(message)
+        engine.add_request(f"r{len(engine._live_ids)}", "hello", greedy(2))
+        assert engine.step() == [] and engine.num_steps == 0
+    engine.update_weights(messages[-1])
+    assert not engine.is_paused() and engine.weight_version == 1
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.outputs[0].weight_versions == [1, 1]
+
+
+# --- abort and staging --------------------------------------------------------------------------
+
+
+def test_abort_before_any_byte_moved_restores_the_previous_state(session, policy):
+    engine = ipc_engine(session)
+    messages = record(session, policy.items())
+    engine.start_weight_update()
+    engine.update_weights(messages[0])  # the announcement moves nothing
+    assert engine.is_paused()
+    assert engine.abort_weight_update()
+    assert not engine.is_paused() and not engine.weights.is_torn and engine.weight_version == 0
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_abort_after_bytes_moved_tears_or_restores(session, policy, staging):
+    engine = ipc_engine(session)
+    engine.config.weight_update_staging = staging  # read at construction: set it on the weights
+    engine.weights.staging = staging
+    before = weights_of(engine)
+    messages = record(session, policy.items(), weight_version=1)
+    engine.start_weight_update()
+    engine.update_weights(messages[0])
+    engine.update_weights(messages[1])
+    engine.abort_weight_update()
+    assert engine.weight_version == 0 and engine.weights.transaction is None
+    if staging:
+        assert_weights(engine, before)
+        assert not engine.is_paused()  # back to running, on the previous weights
+    else:
+        assert engine.weights.torn_names == set(messages[1]["update_info"]["names"])
+        assert engine.is_paused()
+        with pytest.raises(TornWeightsError):
+            engine.resume_generation()
+
+
+def test_staging_restores_the_weights_after_a_failed_transfer(local_source, policy):
+    engine = make_engine(weight_update_staging=True)
+    engine.init_weight_transfer_engine(local_source.init_request)
+    before = weights_of(engine)
+    local_source.tensors, local_source.fail_after = policy, 5
+    with pytest.raises(WeightTransferError) as failure:
+        engine.update_weights(local_source.update_info(weight_version=1))
+    assert failure.value.partially_applied
+    assert_weights(engine, before)
+    assert engine.weight_version == 0 and not engine.weights.holds_generation
+    assert not engine.is_paused()
+
+
+def test_a_rejected_update_keeps_the_prefix_cache(local_source, policy):
+    engine = make_engine()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    local_source.tensors = {"model.norm.weight": torch.ones(3)}  # the wrong shape
+    epoch = engine.block_manager.epoch
+    with pytest.raises(WeightValidationError):
+        engine.update_weights(local_source.update_info())
+    assert engine.block_manager.epoch == epoch
+    local_source.tensors = policy
+    engine.update_weights(local_source.update_info())
+    assert engine.block_manager.epoch == epoch + 1
