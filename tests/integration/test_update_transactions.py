@@ -1,0 +1,89 @@
+"""Update transactions across real transports: refusals reach the trainer and leave engines whole."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from weightsync.config import WeightTransferConfig
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.errors import EngineBusyError
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.sampling import SamplingParams
+from weightsync.trainer.engine_process import EngineProcess
+from weightsync.trainer.senders import IPCWeightSender
+from weightsync.trainer.sync import sync_weights
+from weightsync.transfer.base import WeightTransferUpdateInfo, WeightValidationError
+from weightsync.transfer.nccl import NCCLTrainerSendWeightsArgs, trainer_init, trainer_send_weights
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return LlamaForCausalLM.from_preset("debug", seed=1)
+
+
+def test_a_rejection_by_one_engine_process_leaves_every_engine_serving(policy):
+    config = EngineConfig(num_kv_blocks=64)
+    engines = [
+        EngineProcess("debug", dtype="float32", engine_config=config, timeout_s=TIMEOUT_S),
+        EngineProcess("debug", dtype="float64", engine_config=config, timeout_s=TIMEOUT_S),
+    ]
+    try:
+        before = [engine.weight_digests() for engine in engines]
+        with IPCWeightSender(engines) as sender:
+            with pytest.raises(WeightValidationError, match=r"float64"):
+                sync_weights(sender, policy.named_weights(), weight_version=1)
+        for engine, digests in zip(engines, before, strict=True):
+            assert engine.weight_digests() == digests
+            assert engine.weight_version == 0 and not engine.is_paused()
+            output = engine.generate(["still serving"], GREEDY)[0]
+            assert output.outputs[0].weight_versions == [0] * 4
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_a_busy_engine_refuses_a_broadcast_at_once_and_the_group_stays_usable(policy):
+    engine = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(num_kv_blocks=64),
+        weight_transfer_config=WeightTransferConfig(backend="gloo"),
+    )
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    joining = threading.Thread(
+        target=engine.init_weight_transfer_engine, args=({"init_info": group.init_info},)
+    )
+    joining.start()
+    group.connect()
+    joining.join(TIMEOUT_S)
+    engine.add_request("r", "in flight", SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # running and not paused: busy
+    update_info = WeightTransferUpdateInfo.from_named_tensors(
+        policy.named_weights(), weight_version=1
+    ).to_dict()
+    args = NCCLTrainerSendWeightsArgs(group, update_info)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            receive = pool.submit(engine.update_weights, {"update_info": update_info})
+            start = time.monotonic()
+            with pytest.raises(WeightValidationError, match=r"rank 1: EngineBusyError"):
+                trainer_send_weights(policy.named_weights(), args)
+            waited_s = time.monotonic() - start
+            with pytest.raises(EngineBusyError, match=r"call pause_generation"):
+                receive.result(timeout=TIMEOUT_S)
+        # The refusal came in the handshake, not after the group's timeout.
+        assert waited_s < TIMEOUT_S / 2
+        engine.pause_generation(mode="keep")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            receive = pool.submit(engine.update_weights, {"update_info": update_info})
+            trainer_send_weights(policy.named_weights(), args)
+            receive.result(timeout=TIMEOUT_S)
+        assert engine.weight_version == 1
+    finally:
+        group.close()
+        engine.shutdown()
