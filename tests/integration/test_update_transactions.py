@@ -35,9 +35,11 @@ def test_a_rejection_by_one_engine_process_leaves_every_engine_serving(policy):
     ]
     try:
         before = [engine.weight_digests() for engine in engines]
-        with IPCWeightSender(engines) as sender:
-            with pytest.raises(WeightValidationError, match=r"float64"):
-                sync_weights(sender, policy.named_weights(), weight_version=1)
+        with (
+            IPCWeightSender(engines) as sender,
+            pytest.raises(WeightValidationError, match=r"float64"),
+        ):
+            sync_weights(sender, policy.named_weights(), weight_version=1)
         for engine, digests in zip(engines, before, strict=True):
             assert engine.weight_digests() == digests
             assert engine.weight_version == 0 and not engine.is_paused()
