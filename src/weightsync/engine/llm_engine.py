@@ -211,10 +211,10 @@ class LLMEngine:
         if self._can_compute():
             batch = self.scheduler.schedule()
             if batch:
-                tokens = self.runner.execute(batch)
+                tokens, logprobs = self.runner.execute(batch)
                 self.num_steps += 1
                 version = self.weights.weight_version
-                for seq in self.output_processor.process(batch, tokens, version):
+                for seq in self.output_processor.process(batch, tokens, version, logprobs):
                     if seq.is_finished:
                         self._emit_finished([seq])
                     else:
@@ -363,6 +363,26 @@ class LLMEngine:
     def weight_version(self) -> WeightVersion:
         """Version of the current weights: the trainer's label, or the count of updates."""
         return self.weights.weight_version
+
+    def update_weight_version(self, new_version: WeightVersion) -> None:
+        """Relabels the current weights, as vLLM's `/update_weight_version`; no byte changes.
+
+        Tokens generated from now on carry `new_version`.
+
+        Raises:
+            InvalidRequestError: `new_version` is not a string or an int.
+            WeightUpdateStateError: A weight update is in progress (its finish sets the version).
+        """
+        if not isinstance(new_version, str | int) or isinstance(new_version, bool):
+            raise InvalidRequestError(
+                f"new_version must be a string or an int, got {new_version!r}"
+            )
+        if self.weights.transaction is not None:
+            raise WeightUpdateStateError(
+                "update_weight_version: a weight update is in progress; its "
+                "finish_weight_update(weight_version) sets the version"
+            )
+        self.weights.weight_version = new_version
 
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer group: `{"init_info": {...}}`, as vLLM's `LLM` takes it.

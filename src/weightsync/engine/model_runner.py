@@ -6,7 +6,7 @@ import torch
 
 from weightsync.engine.attention import AttentionMetadata, PrefillSpan
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.sampling import sample
+from weightsync.engine.sampling import TokenLogprobs, sample, token_logprobs
 from weightsync.engine.scheduler import ScheduledSequence
 
 __all__ = ["ModelRunner"]
@@ -84,14 +84,21 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSequence]) -> list[int]:
-        """Runs one step; returns the sampled token of each sampling sequence, in batch order."""
+    def execute(
+        self, batch: list[ScheduledSequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Runs one step.
+
+        Returns:
+            The sampled token of each sampling sequence, in batch order, and its
+            log-probabilities (None for a request that did not ask for them).
+        """
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # (tokens, hidden)
         if not sample_rows:
-            return []
+            return [], []
         logits = self.model.compute_logits(hidden[sample_rows])  # (sampling seqs, vocab)
         sampling = [item.seq for item in batch if item.samples]
-        return sample(
-            logits, [s.sampling_params for s in sampling], [s.generator for s in sampling]
-        )
+        params = [s.sampling_params for s in sampling]
+        tokens = sample(logits, params, [s.generator for s in sampling])
+        return tokens, token_logprobs(logits, params, tokens)

@@ -62,6 +62,10 @@ class CompletionOutput:
         weight_versions: For each output token, the weight version that generated it.
         finish_reason: None while running, else why it ended.
         stop_reason: The stop string or stop token id that ended it, if any.
+        logprobs: For each output token, its log-probability under the weights that generated
+            it; None unless `SamplingParams.logprobs` was set.
+        top_logprobs: For each output token, the most likely tokens at that step and their
+            log-probabilities (`{token_id: logprob}`, as many as `SamplingParams.logprobs`).
     """
 
     index: int
@@ -70,6 +74,8 @@ class CompletionOutput:
     weight_versions: list[WeightVersion]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

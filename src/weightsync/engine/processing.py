@@ -6,7 +6,7 @@ import torch
 
 from weightsync.engine.errors import InvalidRequestError
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.scheduler import ScheduledSequence
 from weightsync.engine.sequence import Sequence
 from weightsync.engine.tokenizer import ByteTokenizer
@@ -36,16 +36,15 @@ class InputProcessor:
         self.seed = seed
         self._num_requests = 0
 
-    def process(
-        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None
-    ) -> Sequence:
-        """Returns the new request's sequence.
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Checks a prompt and returns its text (None for token ids) and token ids.
+
+        Has no side effect, so a server can refuse a bad prompt before it answers.
 
         Raises:
             InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
                 room for output within `max_model_len`.
         """
-        params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -62,6 +61,19 @@ class InputProcessor:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
                 "shorten the prompt to leave room for at least one output token"
             )
+        return text, token_ids
+
+    def process(
+        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None
+    ) -> Sequence:
+        """Returns the new request's sequence.
+
+        Raises:
+            InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
+                room for output within `max_model_len`.
+        """
+        params = sampling_params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
         # Unseeded requests still get a generator of their own, so that a request's draws never
         # depend on which other requests share its batch.
         seed = (
@@ -91,7 +103,11 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(
-        self, batch: list[ScheduledSequence], tokens: list[int], weight_version: WeightVersion
+        self,
+        batch: list[ScheduledSequence],
+        tokens: list[int],
+        weight_version: WeightVersion,
+        logprobs: list[TokenLogprobs | None] | None = None,
     ) -> list[Sequence]:
         """Appends each sampled token, tagged with `weight_version`, and applies stop conditions.
 
@@ -99,17 +115,19 @@ class OutputProcessor:
             batch: The step's batch.
             tokens: One sampled token per sequence of `batch` that samples, in batch order.
             weight_version: Version of the weights that produced `tokens`.
+            logprobs: Log-probabilities of each of `tokens` (None where not asked for).
 
         Returns:
             The sequences that received a token (some now finished), in batch order.
         """
         sampled = iter(tokens)
+        sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(tokens))
         changed = []
         for item in batch:
             if not item.samples:
                 continue  # a prefill chunk that does not reach the end yet
             token = next(sampled)
-            delta = item.seq.append_token(token, weight_version)
+            delta = item.seq.append_token(token, weight_version, next(sampled_logprobs))
             self._check_stop(item.seq, token, delta)
             changed.append(item.seq)
         return changed

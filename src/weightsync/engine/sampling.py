@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from weightsync.engine.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprobs", "sample", "token_logprobs"]
+
+MAX_LOGPROBS = 20
+"""Most alternatives `SamplingParams.logprobs` may ask for at each step."""
 
 
 @dataclass
@@ -26,6 +30,10 @@ class SamplingParams:
         stop: Strings that end the output; the output text stops before the first one found.
         stop_token_ids: Token ids that end the output (kept in the output's token ids).
         ignore_eos: Keep generating past the end-of-sequence token (benchmarks want fixed lengths).
+        logprobs: Return the log-probability of each sampled token, and of the `logprobs` most
+            likely tokens at each step (0 for the sampled token alone); None returns none.
+            Log-probabilities are those of the model's own distribution (softmax of the raw
+            logits, before temperature and top-p), as an RL loss needs them.
 
     Raises:
         InvalidRequestError: A value is out of range; the message names the field.
@@ -41,6 +49,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -72,6 +81,14 @@ class SamplingParams:
                 f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}"
             )
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -116,3 +133,44 @@ def sample(
             probs = _top_p_filter(probs, sp.top_p)
         chosen[row] = int(torch.multinomial(probs, 1, generator=generator).item())
     return [int(t) for t in chosen]
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities at one sampling step.
+
+    Attributes:
+        logprob: Log-probability of the sampled token.
+        top: The most likely tokens and their log-probabilities, most likely first (as many as
+            the request's `logprobs`).
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the sampled `tokens`, for the rows whose request asked for them.
+
+    Args:
+        logits: (num_rows, vocab) next-token logits, as given to `sample`.
+        params: One `SamplingParams` per row.
+        tokens: The token sampled in each row.
+
+    Returns:
+        One entry per row: None where `logprobs` is None.
+    """
+    rows = [row for row, sp in enumerate(params) if sp.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return result
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # (asking rows, vocab)
+    chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in rows])).squeeze(1).tolist()
+    k = max(params[r].logprobs or 0 for r in rows)
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    for i, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
+        result[row] = TokenLogprobs(float(chosen[i]), top)
+    return result

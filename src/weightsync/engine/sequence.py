@@ -12,7 +12,7 @@ from weightsync.engine.outputs import (
     RequestOutput,
     WeightVersion,
 )
-from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.tokenizer import IncrementalDecoder
 
 __all__ = ["Sequence", "SequenceStatus"]
@@ -50,6 +50,7 @@ class Sequence:
         num_cached_tokens: Prompt tokens that hit the prefix cache when it was admitted.
         was_started: Whether it has been admitted once (a preempted sequence has).
         output_weight_versions: The weight version that generated each output token.
+        output_logprobs: Log-probabilities of each output token, when the request asked for them.
     """
 
     def __init__(
@@ -71,6 +72,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_text = ""
         self.output_weight_versions: list[WeightVersion] = []
+        self.output_logprobs: list[TokenLogprobs] | None = (
+            None if sampling_params.logprobs is None else []
+        )
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
@@ -112,10 +116,14 @@ class Sequence:
         """Whether the sequence has ended."""
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, weight_version: WeightVersion) -> str:
+    def append_token(
+        self, token_id: int, weight_version: WeightVersion, logprobs: TokenLogprobs | None = None
+    ) -> str:
         """Appends a sampled token produced by `weight_version`; returns the text it adds."""
         self.token_ids.append(token_id)
         self.output_weight_versions.append(weight_version)
+        if self.output_logprobs is not None and logprobs is not None:
+            self.output_logprobs.append(logprobs)
         delta = self.decoder.add(token_id)
         self.output_text += delta
         return delta
@@ -147,6 +155,12 @@ class Sequence:
             text=self.output_text,
             token_ids=self.output_token_ids,
             weight_versions=list(self.output_weight_versions),
+            logprobs=None
+            if self.output_logprobs is None
+            else [lp.logprob for lp in self.output_logprobs],
+            top_logprobs=None
+            if self.output_logprobs is None
+            else [dict(lp.top) for lp in self.output_logprobs],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
