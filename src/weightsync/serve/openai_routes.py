@@ -1,0 +1,260 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+A request with `n` choices per prompt runs as one engine request per choice. Streams are
+server-sent events, one chunk per engine step that changed a choice, then `data: [DONE]`. Each
+choice also carries its `token_ids`, the `weight_versions` that generated them (both as deltas in
+a stream) and `prompt_token_ids`: what an RL trainer needs and OpenAI's shape lacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from weightsync import (
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    WeightSyncError,
+)
+from weightsync.serve._auth import require_api_key
+from weightsync.serve._errors import RequestRefused, error_body, status_of
+from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
+from weightsync.serve.app import ServerState
+from weightsync.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+    apply_chat_template,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+"""The `/v1` routes; each needs the API key when the server has one."""
+
+
+@router.get("/models", operation_id="list_models")
+async def _list_models(request: Request) -> dict[str, Any]:
+    """The one model this server serves."""
+    state: ServerState = request.app.state.serve
+    model = {"id": state.config.model_name, "object": "model", "owned_by": "weightsync"}
+    return {"object": "list", "data": [{**model, "created": 0}]}
+
+
+class _Run:
+    """The engine requests of one completion request: started together, streamed together."""
+
+    def __init__(self, state: ServerState, body: _SamplingFields, prompts: list[str | list[int]],
+                 max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
+        if body.model is not None and body.model != state.config.model_name:
+            raise RequestRefused(
+                400,
+                f"model {body.model!r} is not served here; this server serves "
+                f"{state.config.model_name!r} (see GET /v1/models)",
+                param="model",
+            )
+        self.state = state
+        self.body = body
+        self.id = body.request_id or f"{kind}-{uuid.uuid4().hex}"
+        if self.id in state.live:
+            raise RequestRefused(
+                400,
+                f"request_id {self.id!r} is already running; use a unique id",
+                param="request_id",
+            )
+        self.created = int(time.time())
+        self.prompt_ids: list[list[int]] = []
+        for prompt in prompts:  # refuse a bad prompt before anything starts
+            try:
+                self.prompt_ids.append(state.engine.engine.input_processor.tokenize(prompt)[1])
+            except InvalidRequestError as exc:
+                param = "messages" if kind == "chatcmpl" else "prompt"
+                raise RequestRefused(400, str(exc), param=param) from None
+        # Choice i*n + j is prompt i's choice j, as OpenAI numbers them.
+        self.choices: list[tuple[str, list[int], SamplingParams]] = [
+            (f"{self.id}-{i * body.n + j}", ids, body.sampling_params(max_tokens, logprobs, j))
+            for i, ids in enumerate(self.prompt_ids)
+            for j in range(body.n)
+        ]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields `(choice index, cumulative output)` as the engine produces them."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        engine = self.state.engine
+
+        async def pump(index: int, request_id: str, ids: list[int], params: SamplingParams) -> None:
+            try:
+                async for output in engine.generate(ids, params, request_id):
+                    queue.put_nowait((index, output))
+                queue.put_nowait((index, None))
+            except BaseException as exc:
+                queue.put_nowait((index, exc))
+                raise
+
+        self.state.live[self.id] = [rid for rid, _, _ in self.choices]
+        tasks = [asyncio.create_task(pump(i, *c)) for i, c in enumerate(self.choices)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.state.live.pop(self.id, None)
+            for task in tasks:
+                task.cancel()  # a client that left: leaving each stream aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def finals(self) -> list[RequestOutput]:
+        """Runs every choice to its end and returns the final outputs, by choice index."""
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in self.outputs():
+            finals[index] = output
+        return [finals[i] for i in range(len(self.choices))]
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        """OpenAI's usage counts (each prompt counted once, whatever `n`)."""
+        prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+
+def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None) -> dict[str, Any]:
+    """The weightsync fields of a choice (from output token `start` on, for a stream's delta)."""
+    fields: dict[str, Any] = {
+        "token_ids": out.token_ids[start:],
+        "weight_versions": out.weight_versions[start:],
+    }
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = prompt_ids
+    return fields
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _stream(run: _Run, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of a run: `chunk(index, output, sent_tokens, sent_chars)` per change."""
+    sent_tokens = [0] * len(run.choices)
+    sent_chars = [0] * len(run.choices)
+    completion_tokens = 0
+    try:
+        async for index, output in run.outputs():
+            out = output.outputs[0]
+            if len(out.token_ids) == sent_tokens[index] and out.finish_reason is None:
+                continue
+            yield _sse(chunk(index, out, sent_tokens[index], sent_chars[index]))
+            sent_tokens[index] = len(out.token_ids)
+            sent_chars[index] = max(sent_chars[index], len(out.text))
+            if out.finish_reason is not None:
+                completion_tokens += len(out.token_ids)
+    except WeightSyncError as exc:  # the status is sent already: the error travels as an event
+        yield _sse(error_body(status_of(exc), type(exc).__name__, str(exc)))
+    if include_usage:
+        yield _sse(
+            {"id": run.id, "object": "usage", "choices": [], "usage": run.usage(completion_tokens)}
+        )
+    yield _sse("[DONE]")
+
+
+def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+@router.post("/completions", response_model=None, operation_id="create_completion")
+async def _create_completion(
+    body: CompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
+    """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
+    state: ServerState = request.app.state.serve
+    run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
+    base = {"id": run.id, "object": "text_completion", "created": run.created,
+            "model": state.config.model_name}  # fmt: skip
+    prompt_of = [ids for ids in run.prompt_ids for _ in range(body.n)]
+
+    def choice(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": out.text[chars:],
+            "logprobs": completion_logprobs(out, start) if body.logprobs is not None else None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            **_extensions(out, start, prompt_of[index] if start == 0 else None),
+        }
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _streaming_response(_stream(
+            run, lambda *a: {**base, "choices": [choice(*a)]}, include_usage
+        ))  # fmt: skip
+    finals = await run.finals()
+    outs = [f.outputs[0] for f in finals]
+    return JSONResponse({
+        **base,
+        "choices": [choice(i, out, 0, 0) for i, out in enumerate(outs)],
+        "usage": run.usage(sum(len(o.token_ids) for o in outs)),
+    })  # fmt: skip
+
+
+@router.post("/chat/completions", response_model=None, operation_id="create_chat_completion")
+async def _create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
+    """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
+    state: ServerState = request.app.state.serve
+    prompt = apply_chat_template(body.messages)
+    run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
+    model = state.config.model_name
+    asked = body.num_logprobs() is not None
+
+    def chunk(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": out.text[chars:]}
+        if start == 0:
+            delta["role"] = "assistant"
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(out, start) if asked else None,
+            "finish_reason": out.finish_reason,
+            **_extensions(out, start, run.prompt_ids[0] if start == 0 else None),
+        }
+        return {"id": run.id, "object": "chat.completion.chunk", "created": run.created,
+                "model": model, "choices": [choice]}  # fmt: skip
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _streaming_response(_stream(run, chunk, include_usage))
+    finals = await run.finals()
+    outs = [f.outputs[0] for f in finals]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(out, 0) if asked else None,
+            "finish_reason": out.finish_reason,
+            **_extensions(out, 0, run.prompt_ids[0]),
+        }
+        for i, out in enumerate(outs)
+    ]
+    return JSONResponse({
+        "id": run.id, "object": "chat.completion", "created": run.created, "model": model,
+        "choices": choices, "usage": run.usage(sum(len(o.token_ids) for o in outs)),
+    })  # fmt: skip

@@ -1,0 +1,150 @@
+"""The OpenAI request bodies the server accepts, and the chat template over the byte tokenizer.
+
+Unknown fields are refused (400 naming the field) rather than silently ignored, so a misspelt
+`max_token` is caught. Fields beyond OpenAI's (`ignore_eos`, `stop_token_ids`, `request_id`) are
+weightsync extensions; responses add `token_ids`, `weight_versions` and `prompt_token_ids` to each
+choice, which OpenAI clients ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from weightsync import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "TextPart",
+    "apply_chat_template",
+]
+
+_Prompt = StrictStr | list[StrictInt]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    """`stream_options`: `include_usage` adds a last chunk carrying the usage counts."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str | None = Field(None, description="Ignored beyond a check: the server has one model.")
+    temperature: float = Field(1.0, ge=0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: StrictInt | None = Field(None, description="Seeds each choice (choice i uses seed + i).")
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, description="weightsync extension.")
+    ignore_eos: bool = Field(False, description="weightsync extension.")
+    n: int = Field(1, ge=1, le=64, description="Choices per prompt.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    request_id: str | None = Field(
+        None,
+        min_length=1,
+        description="weightsync extension: the id `/abort_requests` takes (random by default).",
+    )
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's sampling parameters of choice number `choice` of a prompt."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """The body of `POST /v1/completions`.
+
+    `prompt` is a text, a list of token ids, or a list of either (one completion each).
+    `logprobs` asks for the sampled tokens' log-probabilities and that many alternatives.
+    """
+
+    prompt: _Prompt | list[_Prompt]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per completion."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):  # one prompt of token ids (maybe empty)
+            return [[p for p in prompt if isinstance(p, int)]]
+        return [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+
+
+class TextPart(_Body):
+    """One text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One chat message."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one text."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """The body of `POST /v1/chat/completions`.
+
+    `messages` are rendered by [`apply_chat_template`][weightsync.serve.protocol.apply_chat_template].
+    `logprobs=true` asks for the sampled tokens' log-probabilities, `top_logprobs` for that many
+    alternatives.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def max_output_tokens(self) -> int:
+        """`max_completion_tokens`, else `max_tokens`, else 16."""
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    def num_logprobs(self) -> int | None:
+        """The engine's `logprobs` for this request."""
+        return (self.top_logprobs or 0) if self.logprobs or self.top_logprobs else None
+
+
+def apply_chat_template(messages: list[ChatMessage]) -> str:
+    """Renders chat messages into one prompt for the byte tokenizer.
+
+    Each message becomes `<|role|>` on a line of its own, then its content and a newline; the
+    prompt ends with `<|assistant|>` and a newline, where the reply begins. The markers are plain
+    text (bytes), since the byte tokenizer has no special tokens for roles; the tokenizer puts
+    its BOS token first.
+
+    >>> print(apply_chat_template([ChatMessage(role="user", content="hi")]), end="")
+    <|user|>
+    hi
+    <|assistant|>
+    """
+    rendered = "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages)
+    return rendered + "<|assistant|>\n"

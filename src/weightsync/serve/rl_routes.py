@@ -1,0 +1,261 @@
+"""vLLM's RL routes: pause and resume, the weight-update transaction, versions and checksums.
+
+Paths, query parameters and success bodies are vLLM's, so a trainer written against vLLM's HTTP
+server drives this one unchanged. Unlike vLLM's, every route takes the admin key when the server
+has one, and every failure is JSON naming the field and the weightsync error type with the status
+of its class (never a 500 for a known failure). Transfer calls (`/init_weight_transfer_engine`,
+`/update_weights`) block on a worker thread, never on the event loop, so streams keep flowing
+while a transfer waits for its trainer. IPC handles arrive as JSON records: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from weightsync import AsyncEngine, EngineStateError
+from weightsync.serve._auth import require_admin_key
+from weightsync.serve._checksums import model_checksums
+from weightsync.serve._errors import RequestRefused
+from weightsync.serve.app import ServerState
+
+__all__ = [
+    "AbortRequestsRequest",
+    "FinishWeightUpdateRequest",
+    "InitWeightTransferRequest",
+    "StartWeightUpdateRequest",
+    "UpdateWeightVersionRequest",
+    "UpdateWeightsRequest",
+    "WeightCheckerRequest",
+    "router",
+]
+
+router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
+"""The RL routes; each needs the admin key when the server has one."""
+
+_PAUSE_MODES = ("abort", "wait", "keep")
+_Version = StrictStr | StrictInt
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AbortRequestsRequest(_Body):
+    """`/abort_requests`: the completion ids to abort; empty or absent aborts every one."""
+
+    request_ids: list[str] | None = None
+
+
+class InitWeightTransferRequest(_Body):
+    """`/init_weight_transfer_engine`: the init info the trainer's `trainer_init` made."""
+
+    init_info: dict[str, Any]
+
+
+class StartWeightUpdateRequest(_Body):
+    """`/start_weight_update`: an optional body (older vLLM sent `is_checkpoint_format`)."""
+
+    is_checkpoint_format: bool = True
+
+
+class UpdateWeightsRequest(_Body):
+    """`/update_weights`: one update message (names, dtype names, shapes; IPC handle records)."""
+
+    update_info: dict[str, Any]
+
+
+class FinishWeightUpdateRequest(_Body):
+    """`/finish_weight_update`: the version the weights take (None counts updates)."""
+
+    weight_version: _Version | None = None
+
+
+class UpdateWeightVersionRequest(_Body):
+    """`/update_weight_version`: relabels the current weights."""
+
+    new_version: _Version
+
+
+class WeightCheckerRequest(_Body):
+    """`/weight_checker`: `checksum`, `compare` against a `baseline` of digests, or `reset`."""
+
+    action: Literal["checksum", "compare", "reset"]
+    baseline: dict[str, str] | None = Field(None, description="name -> SHA-256 hex (compare).")
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.serve
+    return state
+
+
+def _engine(request: Request) -> AsyncEngine:
+    return _state(request).engine
+
+
+@router.post("/pause", operation_id="pause")
+async def _pause(
+    request: Request,
+    mode: str = "abort",
+    clear_cache: bool = True,
+    wait_for_inflight_requests: bool | None = None,
+) -> dict[str, Any]:
+    """Pauses generation at a step boundary: `abort`, `wait` (drain first) or `keep` (freeze).
+
+    `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`.
+    """
+    if mode not in _PAUSE_MODES:
+        raise RequestRefused(
+            400,
+            f"query parameter 'mode' must be one of {list(_PAUSE_MODES)}, got {mode!r}",
+            param="mode",
+        )
+    if wait_for_inflight_requests:
+        if mode not in ("abort", "wait"):  # abort is the default, so it may mean "not given"
+            raise RequestRefused(
+                400,
+                f"query parameters 'mode={mode}' and 'wait_for_inflight_requests=true' conflict: "
+                "give mode=wait alone (wait_for_inflight_requests is deprecated)",
+                param="wait_for_inflight_requests",
+            )
+        mode = "wait"
+    await _engine(request).pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+    return {"status": "paused"}
+
+
+@router.post("/resume", operation_id="resume")
+async def _resume(request: Request) -> dict[str, Any]:
+    """Resumes generation; kept requests continue."""
+    await _engine(request).resume_generation()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused", operation_id="is_paused")
+async def _is_paused(request: Request) -> dict[str, Any]:
+    """Whether generation is paused."""
+    return {"is_paused": await _engine(request).is_paused()}
+
+
+@router.post("/abort_requests", operation_id="abort_requests")
+async def _abort_requests(
+    request: Request, body: Annotated[AbortRequestsRequest | None, Body()] = None
+) -> dict[str, Any]:
+    """Aborts running completions by id (every one when none is given)."""
+    state = _state(request)
+    if body is None or not body.request_ids:
+        return {"status": "aborted", "aborted": await state.abort_all()}
+    found = [rid for rid in body.request_ids if rid in state.live]
+    for completion_id in found:
+        for request_id in state.live.get(completion_id, []):
+            await state.engine.abort(request_id)
+    return {"status": "aborted", "aborted": len(found)}
+
+
+@router.post("/init_weight_transfer_engine", operation_id="init_weight_transfer_engine")
+async def _init_weight_transfer_engine(
+    request: Request, body: InitWeightTransferRequest
+) -> dict[str, Any]:
+    """Joins the trainer's transfer; blocks (off the event loop) until it forms or times out."""
+    await _engine(request).init_weight_transfer_engine({"init_info": body.init_info})
+    return {"message": "Weight transfer initialized"}
+
+
+@router.post("/start_weight_update", operation_id="start_weight_update")
+async def _start_weight_update(
+    request: Request, body: Annotated[StartWeightUpdateRequest | None, Body()] = None
+) -> dict[str, Any]:
+    """Opens a weight-update transaction; no forward pass runs until it ends."""
+    if body is not None and not body.is_checkpoint_format:
+        raise RequestRefused(
+            400,
+            "field 'is_checkpoint_format': only checkpoint-format (Hugging Face) names are "
+            "supported; send true or leave it out",
+            param="is_checkpoint_format",
+        )
+    await _engine(request).start_weight_update()
+    return {"message": "Weight update started"}
+
+
+@router.post("/update_weights", operation_id="update_weights")
+async def _update_weights(request: Request, body: UpdateWeightsRequest) -> dict[str, Any]:
+    """Receives one update message (off the event loop); may come several times per update.
+
+    The body adds `stats` (what was received and how fast) to vLLM's.
+    """
+    stats = await _engine(request).update_weights({"update_info": body.update_info})
+    return {
+        "message": "Weights updated",
+        "stats": dataclasses.asdict(dataclasses.replace(stats, loaded_names=None)),
+    }
+
+
+@router.post("/finish_weight_update", operation_id="finish_weight_update")
+async def _finish_weight_update(
+    request: Request, body: Annotated[FinishWeightUpdateRequest | None, Body()] = None
+) -> dict[str, Any]:
+    """Ends the transaction: the version moves if every announced weight landed."""
+    await _engine(request).finish_weight_update(body.weight_version if body else None)
+    return {"message": "Weight update finished"}
+
+
+@router.post("/abort_weight_update", operation_id="abort_weight_update")
+async def _abort_weight_update(request: Request) -> dict[str, Any]:
+    """Ends the transaction on purpose (a weightsync extension); `aborted`: one was open."""
+    aborted = await _engine(request).abort_weight_update()
+    return {"message": "Weight update aborted", "aborted": aborted}
+
+
+@router.post("/update_weight_version", operation_id="update_weight_version")
+async def _update_weight_version(
+    request: Request, body: UpdateWeightVersionRequest
+) -> dict[str, Any]:
+    """Relabels the current weights; no byte changes."""
+    _engine(request).engine.update_weight_version(body.new_version)
+    return {"success": True, "new_version": body.new_version}
+
+
+@router.get("/weight_info", operation_id="weight_info")
+async def _weight_info(request: Request) -> dict[str, Any]:
+    """The current weight version."""
+    return {"weight_version": _engine(request).weight_version}
+
+
+@router.post("/weight_checker", operation_id="weight_checker")
+async def _weight_checker(request: Request, body: WeightCheckerRequest) -> dict[str, Any]:
+    """SHA-256 of every weight (`checksum`), or a comparison with a `baseline` of them.
+
+    Refused (409) while a weight update is in progress or weights are torn: the digests would
+    describe weights that are about to change or are half-written.
+    """
+    if body.action == "reset":
+        return {"status": "reset"}  # the checker keeps no state between calls
+    if body.action == "compare" and body.baseline is None:
+        raise RequestRefused(
+            400, "field 'baseline' is required with action 'compare'", param="baseline"
+        )
+    engine = _engine(request).engine
+    if engine.weights.holds_generation:
+        raise EngineStateError(
+            "weight_checker: a weight update is in progress or weights are torn; check after "
+            "finish_weight_update"
+        )
+    checksums = await asyncio.to_thread(model_checksums, engine.model)
+    if body.action == "checksum":
+        return {"checksums": checksums}
+    baseline = body.baseline or {}
+    mismatches = sorted(
+        name for name in checksums.keys() | baseline.keys()
+        if checksums.get(name) != baseline.get(name)
+    )  # fmt: skip
+    return {"match": not mismatches, "mismatches": mismatches}
+
+
+@router.get("/get_world_size", operation_id="get_world_size")
+async def _get_world_size(request: Request, include_dp: bool = True) -> dict[str, Any]:
+    """Transfer workers behind this server (the trainer not counted)."""
+    del include_dp  # one replica: with or without data parallelism, the same count
+    return {"world_size": _state(request).config.world_size}
