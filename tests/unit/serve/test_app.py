@@ -1,0 +1,98 @@
+"""The app in-process (FastAPI's TestClient): shapes of answers, errors, auth, limits."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from weightsync import AsyncEngine, EngineConfig
+from weightsync.serve import ServerConfig, create_app
+from weightsync.serve.protocol import ChatMessage, apply_chat_template
+
+
+def make_client(**config):
+    engine = AsyncEngine("debug", engine_config=EngineConfig(num_kv_blocks=128))
+    return TestClient(create_app(engine, ServerConfig(model_name="debug", **config)))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with make_client(max_request_bytes=2048) as client:
+        yield client
+
+
+def events(response):
+    lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_completion_choices_carry_tokens_versions_and_usage(client):
+    body = {"prompt": ["ab", [256, 99]], "max_tokens": 3, "temperature": 0.7, "n": 2, "seed": 1}
+    answer = client.post("/v1/completions", json=body).json()
+    choices = answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in choices] == [[256, 97, 98]] * 2 + [[256, 99]] * 2
+    assert all(len(c["token_ids"]) == len(c["weight_versions"]) == 3 for c in choices)
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    # Choice j of a prompt samples with seed + j: the same request again gives the same choices.
+    again = client.post("/v1/completions", json=body).json()["choices"]
+    assert [c["token_ids"] for c in again] == [c["token_ids"] for c in choices]
+
+
+def test_a_stream_adds_up_to_the_whole_answer(client):
+    body = {"prompt": "xyz", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions",
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:  # fmt: skip
+        chunks = events(r)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["choices"] == []
+    deltas = [c["choices"][0] for c in chunks[:-1]]
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]
+    streamed_logprobs = [lp for d in deltas for lp in d["logprobs"]["token_logprobs"]]
+    assert streamed_logprobs == whole["logprobs"]["token_logprobs"]
+    assert deltas[-1]["finish_reason"] == "length"
+
+
+def test_chat_uses_the_documented_template(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    prompt = apply_chat_template([ChatMessage(role="user", content="hi")])
+    assert answer.json()["choices"][0]["prompt_token_ids"] == [256, *prompt.encode()]
+    assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_chunked_body_past_the_limit_is_a_413(client):
+    def chunks():
+        yield b'{"prompt": "'
+        yield b"x" * 4096
+        yield b'"}'
+
+    answer = client.post("/v1/completions", content=chunks(),
+                         headers={"content-type": "application/json"})  # fmt: skip
+    assert answer.status_code == 413
+    assert answer.json()["error"]["param"] == "body"
+
+
+def test_keys_guard_their_routes():
+    with make_client(api_key="user", admin_api_key="admin") as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer user"}).status_code == 200
+        assert (
+            client.get("/v1/models", headers={"Authorization": "Bearer admin"}).status_code == 200
+        )
+        refused = client.get("/is_paused", headers={"Authorization": "Bearer user"})
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert client.get("/is_paused", headers={"Authorization": "Bearer admin"}).json() == {
+            "is_paused": False
+        }
+        assert client.get("/health").status_code == 200
+
+
+def test_openapi_schema_lists_every_route(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/pause", "/update_weights",
+                 "/finish_weight_update", "/weight_checker", "/abort_weight_update"):  # fmt: skip
+        assert path in paths

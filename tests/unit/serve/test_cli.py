@@ -1,0 +1,54 @@
+import pytest
+
+from weightsync import WeightValidationError
+from weightsync.serve.cli import build_parser, main, parse_serve_args
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--weight-transfer-config", '{"backend": "gloo"}'],
+        ["serve", '--weight-transfer-config={"backend": "gloo"}'],
+        ["serve", "--weight-transfer-config.backend", "gloo"],
+        ["serve", "--weight-transfer-config.backend=gloo"],
+    ],
+)
+def test_weight_transfer_config_in_json_and_dotted_forms(argv):
+    args, config = parse_serve_args(argv)
+    assert config.backend == "gloo"
+    assert args.model == "tiny"
+
+
+def test_options_reach_the_namespace():
+    args, config = parse_serve_args(
+        ["serve", "debug", "--port", "0", "--num-kv-blocks", "64", "--weight-update-staging"]
+    )
+    assert (args.model, args.port, args.num_kv_blocks, args.weight_update_staging) == (
+        "debug", 0, 64, True,
+    )  # fmt: skip
+    assert config is None
+
+
+def test_unknown_backend_names_the_known_ones():
+    with pytest.raises(WeightValidationError, match="gloo"):
+        parse_serve_args(["serve", "--weight-transfer-config.backend", "carrier-pigeon"])
+
+
+def test_keys_default_to_the_environment(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_API_KEY", "user")
+    monkeypatch.setenv("WEIGHTSYNC_ADMIN_API_KEY", "admin")
+    args = build_parser().parse_args(["serve"])
+    assert (args.api_key, args.admin_api_key) == ("user", "admin")
+
+
+def test_a_non_loopback_host_without_an_admin_key_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("WEIGHTSYNC_ADMIN_API_KEY", raising=False)
+    assert main(["serve", "debug", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--admin-api-key" in err and err.count("\n") == 1
+
+
+def test_help_lists_the_serve_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
