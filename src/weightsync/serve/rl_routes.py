@@ -17,9 +17,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from weightsync import AsyncEngine, EngineStateError
+from weightsync import AsyncEngine, EngineStateError, weight_checksums
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._checksums import model_checksums
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve.app import ServerState
 
@@ -243,7 +242,7 @@ async def _weight_checker(request: Request, body: WeightCheckerRequest) -> dict[
             "weight_checker: a weight update is in progress or weights are torn; check after "
             "finish_weight_update"
         )
-    checksums = await asyncio.to_thread(model_checksums, engine.model)
+    checksums = await asyncio.to_thread(weight_checksums, engine.model.named_weights())
     if body.action == "checksum":
         return {"checksums": checksums}
     baseline = body.baseline or {}
