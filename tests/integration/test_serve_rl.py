@@ -19,6 +19,7 @@ RL_ROUTES = [
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"),
     ("POST", "/abort_weight_update"), ("POST", "/update_weight_version"),
     ("GET", "/weight_info"), ("POST", "/weight_checker"), ("GET", "/get_world_size"),
+    ("POST", "/arm_pause"), ("POST", "/unfinished_requests"),
 ]  # fmt: skip
 
 

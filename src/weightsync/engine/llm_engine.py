@@ -15,7 +15,8 @@ import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,9 +44,26 @@ from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.weights import LiveWeights, _Transaction
 from weightsync.transfer.base import TransferStats
 
-__all__ = ["LLMEngine"]
+__all__ = ["ArmedPause", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArmedPause:
+    """A pause waiting for every unfinished request to reach `after_tokens` output tokens.
+
+    Attributes:
+        after_tokens: Output tokens each unfinished request must have.
+        mode: The pause's mode.
+        clear_cache: Whether the pause drops the KV and prefix caches.
+        on_pause: Called when the pause starts.
+    """
+
+    after_tokens: int
+    mode: PauseMode
+    clear_cache: bool
+    on_pause: Callable[[], None] | None = None
 
 
 def _unwrap(request: Any, key: str, method: str) -> Any:
@@ -138,6 +156,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
+        self.armed_pause: ArmedPause | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -184,14 +203,23 @@ class LLMEngine:
             with self._lock:
                 self._live_ids.discard(seq.request_id)
 
+    def is_unfinished(self, request_id: str) -> bool:
+        """Whether a request was added and has not finished (queued, running or frozen)."""
+        return request_id in self._live_ids
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is queued, running, paused in flight or has an undelivered output."""
         return bool(self._live_ids or self._pending_outputs)
 
     def has_work(self) -> bool:
         """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
+        armed = self.armed_pause is not None and self.scheduler.state is PauseState.UNPAUSED
         return bool(
-            self._inbox or self._abort_inbox or self._pending_outputs or self._can_compute()
+            self._inbox
+            or self._abort_inbox
+            or self._pending_outputs
+            or self._can_compute()
+            or armed
         )
 
     def _can_compute(self) -> bool:
@@ -208,6 +236,7 @@ class LLMEngine:
         outputs (aborts); new requests stay queued.
         """
         self._drain_inbox()
+        self._fire_armed_pause()
         if self._can_compute():
             batch = self.scheduler.schedule()
             if batch:
@@ -314,9 +343,53 @@ class LLMEngine:
         >>> engine.is_paused()
         True
         """
+        self.armed_pause = None
         self.start_pause(mode=mode, clear_cache=clear_cache)
         while self.scheduler.state is PauseState.DRAINING:
             self._pending_outputs[:0] = self.step()
+
+    def arm_pause(
+        self,
+        after_tokens: int,
+        *,
+        mode: PauseMode = "keep",
+        clear_cache: bool = True,
+        on_pause: Callable[[], None] | None = None,
+    ) -> None:
+        """Arms a pause for when every unfinished request has `after_tokens` output tokens.
+
+        A weightsync extension. The pause starts at the first step boundary, while generation
+        runs, where every unfinished request has at least that many output tokens: exactly
+        there, however fast the caller is. Checked only while generation runs, so a caller may
+        add its requests to a paused engine, arm, then resume. Arming again replaces the armed
+        pause; `pause_generation` consumes it.
+
+        Args:
+            after_tokens: Output tokens each unfinished request must have.
+            mode: The pause's mode (`abort`, `wait` or `keep`).
+            clear_cache: Whether the pause drops the KV and prefix caches.
+            on_pause: Called (from the stepping thread) when the pause starts.
+
+        Raises:
+            InvalidRequestError: A negative `after_tokens` or an unknown `mode`.
+        """
+        if not isinstance(after_tokens, int) or isinstance(after_tokens, bool) or after_tokens < 0:
+            raise InvalidRequestError(f"after_tokens must be an int >= 0, got {after_tokens!r}")
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self.armed_pause = ArmedPause(after_tokens, mode, clear_cache, on_pause)
+
+    def _fire_armed_pause(self) -> None:
+        armed = self.armed_pause
+        if armed is None or self.scheduler.state is not PauseState.UNPAUSED:
+            return
+        sequences = [*self.scheduler.running, *self.scheduler.waiting]
+        if any(seq.num_output_tokens < armed.after_tokens for seq in sequences):
+            return
+        self.armed_pause = None
+        self.start_pause(mode=armed.mode, clear_cache=armed.clear_cache)
+        if armed.on_pause is not None:
+            armed.on_pause()
 
     def resume_generation(self) -> None:
         """Resumes generation (harmless when not paused; cancels a draining `wait` pause).

@@ -10,6 +10,7 @@ transfer timeout).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -72,11 +73,13 @@ class ServerState:
         engine: The engine served.
         config: The HTTP layer's settings.
         live: Each running completion's id -> the engine request ids of its choices.
+        armed_pause_started: Set when the pause armed by `/arm_pause` starts.
     """
 
     engine: AsyncEngine
     config: ServerConfig
     live: dict[str, list[str]] = field(default_factory=dict)
+    armed_pause_started: asyncio.Event | None = None
 
     async def abort_all(self) -> int:
         """Aborts every running request (their streams end with `finish_reason="abort"`)."""

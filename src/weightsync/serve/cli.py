@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,8 @@ import weightsync
 from weightsync import (
     AsyncEngine,
     EngineConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     LLMEngine,
     WeightSyncError,
     WeightTransferConfig,
@@ -83,6 +87,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0,
                        help="seed of a preset's weights and of unseeded sampling "
                        "(default: %(default)s)")  # fmt: skip
+    model.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="auto: a preset's random weights or the directory's safetensors; "
+                       "dummy: zero weights of the preset's or config.json's shapes, for a "
+                       "trainer to fill with its first update (default: %(default)s)")  # fmt: skip
+    model.add_argument("--device", default="cpu",
+                       help="where transfer buffers live: cpu, or cuda:N, which becomes the "
+                       "process's CUDA device (nccl); the engine computes on the CPU "
+                       "(default: %(default)s)")  # fmt: skip
     model.add_argument("--weight-transfer-config", metavar="JSON",
                        help='transfer backend, as JSON (\'{"backend": "gloo"}\') or dotted keys '
                        "(--weight-transfer-config.backend gloo); default: the backend the "
@@ -105,6 +117,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="blocks in the KV cache (default: %(default)s)")  # fmt: skip
     sched.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="longest sequence in tokens (default: the model's)")  # fmt: skip
+    sched.add_argument("--sampling-seed", type=int, default=None,
+                       help="seed of unseeded requests' sampling (default: --seed)")  # fmt: skip
     sched.add_argument("--no-prefix-caching", action="store_true",
                        help="do not reuse the KV of identical prompt prefixes")  # fmt: skip
 
@@ -129,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_arguments(serve)
     return parser
+
+
+def _zero_model(name: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A model of a preset's or a directory's `config.json` shapes, every weight zero."""
+    path = Path(name) / "config.json"
+    config = (
+        LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+        if path.is_file()
+        else LlamaConfig.preset(name)
+    )
+    model = LlamaForCausalLM(config, dtype=dtype)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    return model
 
 
 def _is_loopback(host: str) -> bool:
@@ -195,11 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_kv_blocks=args.num_kv_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len,
-            seed=args.seed,
+            seed=args.seed if args.sampling_seed is None else args.sampling_seed,
             weight_update_staging=args.weight_update_staging,
         )
+        if torch.device(args.device).type == "cuda":  # nccl receives on the current device
+            torch.cuda.set_device(torch.device(args.device))
         engine = LLMEngine(
-            args.model,
+            _zero_model(args.model, _DTYPES[args.dtype])
+            if args.load_format == "dummy"
+            else args.model,
             engine_config=engine_config,
             weight_transfer_config=transfer_config,
             seed=args.seed,

@@ -86,8 +86,13 @@ class _Run:
             for j in range(body.n)
         ]
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields `(choice index, cumulative output)` as the engine produces them."""
+    async def outputs(
+        self, on_accepted: tuple[int, RequestOutput] | None = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields `(choice index, cumulative output)` as the engine produces them.
+
+        `on_accepted`, if given, is yielded first, once every choice is in the engine.
+        """
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         engine = self.state.engine
 
@@ -103,6 +108,11 @@ class _Run:
         self.state.live[self.id] = [rid for rid, _, _ in self.choices]
         tasks = [asyncio.create_task(pump(i, *c)) for i, c in enumerate(self.choices)]
         try:
+            # Tasks run their first steps in creation order when this one yields: each adds its
+            # request to the engine before it waits, so the run is in the engine after this.
+            await asyncio.sleep(0)
+            if on_accepted is not None:
+                yield on_accepted
             running = len(tasks)
             while running:
                 index, item = await queue.get()
@@ -155,8 +165,14 @@ async def _stream(run: _Run, chunk: Any, include_usage: bool) -> AsyncIterator[s
     sent_tokens = [0] * len(run.choices)
     sent_chars = [0] * len(run.choices)
     completion_tokens = 0
+    # A comment event (which SSE clients skip) says that every request of the run is in the
+    # engine, so a trainer that queued them while paused knows when it may resume.
+    accepted = (-1, RequestOutput(run.id, None, []))
     try:
-        async for index, output in run.outputs():
+        async for index, output in run.outputs(on_accepted=accepted):
+            if index < 0:
+                yield ": accepted\n\n"
+                continue
             out = output.outputs[0]
             if len(out.token_ids) == sent_tokens[index] and out.finish_reason is None:
                 continue

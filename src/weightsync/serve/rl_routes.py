@@ -122,8 +122,49 @@ async def _pause(
                 param="wait_for_inflight_requests",
             )
         mode = "wait"
-    await _engine(request).pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+    state = _state(request)
+    llm = state.engine.engine
+    armed, started = llm.armed_pause, state.armed_pause_started
+    # It can land only while requests run; on an idle or paused engine, pause now instead.
+    if armed is not None and started is not None and llm.has_unfinished_requests():
+        if not llm.is_paused():
+            await started.wait()  # a pause armed by /arm_pause lands where it was armed to
+        mode, clear_cache = armed.mode, armed.clear_cache
+    llm.armed_pause = None
+    # Pausing again is harmless; it also waits for a `wait` pause to finish draining.
+    await state.engine.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
     return {"status": "paused"}
+
+
+@router.post("/arm_pause", operation_id="arm_pause")
+async def _arm_pause(
+    request: Request, after_tokens: int, mode: str = "keep", clear_cache: bool = True
+) -> dict[str, Any]:
+    """Arms a pause for when every unfinished request has `after_tokens` output tokens.
+
+    A weightsync extension: the pause lands exactly at that step boundary, however late the
+    trainer is; `/pause` then waits for it. Queue the requests while paused, arm, then resume.
+    """
+    if mode not in _PAUSE_MODES:
+        raise RequestRefused(
+            400,
+            f"query parameter 'mode' must be one of {list(_PAUSE_MODES)}, got {mode!r}",
+            param="mode",
+        )
+    state = _state(request)
+    loop = asyncio.get_running_loop()
+    started = state.armed_pause_started = asyncio.Event()
+
+    def on_pause() -> None:  # called on the stepping thread
+        loop.call_soon_threadsafe(started.set)
+
+    state.engine.engine.arm_pause(
+        after_tokens,
+        mode=mode,  # type: ignore[arg-type]
+        clear_cache=clear_cache,
+        on_pause=on_pause,
+    )
+    return {"status": "armed"}
 
 
 @router.post("/resume", operation_id="resume")
@@ -152,6 +193,23 @@ async def _abort_requests(
         for request_id in state.live.get(completion_id, []):
             await state.engine.abort(request_id)
     return {"status": "aborted", "aborted": len(found)}
+
+
+@router.post("/unfinished_requests", operation_id="unfinished_requests")
+async def _unfinished_requests(request: Request, body: AbortRequestsRequest) -> dict[str, Any]:
+    """The given completion ids that are still unfinished in the engine (a weightsync extension).
+
+    A completion that finished may still be on its way to its client; one listed here is
+    queued, running or frozen by a pause.
+    """
+    state = _state(request)
+    llm = state.engine.engine
+    unfinished = [
+        completion_id
+        for completion_id in body.request_ids or []
+        if any(llm.is_unfinished(rid) for rid in state.live.get(completion_id, []))
+    ]
+    return {"unfinished": unfinished}
 
 
 @router.post("/init_weight_transfer_engine", operation_id="init_weight_transfer_engine")

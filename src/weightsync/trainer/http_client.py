@@ -31,7 +31,7 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.processing import Prompt
 from weightsync.trainer._completions import accumulate, completion_body, to_output
 
-__all__ = ["HTTPEngineClient"]
+__all__ = ["HTTPEngineClient", "error_from_answer"]
 
 
 def _error_classes() -> dict[str, type[WeightSyncError]]:
@@ -43,6 +43,35 @@ def _error_classes() -> dict[str, type[WeightSyncError]]:
         found.setdefault(cls.__name__, cls)
         pending.extend(cls.__subclasses__())
     return found
+
+
+_ERRORS = _error_classes()
+
+
+def error_from_answer(call: str, status: int, text: str) -> WeightSyncError:
+    """The weightsync error an error answer names by its type (else one fitting its status).
+
+    Args:
+        call: The call, for the message (`"POST /pause"`).
+        status: The answer's HTTP status.
+        text: The answer's body.
+    """
+    try:
+        error = json.loads(text)["error"]
+        error_type, message = str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        error, error_type, message = {}, "", text[:500]
+    message = f"{call} -> {status}: {message}"
+    cls = _ERRORS.get(error_type)
+    if cls is not None and issubclass(cls, WeightTransferError):
+        return cls(message, partially_applied=bool(error.get("partially_applied")))
+    if cls is not None:
+        return cls(message)
+    if status == 504:
+        return WeightTransferTimeout(message)
+    if 400 <= status < 500 and status != 409:
+        return InvalidRequestError(message)
+    return EngineStateError(message)
 
 
 class HTTPEngineClient:
@@ -77,7 +106,6 @@ class HTTPEngineClient:
         self.worker_index = worker_index
         self._api_key = api_key
         self._admin_api_key = admin_api_key
-        self._errors = _error_classes()
         # One connection pool shared by every thread that calls this client.
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
@@ -88,26 +116,7 @@ class HTTPEngineClient:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
-        """Raises the weightsync error an error answer names (by its type), else a fitting one."""
-        try:
-            error = response.json()["error"]
-            error_type, message = str(error["type"]), str(error["message"])
-        except (ValueError, KeyError, TypeError):
-            error, error_type, message = {}, "", response.text[:500]
-        message = f"{method} {path} -> {response.status_code}: {message}"
-        cls = self._errors.get(error_type)
-        if cls is not None and issubclass(cls, WeightTransferError):
-            partial = bool(error.get("partially_applied"))
-            raise cls(message, partially_applied=partial)
-        if cls is not None:
-            raise cls(message)
-        if response.status_code == 504:
-            raise WeightTransferTimeout(message)
-        if response.status_code == 409:
-            raise EngineStateError(message)
-        if 400 <= response.status_code < 500:
-            raise InvalidRequestError(message)
-        raise EngineStateError(message)
+        raise error_from_answer(f"{method} {path}", response.status_code, response.text)
 
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> WeightSyncError:
         if isinstance(exc, httpx.TimeoutException):
@@ -149,9 +158,24 @@ class HTTPEngineClient:
 
     # --- pause / resume -----------------------------------------------------------------------
 
-    def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+    def pause_generation(
+        self, *, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None
+    ) -> None:
         """`POST /pause`: pauses at a step boundary (`abort`, `wait` or `keep`)."""
-        self._call("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        self._call("POST", "/pause", params=params, timeout_s=timeout_s)
+
+    def arm_pause(self, after_tokens: int, *, mode: str = "keep", clear_cache: bool = True) -> None:
+        """`POST /arm_pause` (weightsync): pause where every request has `after_tokens` tokens.
+
+        The next `pause_generation` waits for it. See `LLMEngine.arm_pause`.
+        """
+        params = {
+            "after_tokens": after_tokens,
+            "mode": mode,
+            "clear_cache": str(clear_cache).lower(),
+        }
+        self._call("POST", "/arm_pause", params=params)
 
     def resume_generation(self) -> None:
         """`POST /resume`."""
@@ -165,6 +189,11 @@ class HTTPEngineClient:
         """`POST /abort_requests`: aborts completions by id (all when None); returns how many."""
         body = {"request_ids": list(request_ids)} if request_ids else {}
         return int(self._call("POST", "/abort_requests", body=body)["aborted"])
+
+    def unfinished_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """`POST /unfinished_requests` (weightsync): those of `request_ids` still unfinished."""
+        body = {"request_ids": list(request_ids)}
+        return list(self._call("POST", "/unfinished_requests", body=body)["unfinished"])
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -276,7 +305,7 @@ class HTTPEngineClient:
                         continue
                     chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:
-                        raise self._errors.get(chunk["error"]["type"], EngineStateError)(
+                        raise _ERRORS.get(chunk["error"]["type"], EngineStateError)(
                             chunk["error"]["message"]
                         )
                     if not chunk.get("choices"):
