@@ -1,6 +1,6 @@
 """Asynchronous RL at toy scale: a policy learns to speak in syllables while it keeps generating.
 
-What it shows: the whole loop of one-step off-policy RL. An inference engine generates the next
+What it shows: the whole loop of one-step off-policy RL. An inference server generates the next
 batch of rollouts in its own process while the trainer learns from the previous batch; each new
 policy lands in the engine *in the middle of* the rollouts in flight, through a `keep`-mode
 pause; and the per-token weight versions the engine records tell the trainer which policy drew
@@ -13,9 +13,11 @@ thirty steps it speaks in syllables (`"usususus..."`) and scores above 0.9.
 
 Flow:
 
-1. Start an [`EngineProcess`][weightsync.trainer.engine_process.EngineProcess] (a tiny random Llama)
-   and connect a weight sender to it; push the trainer's initial policy as version 0 and
-   generate the first batch: 8 prompts, 8 rollouts each.
+1. Start an [`EngineProcess`][weightsync.trainer.engine_process.EngineProcess]: a
+   `weightsync serve` child holding a tiny random Llama, reached over HTTP (rollouts stream from
+   its `/v1/completions`, control and updates go through its RL routes). Connect a weight
+   sender to it; push the trainer's initial policy as version 0 and generate the first batch:
+   8 prompts, 8 rollouts each.
 2. Each step `k`:
     1. queue batch `k` in the engine, and ask it to pause in `keep` mode once every rollout of
        it has `--land-at` tokens;
