@@ -5,11 +5,7 @@ What it shows: the `ipc` flow against a server. The trainer and `weightsync serv
 records that name its memory (POSIX shared-memory segments for CPU tensors, CUDA IPC handles for
 CUDA tensors) and the server copies the weights straight out of it. Nothing is pickled: the
 records are plain JSON, and the server refuses anything else. The server is started as in a
-terminal:
-
-```
-weightsync serve debug --weight-transfer-config '{"backend": "ipc"}'
-```
+terminal: `weightsync serve debug --weight-transfer-config '{"backend": "ipc"}'`.
 
 Flow:
 

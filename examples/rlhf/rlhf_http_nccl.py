@@ -1,13 +1,9 @@
 """A trainer updates a running `weightsync serve` over HTTP while it broadcasts the weights.
 
 What it shows: the served flow, as vLLM's `rlhf_http_nccl` example runs it against
-`vllm serve`. The server is started the way you would start it in a terminal:
-
-```
-weightsync serve debug --weight-transfer-config '{"backend": "gloo"}'
-```
-
-and the trainer talks to it only through its routes:
+`vllm serve`. The server is started the way you would start it in a terminal,
+`weightsync serve debug --weight-transfer-config '{"backend": "gloo"}'`, and the trainer
+talks to it only through its routes:
 [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient] for `/get_world_size`,
 `/init_weight_transfer_engine`, `/pause`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update` and `/resume`, and `/v1/completions` for generation.

@@ -1,0 +1,110 @@
+"""The `weightsync` command line, as an argparse parser alone.
+
+It imports nothing from weightsync (nor torch), so the docs build generates the CLI reference
+page from this very parser without installing the package. Its scheduler defaults are
+`EngineConfig`'s; a test checks that they agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+API_KEY_ENV = "WEIGHTSYNC_API_KEY"
+ADMIN_API_KEY_ENV = "WEIGHTSYNC_ADMIN_API_KEY"
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model", nargs="?", default="tiny",
+                       help="a preset (debug, tiny, small) or a local Hugging Face directory "
+                       "(default: %(default)s)")  # fmt: skip
+    net = serve.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default: %(default)s); any non-loopback address "
+                     "needs --admin-api-key")  # fmt: skip
+    net.add_argument("--port", type=int, default=8000,
+                     help="port to bind; 0 picks a free one (default: %(default)s)")  # fmt: skip
+    net.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                     metavar="KEY", help=f"key the /v1 routes require as 'Authorization: Bearer KEY' "
+                     f"(default: ${API_KEY_ENV}; none: open)")  # fmt: skip
+    net.add_argument("--admin-api-key", default=os.environ.get(ADMIN_API_KEY_ENV),
+                     metavar="KEY", help=f"key the RL routes (/pause, /update_weights, ...) require "
+                     f"(default: ${ADMIN_API_KEY_ENV}; none: loopback only)")  # fmt: skip
+    net.add_argument("--max-request-bytes", type=_positive_int, default=64 * 1024 * 1024,
+                     help="largest request body in bytes; larger ones get 413 "
+                     "(default: %(default)s)")  # fmt: skip
+    net.add_argument("--served-model-name", default=None,
+                     help="the model id of /v1/models (default: MODEL)")  # fmt: skip
+    net.add_argument("--log-level", default="info",
+                     choices=["debug", "info", "warning", "error"])  # fmt: skip
+    model = serve.add_argument_group("model and weights")
+    model.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAMES),
+                       help="parameter dtype (default: %(default)s)")  # fmt: skip
+    model.add_argument("--seed", type=int, default=0,
+                       help="seed of a preset's weights and of unseeded sampling "
+                       "(default: %(default)s)")  # fmt: skip
+    model.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="auto: a preset's random weights or the directory's safetensors; "
+                       "dummy: zero weights of the preset's or config.json's shapes, for a "
+                       "trainer to fill with its first update (default: %(default)s)")  # fmt: skip
+    model.add_argument("--device", default="cpu",
+                       help="where transfer buffers live: cpu, or cuda:N, which becomes the "
+                       "process's CUDA device (nccl); the engine computes on the CPU "
+                       "(default: %(default)s)")  # fmt: skip
+    model.add_argument("--weight-transfer-config", metavar="JSON",
+                       help='transfer backend, as JSON (\'{"backend": "gloo"}\') or dotted keys '
+                       "(--weight-transfer-config.backend gloo); default: the backend the "
+                       "trainer's init info names")  # fmt: skip
+    model.add_argument("--worker-index", type=int, default=0,
+                       help="this server's index among the engines one trainer updates: its "
+                       "broadcast rank is 1 + index (default: %(default)s)")  # fmt: skip
+    model.add_argument("--weight-update-staging", action="store_true",
+                       help="copy weights before an update touches them, so a failed update "
+                       "restores them instead of leaving them torn")  # fmt: skip
+    sched = serve.add_argument_group("scheduler and KV cache")
+    sched.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                       help="most requests running at once (default: %(default)s)")  # fmt: skip
+    sched.add_argument("--max-num-batched-tokens", type=_positive_int,
+                       default=2048,
+                       help="token budget of one step (default: %(default)s)")  # fmt: skip
+    sched.add_argument("--block-size", type=_positive_int, default=16,
+                       help="tokens per KV-cache block (default: %(default)s)")  # fmt: skip
+    sched.add_argument("--num-kv-blocks", type=_positive_int, default=1024,
+                       help="blocks in the KV cache (default: %(default)s)")  # fmt: skip
+    sched.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest sequence in tokens (default: the model's)")  # fmt: skip
+    sched.add_argument("--sampling-seed", type=int, default=None,
+                       help="seed of unseeded requests' sampling (default: --seed)")  # fmt: skip
+    sched.add_argument("--no-prefix-caching", action="store_true",
+                       help="do not reuse the KV of identical prompt prefixes")  # fmt: skip
+
+
+def build_parser(version: str = "") -> argparse.ArgumentParser:
+    """The `weightsync` command's parser (the CLI reference page is generated from it)."""
+    parser = argparse.ArgumentParser(
+        prog="weightsync",
+        description="Live weight updates for LLM inference engines.",
+        epilog="Run 'weightsync serve --help' for the server's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"weightsync {version}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP: OpenAI routes and vLLM's RL routes",
+        description="Serve a model over HTTP: OpenAI-compatible /v1 routes, and vLLM's RL routes "
+        "(/pause, /resume, /init_weight_transfer_engine, /start_weight_update, /update_weights, "
+        "/finish_weight_update, ...) through which a trainer updates its weights live.",
+    )
+    _add_serve_arguments(serve)
+    return parser
