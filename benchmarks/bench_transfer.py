@@ -2,6 +2,7 @@
 
     python benchmarks/bench_transfer.py --backend gloo --json
     python benchmarks/bench_transfer.py --backend ipc --json
+    python benchmarks/bench_transfer.py --backend gloo --via http --json
 
 The last line of output is one JSON object with the figures and their ratios.
 """
@@ -27,9 +28,19 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed repetitions per figure (best is kept)"
     )
+    parser.add_argument(
+        "--via",
+        choices=["direct", "http"],
+        default="direct",
+        help="http: a whole sync through a live weightsync serve against the bare transfer",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
-    if args.backend == "gloo":
+    if args.via == "http":
+        if args.backend != "gloo":
+            parser.error("--via http measures the gloo backend")
+        from transfer_http import run
+    elif args.backend == "gloo":
         from transfer_broadcast import run
     else:
         from transfer_ipc import run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import mkdocs_gen_files
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARSER = ROOT / "src" / "weightsync" / "serve" / "_parser.py"
 
 
-def load_parser_module():  # noqa: ANN201 - a module object
+def load_parser_module() -> ModuleType:
     """Imports `_parser.py` by path, without importing the weightsync package."""
     spec = importlib.util.spec_from_file_location("weightsync_cli_parser", PARSER)
     assert spec is not None and spec.loader is not None
@@ -30,7 +31,8 @@ def page() -> str:
     """The page: the command's help, then each subcommand's help."""
     parser = load_parser_module().build_parser(version="")
     parser.prog = "weightsync"
-    subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 - argparse's API
+    # argparse keeps its subcommands here; it has no public accessor for them.
+    subcommands = parser._subparsers._group_actions[0].choices
     lines = [
         "# CLI reference",
         "",
@@ -44,7 +46,14 @@ def page() -> str:
         "",
     ]
     for name, subparser in subcommands.items():
-        lines += [f"## `weightsync {name}`", "", "```text", subparser.format_help().rstrip(), "```", ""]
+        lines += [
+            f"## `weightsync {name}`",
+            "",
+            "```text",
+            subparser.format_help().rstrip(),
+            "```",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -311,6 +311,18 @@ async def _weight_checker(request: Request, body: WeightCheckerRequest) -> dict[
     return {"match": not mismatches, "mismatches": mismatches}
 
 
+@router.get("/engine_stats", operation_id="engine_stats")
+async def _engine_stats(request: Request) -> dict[str, Any]:
+    """Counters of the engine (a weightsync extension): forward passes run, requests in flight."""
+    llm = _engine(request).engine
+    return {
+        "num_steps": llm.num_steps,
+        "num_unfinished": llm.scheduler.num_unfinished,
+        "is_paused": llm.is_paused(),
+        "weight_version": llm.weight_version,
+    }
+
+
 @router.get("/get_world_size", operation_id="get_world_size")
 async def _get_world_size(request: Request, include_dp: bool = True) -> dict[str, Any]:
     """Transfer workers behind this server (the trainer not counted)."""

@@ -66,7 +66,9 @@ def test_the_parsers_defaults_are_the_engines_and_the_servers():
     assert args.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
     assert set(build_parser().parse_args(["serve"]).__dict__) >= {"dtype", "device"}
     assert sorted(_DTYPES) == sorted(
-        build_parser()._subparsers._group_actions[0].choices["serve"]._option_string_actions[
-            "--dtype"
-        ].choices
+        build_parser()
+        ._subparsers._group_actions[0]
+        .choices["serve"]
+        ._option_string_actions["--dtype"]
+        .choices
     )

@@ -1,0 +1,182 @@
+"""Serving benchmark: completions through `weightsync serve` against the engine in process.
+
+    python benchmarks/bench_serve.py --json
+
+- `http_tokens_per_s`: completion tokens per second of `--streams` concurrent streaming
+  `/v1/completions` requests to a `weightsync serve` child (the client parses every SSE chunk).
+- `inprocess_tokens_per_s`: the same requests (prompts, seeds, lengths) as concurrent
+  `AsyncEngine.generate` streams in this process, with the same engine configuration.
+- `http_throughput_ratio` = http / in-process (target >= 0.8).
+- `keep_pause_p99_steps`: while the streams run, a trainer reads the engine's step counter
+  (`/engine_stats`), sends `/pause?mode=keep` at once, and reads it again once paused; the
+  engine steps between the two reads, p99 over `--pauses` pauses (target <= 1). It counts the
+  step in flight when the pause arrived and any step run while the request was in transit.
+
+The two throughput modes take turns, one run each per round, after a warm-up of each; figures
+are medians over the rounds. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from weightsync import AsyncEngine, EngineConfig, SamplingParams
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MODEL = "tiny"
+
+
+def requests(streams: int, max_tokens: int) -> list[dict[str, Any]]:
+    """The benchmark's requests: one per stream, seeded, of a fixed length."""
+    return [
+        {"prompt": f"request {i}: the weights", "max_tokens": max_tokens, "temperature": 1.0,
+         "seed": i, "ignore_eos": True}
+        for i in range(streams)
+    ]  # fmt: skip
+
+
+def start_server(streams: int) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, "-m", "weightsync.serve.cli", "serve", MODEL, "--port", "0",
+               "--max-num-seqs", str(streams), "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    assert server.stderr is not None
+    for line in server.stderr:
+        if match := re.search(r"listening on (http://\S+)", line):
+            return server, match.group(1)
+    raise RuntimeError("weightsync serve did not start")
+
+
+async def http_run(url: str, bodies: list[dict[str, Any]]) -> tuple[int, float]:
+    """Streams every request at once; returns (completion tokens, seconds)."""
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
+        async def one(body: dict[str, Any]) -> int:
+            tokens = 0
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:])["choices"]:
+                            tokens += len(choice["token_ids"])
+            return tokens
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(body) for body in bodies))
+        return sum(counts), time.perf_counter() - start
+
+
+async def inprocess_run(engine: AsyncEngine, bodies: list[dict[str, Any]]) -> tuple[int, float]:
+    """The same requests as `AsyncEngine.generate` streams; returns (tokens, seconds)."""
+
+    async def one(body: dict[str, Any]) -> int:
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                                seed=body["seed"], ignore_eos=True)  # fmt: skip
+        last = None
+        async for output in engine.generate(body["prompt"], params):
+            last = output
+        assert last is not None
+        return len(last.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(body) for body in bodies))
+    return sum(counts), time.perf_counter() - start
+
+
+def keep_pause_steps(url: str, bodies: list[dict[str, Any]], pauses: int) -> list[int]:
+    """Engine steps between a stats read and the keep pause sent right after it, per pause."""
+
+    async def measure() -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            long = [{**body, "max_tokens": 100_000 // len(bodies)} for body in bodies]
+            streams = asyncio.gather(*(
+                client.post("/v1/completions", json=body) for body in long
+            ))  # fmt: skip
+            steps = []
+            while (await client.get("/engine_stats")).json()["num_steps"] < 5:
+                await asyncio.sleep(0.01)  # the streams are being admitted
+            for _ in range(pauses):
+                before = (await client.get("/engine_stats")).json()["num_steps"]
+                await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+                after = (await client.get("/engine_stats")).json()["num_steps"]
+                steps.append(after - before)
+                await client.post("/resume")
+                resumed_at = after
+                while (await client.get("/engine_stats")).json()["num_steps"] < resumed_at + 3:
+                    await asyncio.sleep(0.005)  # let it generate a few steps between pauses
+            await client.post("/abort_requests")
+            await streams
+            return steps
+
+    return asyncio.run(measure())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=64, help="concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per request")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds (median reported)")
+    parser.add_argument("--pauses", type=int, default=100, help="keep pauses measured")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    args = parser.parse_args()
+    bodies = requests(args.streams, args.max_tokens)
+    server, url = start_server(args.streams)
+    engine = AsyncEngine(MODEL, engine_config=EngineConfig(max_num_seqs=args.streams))
+    loop = asyncio.new_event_loop()
+    rates: dict[str, list[float]] = {"http": [], "inprocess": []}
+    try:
+        runs = {
+            "http": lambda: asyncio.run(http_run(url, bodies)),
+            "inprocess": lambda: loop.run_until_complete(inprocess_run(engine, bodies)),
+        }
+        for fn in runs.values():
+            fn()  # warm-up
+        for round_index in range(args.repeats):
+            for name, fn in runs.items():
+                tokens, seconds = fn()
+                assert tokens == args.streams * args.max_tokens, (name, tokens)
+                rates[name].append(tokens / seconds)
+            if not args.json:
+                print(f"round {round_index}: " + ", ".join(
+                    f"{n} {r[-1]:.0f} tok/s" for n, r in rates.items()), file=sys.stderr)  # fmt: skip
+        steps = keep_pause_steps(url, bodies, args.pauses)
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+        server.terminate()
+        server.wait(60)
+    http, inprocess = statistics.median(rates["http"]), statistics.median(rates["inprocess"])
+    steps_sorted = sorted(steps)
+    result = {
+        "benchmark": "serve",
+        "model": MODEL,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "http_tokens_per_s": http,
+        "inprocess_tokens_per_s": inprocess,
+        "http_throughput_ratio": http / inprocess,
+        "keep_pause_p99_steps": steps_sorted[min(len(steps) - 1, int(0.99 * len(steps)))],
+        "keep_pause_median_steps": statistics.median(steps),
+        "keep_pause_max_steps": max(steps),
+        "keep_pauses": len(steps),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
