@@ -5,7 +5,8 @@
 - `http_tokens_per_s`: completion tokens per second of `--streams` concurrent streaming
   `/v1/completions` requests to a `weightsync serve` child (the client parses every SSE chunk).
 - `inprocess_tokens_per_s`: the same requests (prompts, seeds, lengths) as concurrent
-  `AsyncEngine.generate` streams in this process, with the same engine configuration.
+  `AsyncEngine.generate` streams in this process, with the same engine configuration and the
+  same torch threads (the server's default: every core but one).
 - `http_throughput_ratio` = http / in-process (target >= 0.8).
 - `keep_pause_p99_steps`: while the streams run, a trainer reads the engine's step counter
   (`/engine_stats`), sends `/pause?mode=keep` at once, and reads it again once paused; the
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from weightsync import AsyncEngine, EngineConfig, SamplingParams
 
@@ -47,9 +49,10 @@ def requests(streams: int, max_tokens: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def start_server(streams: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(streams: int, threads: int) -> tuple[subprocess.Popen[str], str]:
     command = [sys.executable, "-m", "weightsync.serve.cli", "serve", MODEL, "--port", "0",
-               "--max-num-seqs", str(streams), "--log-level", "warning"]  # fmt: skip
+               "--max-num-seqs", str(streams), "--num-threads", str(threads),
+               "--log-level", "warning"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     assert server.stderr is not None
@@ -134,7 +137,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     bodies = requests(args.streams, args.max_tokens)
-    server, url = start_server(args.streams)
+    # Both engines compute with the server's default: every core but one.
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    server, url = start_server(args.streams, threads)
     engine = AsyncEngine(MODEL, engine_config=EngineConfig(max_num_seqs=args.streams))
     loop = asyncio.new_event_loop()
     rates: dict[str, list[float]] = {"http": [], "inprocess": []}
@@ -167,6 +173,7 @@ def main() -> None:
         "streams": args.streams,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "torch_threads": threads,
         "http_tokens_per_s": http,
         "inprocess_tokens_per_s": inprocess,
         "http_throughput_ratio": http / inprocess,

@@ -157,6 +157,7 @@ def test_a_busy_engine_refuses_an_update_and_abort_requests_ends_the_stream(fres
             "request_id": "rollout-7"}  # fmt: skip
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
         lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == ": accepted"
         assert "rollout-7" in next(lines)
         busy = httpx.post(server.base_url + "/update_weights", json={"update_info": {}})
         assert busy.status_code == 409

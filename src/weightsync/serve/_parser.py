@@ -84,6 +84,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="blocks in the KV cache (default: %(default)s)")  # fmt: skip
     sched.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="longest sequence in tokens (default: the model's)")  # fmt: skip
+    sched.add_argument("--num-threads", type=_positive_int, default=None,
+                       help="torch threads of the forward pass (default: all cores but one, "
+                       "which is left to serving HTTP)")  # fmt: skip
     sched.add_argument("--sampling-seed", type=int, default=None,
                        help="seed of unseeded requests' sampling (default: --seed)")  # fmt: skip
     sched.add_argument("--no-prefix-caching", action="store_true",

@@ -18,6 +18,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed if args.sampling_seed is None else args.sampling_seed,
             weight_update_staging=args.weight_update_staging,
         )
+        # The event loop that serves HTTP needs a core of its own, or every stream waits on
+        # the forward pass.
+        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
         if torch.device(args.device).type == "cuda":  # nccl receives on the current device
             torch.cuda.set_device(torch.device(args.device))
         engine = LLMEngine(

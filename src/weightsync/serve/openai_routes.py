@@ -12,8 +12,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -93,6 +93,10 @@ class _Run:
 
         `on_accepted`, if given, is yielded first, once every choice is in the engine.
         """
+        if len(self.choices) == 1:  # the common case, without a task and a queue per output
+            async for pair in self._one_output(on_accepted):
+                yield pair
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         engine = self.state.engine
 
@@ -127,6 +131,29 @@ class _Run:
             for task in tasks:
                 task.cancel()  # a client that left: leaving each stream aborts its request
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one_output(
+        self, on_accepted: tuple[int, RequestOutput] | None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        request_id, ids, params = self.choices[0]
+        self.state.live[self.id] = [request_id]
+        # AsyncEngine.generate is an async generator: closing it aborts an unfinished request.
+        stream = cast(
+            AsyncGenerator[RequestOutput, None], self.state.engine.generate(ids, params, request_id)
+        )
+        first = asyncio.ensure_future(anext(stream))
+        try:
+            await asyncio.sleep(0)  # the first step of `first` adds the request to the engine
+            if on_accepted is not None:
+                yield on_accepted
+            yield 0, await first
+            async for output in stream:
+                yield 0, output
+        finally:
+            self.state.live.pop(self.id, None)
+            first.cancel()  # a client that left: closing the stream aborts its request
+            await asyncio.gather(first, return_exceptions=True)
+            await stream.aclose()
 
     async def finals(self) -> list[RequestOutput]:
         """Runs every choice to its end and returns the final outputs, by choice index."""

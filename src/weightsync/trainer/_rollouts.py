@@ -51,6 +51,7 @@ class Rollouts:
         self._client = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, limits=limits
         )
+        self._streams: set[Future[RequestOutput]] = set()
 
     def submit(
         self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -60,6 +61,8 @@ class Rollouts:
         final = asyncio.run_coroutine_threadsafe(
             self._stream(request_id, prompt, params, accepted), self._loop
         )
+        self._streams.add(final)
+        final.add_done_callback(self._streams.discard)
         return accepted, final
 
     async def _stream(
@@ -102,6 +105,8 @@ class Rollouts:
         """Ends every stream and stops the loop thread."""
         if self._loop.is_closed():
             return
+        for stream in list(self._streams):
+            stream.cancel()  # leaving a stream closes its connection; the server aborts it
         asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)

@@ -61,7 +61,9 @@ class ServeProcess:
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
         args = ["serve", "--host", "127.0.0.1", "--port", "0", "--seed", str(seed),
                 "--dtype", dtype, "--worker-index", str(worker_index), "--device", device,
-                "--log-level", "warning", *_serve_args(engine_config)]  # fmt: skip
+                "--log-level", "warning", *_serve_args(engine_config),
+                # One compute thread: the trainer and the other engines share the cores.
+                "--num-threads", "1"]  # fmt: skip
         if isinstance(model, dict):  # the shapes only: zero weights until the first update
             self._tempdir = tempfile.TemporaryDirectory(prefix="weightsync-model-")
             (Path(self._tempdir.name) / "config.json").write_text(json.dumps(model))
@@ -70,8 +72,7 @@ class ServeProcess:
             args.insert(1, model)
         if backend is not None:
             args += ["--weight-transfer-config.backend", backend]
-        # One compute thread: the trainer and the other engines share the cores.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = dict(os.environ)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "weightsync.serve.cli", *args],
             stdin=subprocess.DEVNULL,

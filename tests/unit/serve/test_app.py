@@ -23,6 +23,8 @@ def client():
 
 def events(response):
     lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == ": accepted"  # an SSE comment: every request is in the engine
+    lines = lines[1:]
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
