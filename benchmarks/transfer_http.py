@@ -43,9 +43,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The bare receiver: the engine's model and the gloo receiver, fed update infos on stdin.
 _RECEIVER = """
-import json, sys
+import json, os, sys
 import torch
 from weightsync import LlamaConfig, LlamaForCausalLM, WeightTransferConfig
+torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # as weightsync serve does
 config = LlamaConfig.from_hf_dict(json.loads(sys.argv[1]))
 model = LlamaForCausalLM(config, dtype=torch.bfloat16)
 engine = WeightTransferConfig(backend="gloo").create_engine(
