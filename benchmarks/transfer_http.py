@@ -8,8 +8,8 @@
   until the receiver reports the weights loaded.
 
 Both receivers load into a Llama of about `--size-mb` (bf16) through the gloo backend. The modes
-take turns, one run each per round after a warm-up of each; each figure is the median over the
-rounds. `http_overhead_ratio` = (http - bare) / bare.
+take turns, one run each per round (in alternating order) after a warm-up of each; each figure
+is the median over the rounds. `http_overhead_ratio` = (http - bare) / bare.
 """
 
 from __future__ import annotations
@@ -132,8 +132,11 @@ def run(*, size_mb: int, repeats: int, verbose: bool) -> dict[str, Any]:
             sender.connect()
             times: dict[str, list[float]] = {"http": [], "bare": []}
             bare(), http()  # warm-up: first touches and connections are not what is compared
+            modes = [("http", http), ("bare", bare)]
             for round_index in range(repeats):
-                for name, fn in (("http", http), ("bare", bare)):
+                # Each round the other goes first, so that what one run leaves behind (freed
+                # buffers, a busy moment) does not always fall on the same mode.
+                for name, fn in modes if round_index % 2 == 0 else modes[::-1]:
                     times[name].append(fn())
                 if verbose:
                     print(f"round {round_index}: http {times['http'][-1]:.3f} s, "
