@@ -2,6 +2,7 @@
 
     python benchmarks/bench_transfer.py --backend gloo --json
     python benchmarks/bench_transfer.py --backend ipc --json
+    python benchmarks/bench_transfer.py --staging --json   (an engine's update, staged or not)
 
 The last line of output is one JSON object with the figures and their ratios.
 """
@@ -27,9 +28,16 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed repetitions per figure (best is kept)"
     )
+    parser.add_argument(
+        "--staging",
+        action="store_true",
+        help="measure an engine's update with and without weight_update_staging instead",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
-    if args.backend == "gloo":
+    if args.staging:
+        from transfer_staging import run
+    elif args.backend == "gloo":
         from transfer_broadcast import run
     else:
         from transfer_ipc import run
