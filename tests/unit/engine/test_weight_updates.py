@@ -1,6 +1,7 @@
 """Weight updates through a transfer backend: when they are accepted, versions, torn weights."""
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -26,6 +27,19 @@ from weightsync.transfer.base import WeightTransferError, WeightValidationError
 
 N = 16
 MAX_TOKENS = 24
+
+
+class _OnMessage(logging.Handler):
+    """Calls `callback` when a record's message contains `text` (records are handled in the
+    thread that logs them: here, the event loop's)."""
+
+    def __init__(self, text, callback):
+        super().__init__()
+        self.text, self.callback = text, callback
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.callback()
 
 
 def prompt_ids(engine, stream):
@@ -142,13 +156,23 @@ def test_a_cancelled_update_still_blocks_steps_until_the_transfer_ends(local_sou
             engine.engine.runner.execute = watched
             await engine.init_weight_transfer_engine(local_source.init_request)
             update = asyncio.create_task(engine.update_weights(local_source.update_info()))
-            for _ in range(5):
-                await asyncio.sleep(0)  # the update takes the lock and starts receiving
+            # The update holds the engine's lock and is receiving (blocked at the gate).
+            assert await asyncio.to_thread(local_source.at_gate.wait, 30)
             stream = start_streams(engine, 1, 4)[0]
-            update.cancel()
-            # Proving that nothing happens needs a bounded wait: a step would take milliseconds.
-            await asyncio.wait([stream.task], timeout=0.3)
-            assert engine.num_steps == 0 and not stream.outputs
+            cancelled = asyncio.Event()
+            handler = _OnMessage("cancelled during", cancelled.set)
+            logger = logging.getLogger("weightsync.engine.async_engine")
+            logger.addHandler(handler)
+            level = logger.level
+            logger.setLevel(logging.INFO)
+            try:
+                update.cancel()
+                await asyncio.wait_for(cancelled.wait(), timeout=30)  # the update took the cancel
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            # ...and keeps the lock until the transfer ends: `watched` records any step before.
+            assert not update.done() and engine.num_steps == 0 and not stream.outputs
             local_source.gate.set()
             with pytest.raises(asyncio.CancelledError):
                 await update
