@@ -95,16 +95,14 @@ def test_abort_mode_ends_requests_in_flight(policy):
     assert final.finish_reason == "abort" and final.weight_versions == [0]
 
 
-def test_a_rejected_update_leaves_the_engine_paused_with_its_weights(policy):
+def test_a_rejected_update_leaves_the_engine_paused_and_resumable(policy):
+    # That a rejected update changes nothing in the engine is test_weight_updates' to show.
     target = engine()
-    before = {n: t.clone() for n, t in target.model.named_weights()}
     target.add_request("a", "in flight", GREEDY)
     target.step()
     wrong = [(n, t.double()) for n, t in policy.named_weights()]
     with IPCWeightSender([target]) as sender, pytest.raises(WeightValidationError):
         sync_weights(sender, wrong, weight_version=1)
     assert target.is_paused()
-    for name, tensor in target.model.named_weights():
-        assert torch.equal(tensor, before[name]), name
     target.resume_generation()  # nothing was written: resuming is safe
     assert run_to_end(target)["a"].weight_versions == [0] * 8
