@@ -359,9 +359,10 @@ class LLMEngine:
 
         Accepted while paused or idle. The update is validated against the model before any
         byte moves. On success the weight version advances (or takes the update's
-        `weight_version` label) and cached prefixes of the old weights are forgotten. If the
-        transfer fails after writing part of the weights, the engine pauses and refuses to
-        resume until a complete update lands.
+        `weight_version` label) and cached prefixes of the old weights are forgotten. A rejected
+        update changes nothing: weights, version and prefix cache stay. If the transfer fails
+        after writing part of the weights, the engine pauses, forgets its cached prefixes and
+        refuses to resume until a complete update lands.
 
         Returns:
             What was received and how fast.
@@ -387,15 +388,18 @@ class LLMEngine:
             )
         try:
             stats = self.weights.update(update_info)
-        except Exception:
+        except BaseException:
+            # A rejection, or a failure before any byte moved, leaves the weights and so the
+            # prefix cache as they were. Half-written weights must neither generate nor serve
+            # prefixes cached from the old ones.
             if self.weights.is_torn:
-                self.scheduler.pause("keep")  # never generate from half-written weights
+                self.block_manager.bump_epoch()
+                self.scheduler.pause("keep")
                 logger.error(
                     "weight update failed after writing part of the weights; engine paused"
                 )
             raise
-        finally:
-            self.block_manager.bump_epoch()
+        self.block_manager.bump_epoch()  # cached prefixes hold KV of the old weights
         if not stats.update_complete and state is PauseState.UNPAUSED:
             # A multi-part update (ipc) left the weights mid-update: hold new requests until
             # its last part lands, then run again as before.

@@ -252,6 +252,8 @@ def test_a_failed_update_pauses_an_idle_engine_but_a_clean_failure_does_not(
 
 def test_rejected_updates_change_nothing(local_source, new_weights):
     engine = make_engine()
+    prompt = "A prompt long enough to fill a few KV-cache blocks"
+    engine.generate([prompt], greedy(4))
     before = {n: t.clone() for n, t in engine.model.named_weights()}
     local_source.tensors = {**new_weights, "model.norm.weight": torch.ones(3)}
     engine.init_weight_transfer_engine(local_source.init_request)
@@ -262,6 +264,8 @@ def test_rejected_updates_change_nothing(local_source, new_weights):
         engine.update_weights(local_source.update_info())
     assert engine.weight_version == 0 and not engine.is_paused()
     assert all(torch.equal(t, before[n]) for n, t in engine.model.named_weights())
+    # The prefix cache stands too: the weights it was computed with are still the weights.
+    assert engine.generate([prompt], greedy(4))[0].num_cached_tokens > 0
 
 
 def test_update_entry_points_check_their_arguments():
