@@ -61,6 +61,8 @@ def _unwrap(request: Any, key: str, method: str) -> Any:
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
+    It computes on the CPU (for now): pass a model in CPU memory.
+
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
             Hugging Face directory.
@@ -231,10 +233,17 @@ class LLMEngine:
         Outputs of other requests produced meanwhile are returned by the next `step()`.
 
         Raises:
+            TornWeightsError: A failed update left the weights torn (it would wait forever): land
+                a complete update, then resume.
             EngineStateError: The engine is paused (it would wait forever): resume it first.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
-        if self.is_paused() or self.weights.is_torn:
+        if self.weights.is_torn:
+            raise TornWeightsError(
+                "a failed weight update left the weights torn, so generate() would wait forever: "
+                "land a complete update with update_weights(...), then call resume_generation()"
+            )
+        if self.is_paused():
             raise EngineStateError(
                 "the engine is paused, so generate() would wait forever: call resume_generation() first"
             )
