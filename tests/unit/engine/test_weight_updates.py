@@ -236,12 +236,15 @@ def test_a_failed_update_pauses_an_idle_engine_but_a_clean_failure_does_not(
     local_source, new_weights
 ):
     engine = make_engine()
+    prompt = "A prompt long enough to fill a few KV-cache blocks"
+    engine.generate([prompt], greedy(4))
     local_source.tensors = new_weights
     engine.init_weight_transfer_engine(local_source.init_request)
     local_source.fail_after = 0  # fails before writing anything
     with pytest.raises(WeightTransferError):
         engine.update_weights(local_source.update_info())
     assert not engine.is_paused() and not engine.weights.is_torn
+    assert engine.generate([prompt], greedy(4))[0].num_cached_tokens > 0  # nothing was written
     local_source.fail_after = 3
     with pytest.raises(WeightTransferError):
         engine.update_weights(local_source.update_info())
