@@ -21,6 +21,7 @@ SPELLING = {
     "cpu": "CPU",
     "dp": "DP",
     "gpu": "GPU",
+    "hf": "HF",
     "http": "HTTP",
     "ipc": "IPC",
     "kv": "KV",

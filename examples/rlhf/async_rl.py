@@ -49,15 +49,26 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-from torch.func import functional_call, vmap
+# torch does not depend on numpy, yet without it `import torch` warns that it failed to initialize
+# numpy. Nothing here needs numpy, so on an install with torch alone that warning is noise; this
+# filter hides only it, and must come before torch is first imported.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from weightsync import EngineConfig, LlamaForCausalLM, RequestOutput, SamplingParams
-from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights
-from weightsync.transfer.worker import tensor_digests
+import torch  # noqa: E402
+from torch.func import functional_call, vmap  # noqa: E402
+
+from weightsync import (  # noqa: E402
+    EngineConfig,
+    LlamaForCausalLM,
+    RequestOutput,
+    SamplingParams,
+    weight_checksums,
+)
+from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights  # noqa: E402
 
 # The device is chosen here, once: nccl needs a GPU for the trainer and one for the engine.
 if torch.cuda.device_count() >= 2:
@@ -91,6 +102,11 @@ class Batch:
     versions: torch.Tensor  # (rollouts, output) weight version of each output token
     rewards: torch.Tensor  # (prompts, rollouts per prompt)
     texts: list[str]
+
+
+def readable(text: str) -> str:
+    """`text` with every character that is not printable ASCII shown as `·` (bytes decode raw)."""
+    return "".join(c if c.isascii() and c.isprintable() else "·" for c in text)
 
 
 def rollout_requests(step: int, args: argparse.Namespace) -> tuple[list[str], list[SamplingParams]]:
@@ -251,10 +267,10 @@ def main() -> int:
                     f"stale tokens {metrics['stale_tokens']:4.0f} "
                     f"({metrics['clipped']:.0%} clipped, {metrics['dropped_tokens']:.0f} dropped)  "
                     f"next batch: {mixed}/{len(batch.texts)} rollouts straddle an update  "
-                    f"e.g. {batch.texts[0]!r}"
+                    f"e.g. {readable(batch.texts[0])}"
                 )
             rewards.append(batch.rewards.mean().item())  # the last policy's batch, not trained on
-            same = engine.weight_digests() == tensor_digests(dict(policy.named_weights()))
+            same = engine.weight_digests() == weight_checksums(policy.named_weights())
     finally:
         engine.close()
 

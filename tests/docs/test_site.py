@@ -81,3 +81,36 @@ def test_docs_requirements_match_the_docs_extra():
     requirements = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert requirements == extra
     assert not any(r.split(">")[0].split("<")[0].split("=")[0] == "torch" for r in requirements)
+
+
+@pytest.mark.parametrize(
+    ("stem", "title"),
+    [("hf_trainer", "HF trainer"), ("rlhf_ipc", "RLHF IPC"), ("rlhf_nccl", "RLHF NCCL")],
+)
+def test_example_titles_keep_their_spelling(built_site: BuiltSite, stem: str, title: str):
+    html = (built_site.require() / "examples" / stem / "index.html").read_text(encoding="utf-8")
+    assert f"<title>{title} - " in html
+
+
+@pytest.mark.parametrize("page", ["transfer/broadcast.md", "transfer/ipc.md"])
+def test_each_backend_page_ends_with_the_examples_that_show_it(page: str):
+    text = (DOCS / page).read_text(encoding="utf-8")
+    last_section = text.rsplit("\n## ", 1)[-1]
+    assert last_section.startswith("Examples"), f"{page} does not end with its examples"
+    links = re.findall(r"\]\(\.\./examples/(\w+)\.md\)", last_section)
+    assert links, f"{page}: its last section links no example"
+    for stem in links:
+        assert (ROOT / "examples" / "rlhf" / f"{stem}.py").is_file(), f"{page} links {stem}"
+
+
+def test_the_documented_wire_parameters_are_the_checked_ones():
+    # transfer/index.md: the trainer decides the last five fields of the init info table, and a
+    # worker that disagrees on any of them, or on world_size, is refused.
+    from weightsync import NCCLWeightTransferInitInfo
+
+    text = (DOCS / "transfer" / "index.md").read_text(encoding="utf-8")
+    table = text.split("## The init info", 1)[1].split("\n\n| Field |", 1)[1].split("\n\n", 1)[0]
+    fields = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    assert "The trainer decides the last five" in text and "or\n`world_size`" in text
+    info = NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1, world_size=2)
+    assert set(info.wire_params()) == {*fields[-5:], "world_size"}

@@ -63,6 +63,8 @@ def _unwrap(request: Any, key: str, method: str) -> Any:
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
+    It computes on the CPU (for now): pass a model in CPU memory.
+
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
             Hugging Face directory.

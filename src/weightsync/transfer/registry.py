@@ -1,7 +1,7 @@
 """Backend name -> transfer engine class, with registration for third-party backends.
 
-Built in: `nccl`, `gloo` (and `ipc` once its module exists). A backend can be registered as a
-class or lazily as `"package.module:ClassName"`, imported on first use.
+Built in: `nccl`, `gloo` and `ipc`. A backend can be registered as a class or lazily as
+`"package.module:ClassName"`, imported on first use.
 """
 
 from __future__ import annotations
