@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine
 
 MODES = ("abort", "wait", "keep")
 
@@ -182,6 +187,7 @@ def main() -> None:
         **pause,
         "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
         "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
+        "machine": describe_machine(),
     }
     print(json.dumps(result))
 

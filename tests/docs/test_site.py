@@ -63,13 +63,24 @@ def test_every_public_module_has_an_api_page(built_site: BuiltSite):
 
 
 def test_benchmark_results_are_plotted(built_site: BuiltSite):
+    """Every results file has a chart on the performance page and says what machine made it."""
     site = built_site.require()
     html = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    assert RESULTS, "benchmarks/results holds no results file"
     for path in RESULTS:
         json.loads(path.read_text(encoding="utf-8"))
-        svg = site / "assets" / "benchmarks" / f"{path.stem}.svg"
-        assert svg.is_file() and "<rect" in svg.read_text(encoding="utf-8"), path.name
-        assert f"assets/benchmarks/{path.stem}.svg" in html, path.name
+        charts = sorted((site / "assets" / "benchmarks").glob(f"{path.stem}*.svg"))
+        charts = [c for c in charts if c.stem == path.stem or c.stem.startswith(f"{path.stem}-")]
+        assert charts, f"{path.name}: no chart"
+        for svg in charts:
+            assert "<rect" in svg.read_text(encoding="utf-8"), svg.name
+            assert f"assets/benchmarks/{svg.name}" in html, svg.name
+        machine = re.search(
+            rf"From <code>benchmarks/results/{re.escape(path.name)}</code>, "
+            r"measured on: ([^<]+)",
+            html,
+        )
+        assert machine and "not recorded" not in machine[1], f"{path.name}: no machine stated"
 
 
 def test_docs_requirements_match_the_docs_extra():
