@@ -31,6 +31,7 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
     WeightValidationError,
 )
+from weightsync.transfer.checksums import weight_checksums
 from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (
     IPCWeightTransferEngine,
@@ -97,6 +98,7 @@ __all__ = [
     "register_engine",
     "trainer_init",
     "trainer_send_weights",
+    "weight_checksums",
 ]
 
 __version__ = "0.1.0"

@@ -50,6 +50,7 @@ EXPECTED = [
     "register_engine",
     "trainer_init",
     "trainer_send_weights",
+    "weight_checksums",
 ]
 
 
