@@ -139,7 +139,7 @@ def step_grid(scenario: dict[str, Any]) -> str:
     colors = {v: VERSION_COLORS[i % len(VERSION_COLORS)] for i, v in enumerate(versions)}
     last_step = max((max(r["steps"], default=0) for r in requests.values()), default=1)
     cell_w, cell_h, left, top = 24, 22, 40, 76
-    width = left + last_step * cell_w + 90
+    width = max(left + last_step * cell_w + 150, 460)  # room for the labels and the caption
     height = top + len(requests) * cell_h + 40
     mode = f"mode={scenario['mode']!r}, clear_cache={scenario['clear_cache']}"
     body = [f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(mode)}</text>']
