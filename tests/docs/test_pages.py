@@ -13,6 +13,7 @@ The generated pages' code runs elsewhere: each example page embeds a script that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,8 @@ BLOCKS = [(path, i) for path in SOURCES for i in range(len(FENCE_LINES[path]))]
 class _Runs:
     """Runs each chain of blocks once, whichever of its blocks a test asks for first."""
 
-    def __init__(self, site: BuiltSite) -> None:
-        self._site = site
+    def __init__(self, site: Callable[[], BuiltSite]) -> None:
+        self._site = site  # built on first use: the README's blocks need no site
         self._outcomes: dict[tuple[Path, int], str] = {}
         self._blocks: dict[Path, list[CodeBlock]] = {}
 
@@ -61,7 +62,7 @@ class _Runs:
             if path == README:
                 self._blocks[path] = markdown_blocks(path.read_text(encoding="utf-8"))
             else:
-                html = _html_path(self._site.require(), path)
+                html = _html_path(self._site().require(), path)
                 assert html.is_file(), f"{_name(path)} was not built to {html}"
                 self._blocks[path] = html_blocks(html.read_text(encoding="utf-8"))
         return self._blocks[path]
@@ -89,8 +90,8 @@ class _Runs:
 
 
 @pytest.fixture(scope="session")
-def runs(built_site: BuiltSite) -> _Runs:
-    return _Runs(built_site)
+def runs(request: pytest.FixtureRequest) -> _Runs:
+    return _Runs(lambda: request.getfixturevalue("built_site"))
 
 
 def test_blocks_are_found():
