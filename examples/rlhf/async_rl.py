@@ -52,13 +52,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.func import functional_call, vmap
 
 from weightsync import (
-    ByteTokenizer,
     EngineConfig,
     LlamaForCausalLM,
     RequestOutput,
@@ -188,12 +186,14 @@ def train_step(
 
 
 def write_log(
-    path: Path, args: argparse.Namespace, rewards: list[float], step: int, batch: Batch
+    path: str, args: argparse.Namespace, rewards: list[float], step: int, batch: Batch
 ) -> None:
     """The run as JSON: mean reward per batch, and one batch's tokens with their weight versions.
 
-    The docs build plots it (`docs/gen/example_plots.py`) from `benchmarks/results/`.
+    The docs build plots it (`docs/gen/example_plots.py`) from `benchmarks/results/examples/`.
     """
+    from weightsync import ByteTokenizer  # the engine's tokenizer; only --log needs it here
+
     tokenizer = ByteTokenizer()
     outputs = batch.token_ids[:, batch.prompt_len :].tolist()
     log = {
@@ -214,7 +214,8 @@ def write_log(
             ],
         },
     }
-    path.write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(json.dumps(log, indent=1) + "\n")
 
 
 def main() -> int:
@@ -236,7 +237,7 @@ def main() -> int:
     )
     parser.add_argument("--min-gain", type=float, default=0.3, help="required reward rise")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the sampling")
-    parser.add_argument("--log", type=Path, help="write the run (rewards, one batch) as JSON here")
+    parser.add_argument("--log", help="write the run (rewards, one batch) as JSON here")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
