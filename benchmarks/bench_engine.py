@@ -19,21 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe_machine
 
 MODES = ("abort", "wait", "keep")
 
@@ -187,8 +183,8 @@ def main() -> None:
         **pause,
         "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
         "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
-        "machine": describe_machine(),
     }
+    result["machine"] = describe_machine()
     print(json.dumps(result))
 
 
