@@ -8,28 +8,30 @@ from weightsync.engine import (
     AsyncEngine,
     ByteTokenizer,
     CompletionOutput,
-    EngineBusyError,
     EngineConfig,
-    EngineConfigError,
-    EngineStateError,
-    InvalidRequestError,
     LlamaConfig,
     LlamaForCausalLM,
     LLMEngine,
     RequestOutput,
     SamplingParams,
-    TornWeightsError,
     WeightVersionSpan,
+)
+from weightsync.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+    WeightSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightValidationError,
 )
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
-    WeightSyncError,
     WeightTransferEngine,
-    WeightTransferError,
-    WeightTransferTimeout,
     WeightTransferUpdateInfo,
-    WeightValidationError,
 )
 from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
 from weightsync.transfer.ipc_handles import cuda_device_uuids
 from weightsync.transfer.ipc_trainer import (

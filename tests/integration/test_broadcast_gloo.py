@@ -5,13 +5,8 @@ import time
 import pytest
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.nccl import (
     GlooWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,

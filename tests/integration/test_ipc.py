@@ -6,11 +6,8 @@ import select
 import pytest
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferUpdateInfo,
-)
+from weightsync.errors import WeightTransferError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_worker import (
     IPCReceiverProcess,
     IPCTrainerProcess,

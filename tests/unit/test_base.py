@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
+from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import (
     TensorSpec,
     WeightTransferUpdateInfo,
-    WeightValidationError,
     dtype_from_name,
     dtype_name,
     parse_info,

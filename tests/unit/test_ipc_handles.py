@@ -9,14 +9,8 @@ import threading
 import pytest
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-    parse_info,
-)
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, parse_info
 from weightsync.transfer.ipc import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from weightsync.transfer.ipc_handles import IPCHandle
 from weightsync.transfer.ipc_trainer import (

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from weightsync.transfer.base import _DTYPES, TensorSpec, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import _DTYPES, TensorSpec
 from weightsync.transfer.flat import flat_tensors
 from weightsync.transfer.packing import (
     ALIGN_BYTES,

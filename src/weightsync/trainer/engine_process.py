@@ -27,13 +27,6 @@ import torch
 
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
-    EngineBusyError,
-    EngineConfigError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-)
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
@@ -41,12 +34,17 @@ from weightsync.engine.outputs import CompletionOutput, RequestOutput, WeightVer
 from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState
-from weightsync.transfer.base import (
-    TransferStats,
+from weightsync.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
     WeightTransferError,
     WeightTransferTimeout,
     WeightValidationError,
 )
+from weightsync.transfer.base import TransferStats
 from weightsync.transfer.worker import CommandProcess, WorkerProcessError, tensor_digests
 
 __all__ = ["EngineProcess"]

@@ -25,13 +25,9 @@ import torch
 from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer.client import EngineClient, call_each
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferError,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
+from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.broadcast import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_NUM_BUFFERS,

@@ -22,18 +22,20 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+# The transfer errors were defined here first; `X as X` keeps their old import path working.
+from weightsync.errors import WeightSyncError as WeightSyncError
+from weightsync.errors import WeightTransferError as WeightTransferError
+from weightsync.errors import WeightTransferTimeout as WeightTransferTimeout
+from weightsync.errors import WeightValidationError as WeightValidationError
+
 __all__ = [
     "AnnouncedTensors",
     "LoadWeightsFn",
     "TensorSpec",
     "TransferStats",
-    "WeightSyncError",
     "WeightTransferEngine",
-    "WeightTransferError",
     "WeightTransferInitInfo",
-    "WeightTransferTimeout",
     "WeightTransferUpdateInfo",
-    "WeightValidationError",
     "dtype_from_name",
     "dtype_name",
     "parse_info",
@@ -45,31 +47,6 @@ LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 The tensors may be views of a reusable transfer buffer: copy them before returning.
 """
-
-
-class WeightSyncError(Exception):
-    """Base class of every error weightsync raises on purpose."""
-
-
-class WeightValidationError(WeightSyncError, ValueError):
-    """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
-
-
-class WeightTransferError(WeightSyncError, RuntimeError):
-    """A transfer failed while bytes were moving (a peer died, a collective failed).
-
-    Attributes:
-        partially_applied: True when some tensors of the update may already have been written into
-            the receiver's weights, which are then torn until a complete update lands.
-    """
-
-    def __init__(self, message: str, *, partially_applied: bool = False) -> None:
-        super().__init__(message)
-        self.partially_applied = partially_applied
-
-
-class WeightTransferTimeout(WeightTransferError, TimeoutError):
-    """A blocking step of a transfer (rendezvous, broadcast, hand-off) ran past its timeout."""
 
 
 # Dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").

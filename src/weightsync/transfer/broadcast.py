@@ -24,13 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferInitInfo,
-    WeightValidationError,
-    dtype_name,
-)
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer.base import TensorSpec, WeightTransferInitInfo, dtype_name
 from weightsync.transfer.group import BroadcastGroup, BroadcastWork
 from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
 

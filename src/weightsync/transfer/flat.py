@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from weightsync.transfer.base import TensorSpec, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.packing import align_up
 
 __all__ = ["flat_tensors", "flatten_module"]

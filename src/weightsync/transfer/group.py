@@ -16,11 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from weightsync.transfer.base import (
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightValidationError,
-)
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 
 __all__ = ["BroadcastGroup", "BroadcastWork", "check_backend"]
 

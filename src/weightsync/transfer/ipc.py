@@ -41,16 +41,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import shm
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
     WeightTransferEngine,
-    WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    WeightValidationError,
 )
 from weightsync.transfer.ipc_handles import IPCHandle, import_cuda_storage
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.base import TensorSpec, WeightValidationError, dtype_from_name, dtype_name
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
 
 __all__ = [
     "CUDAStorageHandle",

@@ -29,15 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import shm
 from weightsync.transfer.base import (
     AnnouncedTensors,
     TensorSpec,
     TransferStats,
-    WeightTransferError,
-    WeightTransferTimeout,
     WeightTransferUpdateInfo,
-    WeightValidationError,
     parse_info,
 )
 from weightsync.transfer.broadcast import (

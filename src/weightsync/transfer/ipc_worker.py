@@ -18,13 +18,8 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,

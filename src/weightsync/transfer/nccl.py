@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import broadcast
 from weightsync.transfer.base import (
     AnnouncedTensors,
@@ -26,10 +27,8 @@ from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferEngine,
-    WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    WeightValidationError,
     parse_info,
 )
 from weightsync.transfer.broadcast import BufferPool, InFlight, NCCLWeightTransferInitInfo

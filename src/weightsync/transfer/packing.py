@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.base import TensorSpec, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec
 
 __all__ = [
     "ALIGN_BYTES",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
 
 __all__ = [
     "SESSION_PREFIX",
