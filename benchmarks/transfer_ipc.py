@@ -30,13 +30,13 @@ import torch
 
 from model_specs import llama_like_specs
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.broadcast import DEFAULT_BUCKET_SIZE_BYTES
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
 from weightsync.transfer.ipc_worker import IPCReceiverProcess, deliver_to_processes
+from weightsync.transfer.wire import WireParams
 from weightsync.transfer.worker import (
     CommandProcess,
     allocate_tensors,
@@ -45,7 +45,7 @@ from weightsync.transfer.worker import (
     tensor_digests,
 )
 
-BUCKET_SIZE_BYTES = DEFAULT_BUCKET_SIZE_BYTES
+BUCKET_SIZE_BYTES = WireParams().bucket_size_bytes
 NUM_BUFFERS = 2
 TIMEOUT_S = 300.0
 

@@ -26,18 +26,15 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer.base import TensorSpec, WeightTransferInitInfo, dtype_name
-from weightsync.transfer.group import BroadcastGroup, BroadcastWork
+from weightsync.transfer.group import BroadcastGroup, BroadcastWork, check_port
 from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
+from weightsync.transfer.wire import WireParams
 
 __all__ = [
-    "DEFAULT_BUCKET_SIZE_BYTES",
     "BufferPool",
     "InFlight",
-    "DEFAULT_NUM_BUFFERS",
-    "DEFAULT_TIMEOUT_S",
     "NCCLWeightTransferInitInfo",
     "abort",
-    "check_wire_params",
     "handshake",
     "metadata_digest",
     "peer_reasons",
@@ -45,13 +42,7 @@ __all__ = [
     "transfer_failed",
 ]
 
-DEFAULT_BUCKET_SIZE_BYTES = 1 << 30
-"""Default bucket size of packed transfers: 1 GiB."""
-DEFAULT_NUM_BUFFERS = 2
-"""Default number of buckets in flight (and of reusable bucket buffers) per side."""
-DEFAULT_TIMEOUT_S = 300.0
-"""Default limit, in seconds, for the rendezvous and for each collective."""
-
+_DEFAULT_WIRE = WireParams()
 _WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
 
 
@@ -80,21 +71,46 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     backend: str = "nccl"
-    packed: bool = True
-    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
-    num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    packed: bool = _DEFAULT_WIRE.packed
+    bucket_size_bytes: int = _DEFAULT_WIRE.bucket_size_bytes
+    num_buffers: int = _DEFAULT_WIRE.num_buffers
+    timeout_s: float = _DEFAULT_WIRE.timeout_s
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise WeightValidationError(
                 f"master_address must be a non-empty host name, got {self.master_address!r}"
             )
-        for key, low in (("master_port", 1), ("world_size", 2), ("rank_offset", 1)):
+        check_port(self.master_port, allow_zero=False)
+        for key, low in (("world_size", 2), ("rank_offset", 1)):
             value = getattr(self, key)
             if not _is_int(value) or value < low:
                 raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
-        check_wire_params(
+        self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        backend: str,
+        wire: WireParams,
+    ) -> NCCLWeightTransferInitInfo:
+        """The init info of a group with these wire parameters."""
+        return cls(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            backend=backend,
+            **wire.to_dict(),
+        )
+
+    @property
+    def wire(self) -> WireParams:
+        """The wire parameters, validated."""
+        return WireParams(
             packed=self.packed,
             bucket_size_bytes=self.bucket_size_bytes,
             num_buffers=self.num_buffers,
@@ -108,28 +124,6 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_wire_params(
-    *, packed: bool, bucket_size_bytes: int, num_buffers: int, timeout_s: float
-) -> None:
-    """Validates the trainer-chosen wire parameters.
-
-    Raises:
-        WeightValidationError: Naming the first bad parameter.
-    """
-    if not isinstance(packed, bool):
-        raise WeightValidationError(f"packed must be a bool, got {packed!r}")
-    if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0:
-        raise WeightValidationError(
-            f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
-        )
-    if not _is_int(num_buffers) or num_buffers < 1:
-        raise WeightValidationError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
-    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise WeightValidationError(
-            f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-        )
 
 
 class BufferPool:

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,14 +38,12 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
     parse_info,
 )
-from weightsync.transfer.broadcast import (
-    DEFAULT_BUCKET_SIZE_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DEFAULT_TIMEOUT_S,
-    check_wire_params,
-)
 from weightsync.transfer.ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
 from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
+from weightsync.transfer.wire import WireKeywords, WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
     "DeliverFn",
@@ -79,14 +77,13 @@ class IPCTrainerSession:
     are the same.
 
     Args:
-        packed: Copy tensors into reusable bucket buffers (True) or export them in place.
-        bucket_size_bytes: Bucket size in bytes (packed mode); a tensor larger than a bucket gets
-            a bucket of its own. Trainer memory beyond the model: `num_buffers` x this.
-        num_buffers: Bucket buffers; 2 lets the trainer pack one bucket while workers copy the
-            other.
-        timeout_s: Limit, in seconds, for each delivery to be acknowledged.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]): `packed`
+            copies tensors into `num_buffers` reusable bucket buffers of `bucket_size_bytes`
+            (trainer memory beyond the model: their sum), unpacked exports them in place;
+            `timeout_s` bounds each delivery's acknowledgement. The defaults when None.
 
     Attributes:
+        wire: The wire parameters.
         session: The session's name, `weightsync-` and 12 random hex digits; every segment it
             creates is named after it.
 
@@ -94,24 +91,8 @@ class IPCTrainerSession:
         WeightValidationError: A bad argument.
     """
 
-    def __init__(
-        self,
-        *,
-        packed: bool = True,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        num_buffers: int = DEFAULT_NUM_BUFFERS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        check_wire_params(
-            packed=packed,
-            bucket_size_bytes=bucket_size_bytes,
-            num_buffers=num_buffers,
-            timeout_s=timeout_s,
-        )
-        self.packed = packed
-        self.bucket_size_bytes = bucket_size_bytes
-        self.num_buffers = num_buffers
-        self.timeout_s = float(timeout_s)
+    def __init__(self, wire: WireParams | None = None) -> None:
+        self.wire = WireParams.build(wire)
         self.session = shm.new_session_name()
         self._janitor = shm.SegmentJanitor(self.session)
         self._counter = itertools.count()
@@ -223,7 +204,7 @@ class IPCTrainerSession:
         self, device: torch.device, index: int, nbytes: int
     ) -> tuple[torch.Tensor, str | None]:
         """Bucket buffer `index` on `device`, at least `nbytes` long, and its segment name (CPU)."""
-        buffers = self._buffers.setdefault(device, [None] * self.num_buffers)
+        buffers = self._buffers.setdefault(device, [None] * self.wire.num_buffers)
         entry = buffers[index]
         if entry is None or entry[0].numel() < nbytes:
             buffers[index] = None
@@ -265,28 +246,26 @@ class IPCTrainerSession:
 
 
 def ipc_trainer_init(
-    *,
-    packed: bool = True,
-    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-    num_buffers: int = DEFAULT_NUM_BUFFERS,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *, wire: WireParams | None = None, **wire_fields: Unpack[WireKeywords]
 ) -> IPCTrainerSession:
     """Starts the trainer's end of an IPC transfer; pass `session.init_info` to every worker.
 
-    Arguments as for [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession].
     Nothing is allocated until the first send (or `shared_tensors`).
+
+    Args:
+        wire: The wire parameters (see
+            [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession]).
+        **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
+
+    Raises:
+        WeightValidationError: A bad wire parameter.
 
     >>> session = ipc_trainer_init()
     >>> session.init_info["backend"]
     'ipc'
     >>> session.close()
     """
-    return IPCTrainerSession(
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=timeout_s,
-    )
+    return IPCTrainerSession(WireParams.build(wire, **wire_fields))
 
 
 @dataclass
@@ -491,9 +470,9 @@ def ipc_trainer_send_weights(
         "update_id": secrets.token_hex(8),
     }
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
-    courier = _Courier(trainer_args.deliver, session.timeout_s)
+    courier = _Courier(trainer_args.deliver, session.wire.timeout_s)
     try:
-        if session.packed:
+        if session.wire.packed:
             _send_packed(session, specs, source, header, courier, stats)
         else:
             _send_unpacked(session, specs, source, header, courier, stats)
@@ -561,7 +540,7 @@ def _send_packed(
     courier: _Courier,
     stats: TransferStats,
 ) -> None:
-    buckets = plan_buckets(specs, session.bucket_size_bytes)
+    buckets = plan_buckets(specs, session.wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
     _announce(courier, header)
     if not buckets:
@@ -574,10 +553,10 @@ def _send_packed(
             if number == len(buckets) - 1:
                 source.check_exhausted(len(specs))
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
-            if len(courier) >= session.num_buffers:
+            if len(courier) >= session.wire.num_buffers:
                 courier.wait_oldest()  # its buffer is the one we refill next
             courier.raise_if_failed()
-            buffer, segment = session._buffer(device, number % session.num_buffers, nbytes)
+            buffer, segment = session._buffer(device, number % session.wire.num_buffers, nbytes)
             with torch.no_grad():  # parameters that require grad are copied as plain bytes
                 pack_bucket(bucket, tensors, buffer)
             cuda = None

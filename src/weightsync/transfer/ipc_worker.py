@@ -23,7 +23,7 @@ from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
-    IPCTrainerSession,
+    ipc_trainer_init,
     ipc_trainer_send_weights,
 )
 from weightsync.transfer.worker import (
@@ -95,7 +95,7 @@ def _trainer_main(
             state["session"].close()
         if layout not in ("plain", "shared", "torch_shared"):
             raise ValueError(f"layout must be 'plain', 'shared' or 'torch_shared', got {layout!r}")
-        session = state["session"] = IPCTrainerSession(**session_kwargs)
+        session = state["session"] = ipc_trainer_init(**session_kwargs)
         if layout == "shared":  # weightsync's own shared memory: exported in place
             state["tensors"] = session.shared_tensors(specs)
         else:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -39,6 +39,10 @@ from weightsync.transfer.packing import (
     pack_bucket,
     unpack_bucket,
 )
+from weightsync.transfer.wire import WireKeywords, WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -322,10 +326,8 @@ def trainer_init(
     backend: str = "nccl",
     master_address: str = "127.0.0.1",
     master_port: int = 0,
-    packed: bool = True,
-    bucket_size_bytes: int = broadcast.DEFAULT_BUCKET_SIZE_BYTES,
-    num_buffers: int = broadcast.DEFAULT_NUM_BUFFERS,
-    timeout_s: float = broadcast.DEFAULT_TIMEOUT_S,
+    wire: WireParams | None = None,
+    **wire_fields: Unpack[WireKeywords],
 ) -> TrainerGroup:
     """Creates the trainer's end (rank 0) of a weight-transfer group and decides the wire parameters.
 
@@ -337,11 +339,9 @@ def trainer_init(
         backend: `"nccl"` for CUDA tensors, `"gloo"` for CPU tensors.
         master_address: Address workers reach this process at (loopback by default).
         master_port: Port for the store; 0 picks a free one.
-        packed: Pack tensors into buckets (True) or broadcast each tensor on its own.
-        bucket_size_bytes: Bucket size in bytes; peak extra memory per side is
-            `num_buffers * bucket_size_bytes` (or the largest tensor, if bigger).
-        num_buffers: Buckets in flight at once (2 overlaps packing with sending).
-        timeout_s: Limit, in seconds, for the rendezvous and for each collective.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]:
+            packed or not, bucket size, buffers, timeout); the defaults when None.
+        **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
 
     Raises:
         WeightValidationError: A bad argument, or `nccl` without CUDA.
@@ -351,29 +351,21 @@ def trainer_init(
     ['backend', 'bucket_size_bytes', 'master_address']
     >>> group.close()
     """
-    broadcast.check_wire_params(
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=timeout_s,
-    )
+    params = WireParams.build(wire, **wire_fields)
     group = BroadcastGroup(
         backend=backend,
         master_address=master_address,
         master_port=master_port,
         rank=0,
         world_size=world_size,
-        timeout_s=timeout_s,
+        timeout_s=params.timeout_s,
     )
-    info = NCCLWeightTransferInitInfo(
+    info = NCCLWeightTransferInitInfo.create(
         master_address=master_address,
         master_port=group.port,
         world_size=world_size,
         backend=backend,
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=float(timeout_s),
+        wire=params,
     )
     group.set("wire", info.wire_params())
     group.claim_rank()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import TensorSpec
+from weightsync.transfer.wire import WireParams
 
 __all__ = [
     "ALIGN_BYTES",
@@ -76,17 +76,14 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int) -> list[Bu
         bucket_size_bytes: Target size of a bucket in bytes; must be positive.
 
     Raises:
-        WeightValidationError: `bucket_size_bytes` is not a positive int.
+        WeightValidationError: `bucket_size_bytes` is not an int >= 1.
 
     >>> from weightsync.transfer.base import TensorSpec
     >>> specs = [TensorSpec(f"w{i}", torch.float32, (64,)) for i in range(3)]
     >>> [len(b.slots) for b in plan_buckets(specs, bucket_size_bytes=512)]
     [2, 1]
     """
-    if not isinstance(bucket_size_bytes, int) or bucket_size_bytes <= 0:
-        raise WeightValidationError(
-            f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
-        )
+    WireParams(bucket_size_bytes=bucket_size_bytes)  # the one check of a bucket size
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     end = 0
