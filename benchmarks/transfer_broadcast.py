@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from model_specs import llama_like_specs
+from weightsync.transfer._group import BroadcastGroup
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.group import BroadcastGroup
-from weightsync.transfer.nccl import (
-    GlooWeightTransferEngine,
+from weightsync.transfer.nccl import GlooWeightTransferEngine
+from weightsync.transfer.nccl_trainer import (
     NCCLTrainerSendWeightsArgs,
     trainer_init,
     trainer_send_weights,

@@ -7,10 +7,9 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.nccl import (
-    GlooWeightTransferEngine,
+from weightsync.transfer.nccl import GlooWeightTransferEngine, NCCLWeightTransferEngine
+from weightsync.transfer.nccl_trainer import (
     NCCLTrainerSendWeightsArgs,
-    NCCLWeightTransferEngine,
     trainer_init,
     trainer_send_weights,
 )

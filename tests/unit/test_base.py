@@ -12,7 +12,7 @@ from weightsync.transfer.base import (
     parse_info,
     validate_specs,
 )
-from weightsync.transfer.broadcast import NCCLWeightTransferInitInfo
+from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
 
 
 def test_dtype_names_round_trip_and_refuse_unknown():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer._ipc_handles import IPCHandle
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, parse_info
 from weightsync.transfer.ipc import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
-from weightsync.transfer.ipc_handles import IPCHandle
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,

@@ -34,7 +34,7 @@ from weightsync.transfer.ipc_trainer import (
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.nccl import (
+from weightsync.transfer.nccl_trainer import (
     NCCLTrainerSendWeightsArgs,
     TrainerGroup,
     trainer_init,
@@ -133,7 +133,7 @@ class BroadcastWeightSender(WeightSender):
 
     The trainer is rank 0 and engine `i` rank `1 + i`, so engine `i` must have been created with
     `worker_index=i`. Arguments after `engines` are those of
-    [`trainer_init`][weightsync.transfer.nccl.trainer_init].
+    [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
 
     Args:
         engines: The engines to update.

@@ -2,7 +2,7 @@
 
 The mechanism follows the tensors' device: CUDA tensors travel as CUDA IPC handles, CPU tensors
 as POSIX shared-memory segments. Either way the trainer sends only JSON-safe
-[handle records][weightsync.transfer.ipc_handles.IPCHandle] and each worker copies the bytes
+handle records and each worker copies the bytes
 straight out of the trainer's memory into its model.
 
 This module holds the worker side and the payloads; the trainer side is
@@ -42,7 +42,8 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer import shm
+from weightsync.transfer import _shm as shm
+from weightsync.transfer._ipc_handles import IPCHandle, import_cuda_storage
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -51,7 +52,6 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.ipc_handles import IPCHandle, import_cuda_storage
 
 __all__ = [
     "IPCWeightTransferEngine",
@@ -101,7 +101,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     Attributes:
         update_id: Identifies the update all its deliveries belong to.
         ipc_handles: One record per tensor of this part (see
-            [`IPCHandle`][weightsync.transfer.ipc_handles.IPCHandle]), or None for the
+            `IPCHandle`), or None for the
             announcement, which moves nothing.
         first_index: Position of this part's first tensor in the announced update (0 for the
             announcement).

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer import shm
+from weightsync.transfer import _shm as shm
+from weightsync.transfer._ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
 from weightsync.transfer.base import (
     AnnouncedTensors,
     TensorSpec,
@@ -38,7 +39,6 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
     parse_info,
 )
-from weightsync.transfer.ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
 from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
 from weightsync.transfer.wire import WireKeywords, WireParams
 

@@ -187,7 +187,7 @@ def _trainer_main(
     init_default_group: bool,
     device: str,
 ) -> None:
-    from weightsync.transfer.nccl import (
+    from weightsync.transfer.nccl_trainer import (
         NCCLTrainerSendWeightsArgs,
         TrainerGroup,
         trainer_init,

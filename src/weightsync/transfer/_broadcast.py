@@ -25,15 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer.base import TensorSpec, WeightTransferInitInfo, dtype_name
-from weightsync.transfer.group import BroadcastGroup, BroadcastWork, check_port
+from weightsync.transfer._group import BroadcastGroup, BroadcastWork
+from weightsync.transfer.base import TensorSpec, dtype_name
 from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
 from weightsync.transfer.wire import WireParams
 
 __all__ = [
     "BufferPool",
     "InFlight",
-    "NCCLWeightTransferInitInfo",
     "abort",
     "handshake",
     "metadata_digest",
@@ -41,89 +40,6 @@ __all__ = [
     "plan",
     "transfer_failed",
 ]
-
-_DEFAULT_WIRE = WireParams()
-_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
-
-
-@dataclass
-class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
-    """How a worker joins a trainer's broadcast group; built by the trainer, never by hand.
-
-    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl.TrainerGroup.init_info]:
-    the wire parameters (`packed` to `timeout_s`) are decided by the trainer and checked again
-    against the trainer's own copy when the worker joins.
-
-    Attributes:
-        master_address: Host of the trainer (it runs the group's store).
-        master_port: Port of the trainer's store.
-        world_size: 1 (the trainer) + the number of workers.
-        rank_offset: Rank of the first worker; worker `i` is rank `rank_offset + i`.
-        backend: `"nccl"` (CUDA tensors) or `"gloo"` (CPU tensors).
-        packed: Whether tensors travel packed into buckets (True) or one broadcast each.
-        bucket_size_bytes: Bucket size in bytes (packed mode).
-        num_buffers: Buckets in flight at once; also the number of reusable bucket buffers.
-        timeout_s: Limit for the rendezvous and each collective, in seconds.
-    """
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    backend: str = "nccl"
-    packed: bool = _DEFAULT_WIRE.packed
-    bucket_size_bytes: int = _DEFAULT_WIRE.bucket_size_bytes
-    num_buffers: int = _DEFAULT_WIRE.num_buffers
-    timeout_s: float = _DEFAULT_WIRE.timeout_s
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise WeightValidationError(
-                f"master_address must be a non-empty host name, got {self.master_address!r}"
-            )
-        check_port(self.master_port, allow_zero=False)
-        for key, low in (("world_size", 2), ("rank_offset", 1)):
-            value = getattr(self, key)
-            if not _is_int(value) or value < low:
-                raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
-        self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        backend: str,
-        wire: WireParams,
-    ) -> NCCLWeightTransferInitInfo:
-        """The init info of a group with these wire parameters."""
-        return cls(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            backend=backend,
-            **wire.to_dict(),
-        )
-
-    @property
-    def wire(self) -> WireParams:
-        """The wire parameters, validated."""
-        return WireParams(
-            packed=self.packed,
-            bucket_size_bytes=self.bucket_size_bytes,
-            num_buffers=self.num_buffers,
-            timeout_s=self.timeout_s,
-        )
-
-    def wire_params(self) -> dict[str, object]:
-        """Returns the parameters both sides must agree on."""
-        return {key: getattr(self, key) for key in _WIRE_KEYS}
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class BufferPool:
@@ -181,10 +97,10 @@ class InFlight:
     keepalive: Sequence[torch.Tensor] = ()
 
 
-def plan(specs: Sequence[TensorSpec], info: NCCLWeightTransferInitInfo) -> list[Bucket]:
+def plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
     """The buckets of one update: packed per `bucket_size_bytes`, or one per tensor."""
-    if info.packed:
-        return plan_buckets(specs, info.bucket_size_bytes)
+    if wire.packed:
+        return plan_buckets(specs, wire.bucket_size_bytes)
     return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
 
 

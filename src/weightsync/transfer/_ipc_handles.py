@@ -10,7 +10,7 @@ A record locates one tensor inside a memory region the trainer exported:
 On CPUs the region is a POSIX shared-memory segment, named by `segment`. On GPUs it is a CUDA
 allocation, described by a `cuda` object instead: the CUDA IPC handle bytes in base64, the
 allocation's size and the physical GPU's UUID (see
-[`CUDAStorageHandle`][weightsync.transfer.ipc_handles.CUDAStorageHandle]). A tensor without
+`CUDAStorageHandle`). A tensor without
 bytes has neither. Records hold strings, ints, bools and lists only: they survive
 `json.dumps`/`json.loads` unchanged, and reading one never unpickles, evaluates or imports
 anything. Everything a record claims is checked before memory is touched.
@@ -133,7 +133,7 @@ class CUDAStorageHandle:
 class IPCHandle:
     """Where one tensor's bytes are: a region, a byte offset in it, and what the bytes are.
 
-    Build it with [`from_dict`][weightsync.transfer.ipc_handles.IPCHandle.from_dict], which
+    Build it with `from_dict`, which
     checks everything that can be checked without touching memory.
 
     Attributes:

@@ -5,7 +5,7 @@ bits, so a receiver attaches only to segments of the session it was initialized 
 cannot be guessed. Names stay under 31 characters, the limit some systems put on them.
 
 Leaks are ruled out in two ways. The owner unlinks its segments when it closes them, and every
-session also starts a [`SegmentJanitor`][weightsync.transfer.shm.SegmentJanitor]: a tiny process
+session also starts a `SegmentJanitor`: a tiny process
 told each segment name *before* the segment exists, which unlinks whatever is left once the
 owning process is gone, even after SIGKILL.
 
