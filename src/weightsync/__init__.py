@@ -1,6 +1,9 @@
 """weightsync: live weight updates and pause/resume for LLM inference engines in async RL.
 
-The public API, re-exported from the modules that define it.
+The public API, re-exported from the modules that define it: the engine, the transfer backends
+(worker engines, trainer functions, configs and infos), the trainer side
+([`weightsync.trainer`][weightsync.trainer]) and the errors
+([`weightsync.errors`][weightsync.errors]). Every other module is private (`_name`).
 """
 
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
@@ -26,6 +29,16 @@ from weightsync.errors import (
     WeightTransferError,
     WeightTransferTimeout,
     WeightValidationError,
+)
+from weightsync.trainer import (
+    BroadcastWeightSender,
+    EngineClient,
+    EngineProcess,
+    IPCWeightSender,
+    WeightSender,
+    call_each,
+    create_weight_sender,
+    sync_weights,
 )
 from weightsync.transfer.base import (
     TensorSpec,
@@ -57,18 +70,23 @@ from weightsync.transfer.nccl_trainer import (
     trainer_send_weights,
 )
 from weightsync.transfer.registry import create_engine, register_engine
+from weightsync.transfer.wire import WireParams
 
 __all__ = [
     "AsyncEngine",
+    "BroadcastWeightSender",
     "ByteTokenizer",
     "CompletionOutput",
     "EngineBusyError",
+    "EngineClient",
     "EngineConfig",
     "EngineConfigError",
+    "EngineProcess",
     "EngineStateError",
     "GlooWeightTransferEngine",
     "IPCTrainerSendWeightsArgs",
     "IPCTrainerSession",
+    "IPCWeightSender",
     "IPCWeightTransferEngine",
     "IPCWeightTransferInitInfo",
     "IPCWeightTransferUpdateInfo",
@@ -85,6 +103,7 @@ __all__ = [
     "TornWeightsError",
     "TrainerGroup",
     "TransferStats",
+    "WeightSender",
     "WeightSyncError",
     "WeightTransferConfig",
     "WeightTransferEngine",
@@ -93,12 +112,16 @@ __all__ = [
     "WeightTransferUpdateInfo",
     "WeightValidationError",
     "WeightVersionSpan",
+    "WireParams",
+    "call_each",
     "create_engine",
+    "create_weight_sender",
     "flatten_module",
     "ipc_trainer_init",
     "ipc_trainer_send_weights",
     "parse_weight_transfer_config",
     "register_engine",
+    "sync_weights",
     "trainer_init",
     "trainer_send_weights",
 ]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer._checks import parse_info
 from weightsync.transfer._ipc_handles import IPCHandle
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, parse_info
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,

@@ -31,13 +31,13 @@ from torch import nn
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _shm as shm
+from weightsync.transfer._checks import parse_info
 from weightsync.transfer._ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
+from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
-    AnnouncedTensors,
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
-    parse_info,
 )
 from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
 from weightsync.transfer.wire import WireKeywords, WireParams

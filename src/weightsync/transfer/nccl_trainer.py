@@ -21,13 +21,13 @@ import torch
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import BufferPool, InFlight
+from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
-    AnnouncedTensors,
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
-    parse_info,
 )
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
 from weightsync.transfer.packing import Bucket, direct_region, pack_bucket
