@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from weightsync.errors import WeightValidationError
+from weightsync.transfer._bucket_io import unpack_bucket
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import align_up
+from weightsync.transfer.packing import align_up, flat_layout
 
 __all__ = ["flat_tensors", "flatten_module"]
 
@@ -72,14 +73,6 @@ def flat_tensors(
     >>> buffer.numel(), views["b"].shape
     (512, torch.Size([]))
     """
-    offsets = []
-    end = 0
-    for spec in specs:
-        offsets.append(align_up(end))
-        end = offsets[-1] + spec.nbytes
-    buffer = torch.zeros(align_up(end), dtype=torch.uint8, device=device)
-    views = {
-        spec.name: buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        for spec, offset in zip(specs, offsets, strict=True)
-    }
-    return buffer, views
+    layout = flat_layout(specs)
+    buffer = torch.zeros(align_up(layout.nbytes), dtype=torch.uint8, device=device)
+    return buffer, dict(unpack_bucket(layout, buffer))

@@ -31,6 +31,7 @@ from torch import nn
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _shm as shm
+from weightsync.transfer._bucket_io import pack_bucket, unpack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
 from weightsync.transfer._sender import AnnouncedTensors
@@ -39,7 +40,7 @@ from weightsync.transfer.base import (
     TransferStats,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
+from weightsync.transfer.packing import align_up, flat_layout, plan_buckets
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -157,18 +158,10 @@ class IPCTrainerSession:
         >>> session.close()
         """
         self._check_open()
-        offsets, end = [], 0
-        for spec in specs:
-            offsets.append(align_up(end))
-            end = offsets[-1] + spec.nbytes
-        segment = self._new_segment(align_up(end))
+        layout = flat_layout(specs)
+        segment = self._new_segment(align_up(layout.nbytes))
         self._shared.append(segment)
-        return {
-            spec.name: segment.tensor[offset : offset + spec.nbytes]
-            .view(spec.dtype)
-            .view(spec.shape)
-            for spec, offset in zip(specs, offsets, strict=True)
-        }
+        return dict(unpack_bucket(layout, segment.tensor))
 
     def share_module(self, module: nn.Module) -> None:
         """Moves the CPU parameters of `module` into shared memory of this session, in place.

@@ -22,6 +22,7 @@ import torch
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import BufferPool, InFlight
+from weightsync.transfer._bucket_io import direct_region, unpack_bucket
 from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
 from weightsync.transfer.base import (
     LoadWeightsFn,
@@ -31,11 +32,7 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import (
-    Bucket,
-    direct_region,
-    unpack_bucket,
-)
+from weightsync.transfer.packing import Bucket
 from weightsync.transfer.wire import WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
