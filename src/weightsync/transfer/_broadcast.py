@@ -32,7 +32,6 @@ from weightsync.transfer.packing import Bucket, Slot, plan_buckets
 from weightsync.transfer.wire import WireParams
 
 __all__ = [
-    "BufferPool",
     "InFlight",
     "abort",
     "handshake",
@@ -41,38 +40,6 @@ __all__ = [
     "plan",
     "transfer_failed",
 ]
-
-
-class BufferPool:
-    """`count` byte buffers, grown on demand and reused across updates (no page faults).
-
-    Args:
-        count: Number of buffers (the `num_buffers` wire parameter).
-        device: Where they live.
-    """
-
-    def __init__(self, count: int, device: torch.device) -> None:
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._device = device
-        self.free: list[int] = list(range(count))
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """Takes a free buffer of at least `nbytes`; returns its index and a view of `nbytes`."""
-        index = self.free.pop()
-        buffer = self._buffers[index]
-        if buffer is None or buffer.numel() < nbytes:
-            self._buffers[index] = buffer = None  # free the old one before allocating
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._buffers[index] = buffer
-        return index, buffer[:nbytes]
-
-    def give_back(self, index: int) -> None:
-        """Returns buffer `index` to the free list."""
-        self.free.append(index)
-
-    def reset(self) -> None:
-        """Marks every buffer free (at the start of an update)."""
-        self.free = list(range(len(self._buffers)))
 
 
 @dataclass

@@ -34,13 +34,14 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._bucket_io import pack_bucket, unpack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
+from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import align_up, flat_layout, plan_buckets
+from weightsync.transfer.packing import Bucket, align_up, flat_layout, plan_buckets
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# A bucket buffer: its bytes, and on the CPU the shared-memory segment they live in.
+_BucketBuffer = tuple[torch.Tensor, "shm.SharedSegment | None"]
 
 DeliverFn = Callable[[dict[str, Any]], None]
 """Hands one JSON-safe update info dict to every worker's `receive_weights`.
@@ -100,9 +104,7 @@ class IPCTrainerSession:
         self._owned: dict[str, shm.SharedSegment] = {}
         self._shared: list[shm.SharedSegment] = []
         # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
-        self._buffers: dict[
-            torch.device, list[tuple[torch.Tensor, shm.SharedSegment | None] | None]
-        ] = {}
+        self._pools: dict[torch.device, BufferPool[_BucketBuffer]] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
 
@@ -193,39 +195,38 @@ class IPCTrainerSession:
                 return segment.name, address - segment.address
         return None
 
-    def _buffer(
-        self, device: torch.device, index: int, nbytes: int
-    ) -> tuple[torch.Tensor, str | None]:
-        """Bucket buffer `index` on `device`, at least `nbytes` long, and its segment name (CPU)."""
-        buffers = self._buffers.setdefault(device, [None] * self.wire.num_buffers)
-        entry = buffers[index]
-        if entry is None or entry[0].numel() < nbytes:
-            buffers[index] = None
-            if entry is not None and entry[1] is not None:
-                self._drop_segment(entry[1])
-            if device.type == "cpu":
-                created = self._new_segment(align_up(nbytes, mmap.PAGESIZE))
-                entry = (created.tensor, created)
-            else:  # CUDA memory is exported by handle: no segment
-                entry = (torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None)
-            buffers[index] = entry
-        buffer, segment = entry
-        return buffer, segment.name if segment is not None else None
+    def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
+        """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
+        pool = self._pools.get(device)
+        if pool is None:
+
+            def allocate(nbytes: int) -> _BucketBuffer:
+                if device.type == "cpu":
+                    created = self._new_segment(align_up(nbytes, mmap.PAGESIZE))
+                    return created.tensor, created
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+
+            def release(entry: _BucketBuffer) -> None:
+                if entry[1] is not None:
+                    self._drop_segment(entry[1])
+
+            pool = self._pools[device] = BufferPool(
+                self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
+            )
+        return pool
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
-        for buffers in self._buffers.values():
-            for entry in buffers:
-                if entry is not None and entry[1] is not None:
-                    self._drop_segment(entry[1])
-        self._buffers.clear()
+        for pool in self._pools.values():
+            pool.clear()
+        self._pools.clear()
 
     def close(self) -> None:
         """Unlinks every segment of this session and stops its janitor. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._buffers.clear()
+        self._pools.clear()
         self._shared.clear()
         self._finalizer()
         if torch.cuda.is_available():
@@ -337,8 +338,9 @@ class _Courier:
             ) from None
 
     def raise_if_failed(self) -> None:
-        while self._pending and self._pending[0][0].done():
-            self.wait_oldest()
+        """Raises a delivery's failure early; pending successes stay pending (a window counts them)."""
+        if any(f.done() and not f.cancelled() and f.exception() for f, _ in self._pending):
+            self.drain()  # raises the first failure, in delivery order
 
     def drain(self) -> None:
         while self._pending:
@@ -536,39 +538,56 @@ def _send_packed(
     buckets = plan_buckets(specs, session.wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
     _announce(courier, header)
-    if not buckets:
-        source.check_exhausted(0)
     device: torch.device | None = None
-    index = 0
+    pool: BufferPool[_BucketBuffer] | None = None
+
+    def land(buffer_index: int) -> None:
+        courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
+        assert pool is not None
+        pool.give_back(buffer_index)
+
+    window: Window[int] = Window(session.wire.num_buffers, land)
     try:
-        for number, bucket in enumerate(buckets):
-            tensors = [source.take(slot.spec, index + i) for i, slot in enumerate(bucket.slots)]
-            if number == len(buckets) - 1:
-                source.check_exhausted(len(specs))
+        for first, bucket, tensors in announced_buckets(buckets, source, len(specs)):
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
-            if len(courier) >= session.wire.num_buffers:
-                courier.wait_oldest()  # its buffer is the one we refill next
+            if pool is None:
+                pool = session._pool(device)
+                pool.reset()
+            window.make_room()
             courier.raise_if_failed()
-            buffer, segment = session._buffer(device, number % session.wire.num_buffers, nbytes)
-            with torch.no_grad():  # parameters that require grad are copied as plain bytes
-                pack_bucket(bucket, tensors, buffer)
-            cuda = None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # workers read on their own streams
-                cuda = export_cuda_storage(buffer.untyped_storage())
-            records = [
-                IPCHandle.for_tensor(s.spec, s.offset, segment=segment, cuda=cuda).to_dict()
-                for s in bucket.slots
-            ]
-            what = f"part {number + 1} of {len(buckets)}"
-            courier.submit(_part(header, index, records), what)
-            index += len(bucket.slots)
+            buffer_index, (buffer, segment) = pool.take(nbytes)
+            window.push(buffer_index)
+            what = f"part {stats.num_buckets + 1} of {len(buckets)}"
+            courier.submit(
+                _part(header, first, _pack_records(bucket, tensors, buffer, segment)), what
+            )
             stats.num_buckets += 1
-        courier.drain()
+        window.drain()
     except Exception as exc:
+        window.clear()
         session.drop_buffers()
         cleanup = "; the bucket buffers were unlinked"
         raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
+
+
+def _pack_records(
+    bucket: Bucket,
+    tensors: list[torch.Tensor],
+    buffer: torch.Tensor,
+    segment: shm.SharedSegment | None,
+) -> list[dict[str, Any]]:
+    """Packs `tensors` into `buffer` and returns the records that locate them there."""
+    with torch.no_grad():  # parameters that require grad are copied as plain bytes
+        pack_bucket(bucket, tensors, buffer)
+    cuda = None
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)  # workers read on their own streams
+        cuda = export_cuda_storage(buffer.untyped_storage())
+    name = segment.name if segment is not None else None
+    return [
+        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
+        for s in bucket.slots
+    ]
 
 
 def _send_unpacked(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,9 +20,10 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
-from weightsync.transfer._broadcast import BufferPool, InFlight
+from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, unpack_bucket
 from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -160,7 +160,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self.device = check_backend(self.backend)
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
-        self._pool: BufferPool | None = None
+        self._pool: BufferPool[torch.Tensor] | None = None
         self._seq = 0
 
     @property
@@ -255,21 +255,22 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         assert specs is not None
         stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
         if self._pool is None:
-            self._pool = BufferPool(info.num_buffers, group.device)
+            self._pool = byte_buffers(info.num_buffers, group.device)
         self._pool.reset()
         buckets = broadcast.plan(specs, info.wire)
-        window: deque[InFlight] = deque()
+        window: Window[InFlight] = Window(
+            info.num_buffers, lambda item: self._land(item, load_weights, stats)
+        )
         touched = False  # whether any byte of the model may have been overwritten
         try:
             for bucket in buckets:
-                if len(window) >= info.num_buffers:
-                    touched = True
-                    self._land(window.popleft(), load_weights, stats)
-                window.append(self._post(group, bucket))
-                touched |= window[-1].region is not None
-            while window:
-                touched = True
-                self._land(window.popleft(), load_weights, stats)
+                touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
+                window.make_room()
+                item = self._post(group, bucket)
+                window.push(item)
+                touched |= item.region is not None  # received straight into the model
+            touched |= len(window) > 0
+            window.drain()
         except Exception as exc:
             window.clear()  # in-flight work pins the group's connections open
             raise broadcast.transfer_failed(group, exc, partially_applied=touched) from exc
@@ -300,7 +301,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 group.broadcast(region.data, what), bucket, region.data, None, region, saved
             )
         assert self._pool is not None
-        index, data = self._pool.take(bucket.nbytes)
+        index, buffer = self._pool.take(bucket.nbytes)
+        data = buffer[: bucket.nbytes]
         return InFlight(group.broadcast(data, what), bucket, data, index)
 
     def _land(self, item: InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:

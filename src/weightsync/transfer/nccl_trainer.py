@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,10 +19,11 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
-from weightsync.transfer._broadcast import BufferPool, InFlight
+from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
@@ -58,7 +58,7 @@ class TrainerGroup:
     def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
         self._group = group
         self._info = info
-        self._pool = BufferPool(info.num_buffers, group.device)
+        self._pool = byte_buffers(info.num_buffers, group.device)
         self._seq = 0
         self._closed = False
 
@@ -227,29 +227,27 @@ def trainer_send_weights(
     )
     pool = trainer._pool
     pool.reset()
-    window: deque[InFlight] = deque()
-    index = 0
+
+    def land(item: InFlight) -> None:
+        assert item.work is not None
+        item.work.wait()
+        if item.buffer_index is not None:
+            pool.give_back(item.buffer_index)
+
+    window: Window[InFlight] = Window(info.num_buffers, land)
+    sent = 0  # tensors taken from the iterator: after the first, workers may hold new bytes
     try:
-        for number, bucket in enumerate(buckets):
-            bucket_tensors = []
-            for slot in bucket.slots:
-                bucket_tensors.append(tensors.take(slot.spec, index))
-                index += 1
-            if number == len(buckets) - 1:
-                tensors.check_exhausted(len(specs))
+        for first, bucket, bucket_tensors in announced_buckets(buckets, tensors, len(specs)):
+            sent = first + len(bucket.slots)
             if bucket.nbytes == 0:
                 continue
-            if len(window) >= info.num_buffers:
-                _drain_one(window, pool)
-            window.append(_post_send(group, pool, bucket, bucket_tensors, stats))
-        if not buckets:
-            tensors.check_exhausted(0)
-        while window:
-            _drain_one(window, pool)
+            window.make_room()
+            window.push(_post_send(group, pool, bucket, bucket_tensors, stats))
+        window.drain()
     except Exception as exc:
         window.clear()  # in-flight work pins the group's connections open
         trainer._closed = True
-        error = broadcast.transfer_failed(group, exc, partially_applied=index > 0)
+        error = broadcast.transfer_failed(group, exc, partially_applied=sent > 0)
         if isinstance(exc, WeightValidationError):
             raise WeightValidationError(str(error)) from exc
         raise error from exc
@@ -269,7 +267,7 @@ def trainer_send_weights(
 
 def _post_send(
     group: BroadcastGroup,
-    pool: BufferPool,
+    pool: BufferPool[torch.Tensor],
     bucket: Bucket,
     tensors: list[torch.Tensor],
     stats: TransferStats,
@@ -280,14 +278,7 @@ def _post_send(
         stats.direct_buckets += 1
         return InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
     index, buffer = pool.take(bucket.nbytes)
+    buffer = buffer[: bucket.nbytes]
     with torch.no_grad():  # parameters that require grad are copied as plain bytes
         data = pack_bucket(bucket, tensors, buffer)
     return InFlight(group.broadcast(data, what), bucket, data, index)
-
-
-def _drain_one(window: deque[InFlight], pool: BufferPool) -> None:
-    item = window.popleft()
-    assert item.work is not None
-    item.work.wait()
-    if item.buffer_index is not None:
-        pool.give_back(item.buffer_index)
