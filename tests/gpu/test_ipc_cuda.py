@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._ipc_handles import cuda_device_uuids
+from weightsync.transfer._cuda_ipc import cuda_device_uuids
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
 from weightsync.transfer.ipc_trainer import (

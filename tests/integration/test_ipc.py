@@ -106,16 +106,6 @@ def test_packed_and_unpacked_are_bitwise_equal(procs, packed):
     close_session(trainer, reply["init_info"]["session"])
 
 
-def test_zero_copy_from_torch_shared_tensors(procs):
-    trainer, receivers = procs["trainer"], procs["receivers"]
-    reply = init(trainer, receivers, layout="torch_shared", packed=False)
-    for seed in (21, 22):  # the second update reads the trainer's in-place refill
-        stats = trainer.send(receivers, seed=seed)["stats"]
-        assert stats["direct_buckets"] == 1
-        assert_same_weights(trainer, receivers)
-    close_session(trainer, reply["init_info"]["session"])
-
-
 def test_hundred_consecutive_updates(procs):
     trainer, receivers = procs["trainer"], procs["receivers"]
     reply = init(trainer, receivers, layout="plain", packed=True, bucket_size_bytes=SMALL_BUCKET)

@@ -41,7 +41,6 @@ __all__ = [
     "new_session_name",
     "segment_belongs_to",
     "segment_identity",
-    "segment_size",
     "unlink_segment",
 ]
 
@@ -52,8 +51,6 @@ SESSION_PREFIX = "weightsync-"
 
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
-# Segments torch creates for `share_memory_()` under the `file_system` strategy (or on demand).
-_TORCH_SEGMENT_RE = re.compile(r"torch_[0-9]+_[0-9]+_[0-9]+")
 # The janitor runs in a fresh interpreter (`-I`: no site packages, no environment), so it starts
 # in milliseconds and shares nothing with the trainer but this pipe.
 _JANITOR_SOURCE = """
@@ -83,14 +80,8 @@ def is_session_name(name: object) -> bool:
 
 
 def segment_belongs_to(name: str, session: str) -> bool:
-    """Whether a receiver of `session` may attach segment `name`.
-
-    Allowed are the session's own segments and torch's shared-memory segments (what
-    `tensor.share_memory_()` creates), which a trainer exports in place.
-    """
-    if _SEGMENT_RE.fullmatch(name) is not None:
-        return name.startswith(session + "-")
-    return _TORCH_SEGMENT_RE.fullmatch(name) is not None
+    """Whether a receiver of `session` may attach segment `name`: only the session's own."""
+    return _SEGMENT_RE.fullmatch(name) is not None and name.startswith(session + "-")
 
 
 def unlink_segment(name: str) -> bool:
@@ -209,19 +200,6 @@ def _open_existing(name: str) -> int:
     except OSError as exc:
         raise WeightValidationError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
     return fd
-
-
-def segment_size(name: str) -> int:
-    """Returns the size in bytes of segment `name`.
-
-    Raises:
-        WeightValidationError: The segment does not exist or cannot be opened.
-    """
-    fd = _open_existing(name)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
 
 
 def segment_identity(name: str) -> tuple[int, int]:

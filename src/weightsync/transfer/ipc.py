@@ -26,9 +26,10 @@ post, a Ray call), which returns once every worker acknowledged:
 **Packed** mode copies the tensors into `num_buffers` reusable bucket buffers exported once, and
 refills a buffer only after the workers acknowledged its part; while workers copy bucket k, the
 trainer packs bucket k+1. **Unpacked** mode exports the tensors where they are: on CPUs they must
-live in shared memory ([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors],
-[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module] or torch's
-`share_memory_()`), and then the worker's single copy is the whole cost.
+live in the session's shared memory
+([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors] or
+[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module]), and then the
+worker's single copy is the whole cost.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _shm as shm
-from weightsync.transfer._ipc_handles import IPCHandle, import_cuda_storage
+from weightsync.transfer._cuda_ipc import import_cuda_storage
+from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -67,8 +69,7 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
     """How a worker joins a trainer's IPC session; take it from `IPCTrainerSession.init_info`.
 
     Attributes:
-        session: The trainer's session name; the worker attaches only to its segments (and to
-            torch's shared-memory segments, which a trainer exports in place).
+        session: The trainer's session name; the worker attaches only to its segments.
         backend: Always `"ipc"`.
     """
 

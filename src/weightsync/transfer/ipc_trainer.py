@@ -33,7 +33,8 @@ from weightsync.errors import WeightTransferError, WeightTransferTimeout, Weight
 from weightsync.transfer import _shm as shm
 from weightsync.transfer._bucket_io import pack_bucket, unpack_bucket
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
+from weightsync.transfer._cuda_ipc import export_cuda_storage
+from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
@@ -356,11 +357,11 @@ def _in_place_record(
     session: IPCTrainerSession,
     spec: TensorSpec,
     tensor: torch.Tensor,
-    exports: dict[int, CUDAStorageHandle | tuple[str, int]],
+    exports: dict[int, CUDAStorageHandle],
 ) -> IPCHandle:
     """The record exporting `tensor` where it lies (unpacked mode).
 
-    `exports` caches, per storage, its CUDA export or its torch segment and data offset.
+    `exports` caches the CUDA export of each storage: one export per storage and delivery.
     """
     if spec.nbytes == 0:
         return IPCHandle.for_tensor(spec, 0)
@@ -374,32 +375,14 @@ def _in_place_record(
     if tensor.is_cuda:
         if key not in exports:
             exports[key] = export_cuda_storage(storage)
-        cuda = exports[key]
-        assert isinstance(cuda, CUDAStorageHandle)
-        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=cuda)
+        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
     found = session._locate(tensor, spec.nbytes)
     if found is not None:
         return IPCHandle.for_tensor(spec, found[1], segment=found[0])
-    if storage.is_shared():
-        if key not in exports:
-            # torch shares CPU memory by file descriptor by default: the segment has no name
-            # then, and this moves it once into a named one (`file_system` strategy: no move).
-            _, name_bytes, _ = storage._share_filename_cpu_()
-            if storage.data_ptr() != key:
-                logger.info("moved the shared storage of %r into a named segment (once)", spec.name)
-                key = storage.data_ptr()
-            name = name_bytes.decode().lstrip("/")
-            # torch keeps a reference count in front of the data: the data ends the segment.
-            exports[key] = (name, shm.segment_size(name) - storage.nbytes())
-        entry = exports[key]
-        assert isinstance(entry, tuple)
-        name, data_offset = entry
-        offset = data_offset + tensor.data_ptr() - key
-        return IPCHandle.for_tensor(spec, offset, segment=name)
     raise WeightValidationError(
-        f"tensor {spec.name!r} is not in shared memory: unpacked IPC exports tensors in place; "
-        "allocate them with session.shared_tensors(), move the model with "
-        "session.share_module(model) or tensor.share_memory_(), or use packed=True"
+        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
+        "tensors in place; allocate them with session.shared_tensors(), move the model with "
+        "session.share_module(model), or use packed=True"
     )
 
 
@@ -601,12 +584,12 @@ def _send_unpacked(
     tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
     source.check_exhausted(len(specs))
     _device_of(tensors, specs, None)
-    exports: dict[int, CUDAStorageHandle | tuple[str, int]] = {}
+    exports: dict[int, CUDAStorageHandle] = {}
     records = [
         _in_place_record(session, s, t, exports).to_dict()
         for s, t in zip(specs, tensors, strict=True)
     ]
-    if any(isinstance(e, CUDAStorageHandle) for e in exports.values()):
+    if exports:
         for device in {t.device for t in tensors if t.is_cuda}:
             torch.cuda.synchronize(device)
     _announce(courier, header)

@@ -93,16 +93,13 @@ def _trainer_main(
     def init(layout: str = "plain", **session_kwargs: Any) -> dict[str, Any]:
         if "session" in state:
             state["session"].close()
-        if layout not in ("plain", "shared", "torch_shared"):
-            raise ValueError(f"layout must be 'plain', 'shared' or 'torch_shared', got {layout!r}")
+        if layout not in ("plain", "shared"):
+            raise ValueError(f"layout must be 'plain' or 'shared', got {layout!r}")
         session = state["session"] = ipc_trainer_init(**session_kwargs)
         if layout == "shared":  # weightsync's own shared memory: exported in place
             state["tensors"] = session.shared_tensors(specs)
         else:
             state["tensors"] = allocate_tensors(specs, flat=False, device=device)
-            if layout == "torch_shared":  # what `model.share_memory()` does
-                for tensor in state["tensors"].values():
-                    tensor.share_memory_()
         return {"init_info": session.init_info, "janitor_pid": session.janitor_pid}
 
     def deliver(info: dict[str, Any]) -> None:
@@ -226,8 +223,8 @@ class IPCReceiverProcess(CommandProcess):
 class IPCTrainerProcess(CommandProcess):
     """A process holding tensors for `update_info` that it fills from a seed and sends by IPC.
 
-    Commands: `init` (`layout` = `"plain"`, `"shared"` (the session's shared memory) or
-    `"torch_shared"` (`share_memory_()`), plus the keyword arguments of `ipc_trainer_init`),
+    Commands: `init` (`layout` = `"plain"` or `"shared"` (the session's shared memory), plus the
+    keyword arguments of `ipc_trainer_init`),
     `send` through [`send`][weightsync.transfer.ipc_worker.IPCTrainerProcess.send], `digests`,
     `segments`, `close`, `exit`.
 
