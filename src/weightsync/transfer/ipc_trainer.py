@@ -11,38 +11,34 @@ for the protocol.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import mmap
-import queue
 import secrets
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer import _courier
 from weightsync.transfer import _shm as shm
-from weightsync.transfer._bucket_io import pack_bucket, unpack_bucket
+from weightsync.transfer._bucket_io import unpack_bucket
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._cuda_ipc import export_cuda_storage
-from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
-from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
+from weightsync.transfer._courier import Courier
+from weightsync.transfer._ipc_send import send_packed, send_unpacked
+from weightsync.transfer._pipeline import BufferPool
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import Bucket, align_up, flat_layout, plan_buckets
+from weightsync.transfer.packing import align_up, flat_layout
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -61,7 +57,7 @@ logger = logging.getLogger(__name__)
 # A bucket buffer: its bytes, and on the CPU the shared-memory segment they live in.
 _BucketBuffer = tuple[torch.Tensor, "shm.SharedSegment | None"]
 
-DeliverFn = Callable[[dict[str, Any]], None]
+DeliverFn = _courier.DeliverFn
 """Hands one JSON-safe update info dict to every worker's `receive_weights`.
 
 Returns once every worker returned; raises if any failed (a `WeightValidationError` for a
@@ -286,119 +282,6 @@ class IPCTrainerSendWeightsArgs:
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
 
 
-class _Courier:
-    """Runs deliveries in order on a helper thread, so the trainer packs while workers copy.
-
-    The thread is a daemon: a `deliver` that never returns cannot keep the trainer from exiting
-    (the wait for it times out instead). After a failed delivery the queued ones are dropped.
-    """
-
-    def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
-        self._deliver = deliver
-        self._timeout_s = timeout_s
-        self._jobs: queue.SimpleQueue[tuple[dict[str, Any], Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._pending: deque[tuple[Future[None], str]] = deque()
-        self._thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        failed = False
-        while (job := self._jobs.get()) is not None:
-            info, future = job
-            if failed or not future.set_running_or_notify_cancel():
-                future.cancel()
-                continue
-            try:
-                self._deliver(info)
-            except BaseException as exc:  # handed to the trainer's thread, which re-raises it
-                failed = True
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def submit(self, info: dict[str, Any], what: str) -> None:
-        future: Future[None] = Future()
-        self._jobs.put((info, future))
-        self._pending.append((future, what))
-
-    def wait_oldest(self) -> None:
-        future, what = self._pending.popleft()
-        try:
-            future.result(self._timeout_s)
-        except concurrent.futures.TimeoutError:
-            if future.done():  # the deliver callable raised a timeout of its own
-                raise
-            raise WeightTransferTimeout(
-                f"delivering {what}: the workers did not acknowledge within timeout_s="
-                f"{self._timeout_s:g} s"
-            ) from None
-
-    def raise_if_failed(self) -> None:
-        """Raises a delivery's failure early; pending successes stay pending (a window counts them)."""
-        if any(f.done() and not f.cancelled() and f.exception() for f, _ in self._pending):
-            self.drain()  # raises the first failure, in delivery order
-
-    def drain(self) -> None:
-        while self._pending:
-            self.wait_oldest()
-
-    def close(self) -> None:
-        for future, _ in self._pending:
-            future.cancel()
-        self._jobs.put(None)
-
-
-def _in_place_record(
-    session: IPCTrainerSession,
-    spec: TensorSpec,
-    tensor: torch.Tensor,
-    exports: dict[int, CUDAStorageHandle],
-) -> IPCHandle:
-    """The record exporting `tensor` where it lies (unpacked mode).
-
-    `exports` caches the CUDA export of each storage: one export per storage and delivery.
-    """
-    if spec.nbytes == 0:
-        return IPCHandle.for_tensor(spec, 0)
-    if not tensor.is_contiguous():
-        raise WeightValidationError(
-            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
-            "contiguous or use packed=True"
-        )
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
-    if tensor.is_cuda:
-        if key not in exports:
-            exports[key] = export_cuda_storage(storage)
-        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
-    found = session._locate(tensor, spec.nbytes)
-    if found is not None:
-        return IPCHandle.for_tensor(spec, found[1], segment=found[0])
-    raise WeightValidationError(
-        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
-        "tensors in place; allocate them with session.shared_tensors(), move the model with "
-        "session.share_module(model), or use packed=True"
-    )
-
-
-def _device_of(
-    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device | None
-) -> torch.device:
-    for spec, tensor in zip(specs, tensors, strict=True):
-        device = device or tensor.device
-        if tensor.device != device:
-            raise WeightValidationError(
-                f"tensor {spec.name!r} is on {tensor.device} but the update started on {device}: "
-                "IPC follows the tensors' device; send one device per update"
-            )
-    return device or torch.device("cpu")
-
-
 def ipc_trainer_send_weights(
     iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: IPCTrainerSendWeightsArgs
 ) -> TransferStats:
@@ -448,12 +331,12 @@ def ipc_trainer_send_weights(
         "update_id": secrets.token_hex(8),
     }
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
-    courier = _Courier(trainer_args.deliver, session.wire.timeout_s)
+    courier = Courier(trainer_args.deliver, session.wire.timeout_s)
     try:
         if session.wire.packed:
-            _send_packed(session, specs, source, header, courier, stats)
+            send_packed(session, specs, source, header, courier, stats)
         else:
-            _send_unpacked(session, specs, source, header, courier, stats)
+            send_unpacked(session, specs, source, header, courier, stats)
     finally:
         courier.close()
     stats.seconds = time.perf_counter() - start
@@ -467,139 +350,3 @@ def ipc_trainer_send_weights(
         stats.direct_buckets,
     )
     return stats
-
-
-def _part(header: dict[str, Any], first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The delivery of tensors `first ..` of the update: their metadata slice and records."""
-    end = first + len(records)
-    return {
-        **header,
-        "names": header["names"][first:end],
-        "dtype_names": header["dtype_names"][first:end],
-        "shapes": header["shapes"][first:end],
-        "ipc_handles": records,
-        "first_index": first,
-    }
-
-
-def _announce(courier: _Courier, header: dict[str, Any]) -> None:
-    courier.submit({**header, "ipc_handles": None, "first_index": 0}, "the update's announcement")
-    try:
-        courier.wait_oldest()
-    except WeightValidationError as exc:
-        raise WeightValidationError(f"a worker rejected the update; nothing moved: {exc}") from exc
-    except WeightTransferError:
-        raise
-    except Exception as exc:
-        raise WeightTransferError(
-            f"announcing the update failed: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Exception:
-    """The error to raise for a failure after the announcement was accepted."""
-    if isinstance(exc, WeightValidationError) and not delivered:
-        return exc
-    error_cls = (
-        WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
-    )
-    return error_cls(
-        f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
-        + ("; workers may hold part of the update: send a complete one" if delivered else ""),
-        partially_applied=delivered,
-    )
-
-
-def _send_packed(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: _Courier,
-    stats: TransferStats,
-) -> None:
-    buckets = plan_buckets(specs, session.wire.bucket_size_bytes)
-    nbytes = max((b.nbytes for b in buckets), default=1)
-    _announce(courier, header)
-    device: torch.device | None = None
-    pool: BufferPool[_BucketBuffer] | None = None
-
-    def land(buffer_index: int) -> None:
-        courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
-        assert pool is not None
-        pool.give_back(buffer_index)
-
-    window: Window[int] = Window(session.wire.num_buffers, land)
-    try:
-        for first, bucket, tensors in announced_buckets(buckets, source, len(specs)):
-            device = _device_of(tensors, [s.spec for s in bucket.slots], device)
-            if pool is None:
-                pool = session._pool(device)
-                pool.reset()
-            window.make_room()
-            courier.raise_if_failed()
-            buffer_index, (buffer, segment) = pool.take(nbytes)
-            window.push(buffer_index)
-            what = f"part {stats.num_buckets + 1} of {len(buckets)}"
-            courier.submit(
-                _part(header, first, _pack_records(bucket, tensors, buffer, segment)), what
-            )
-            stats.num_buckets += 1
-        window.drain()
-    except Exception as exc:
-        window.clear()
-        session.drop_buffers()
-        cleanup = "; the bucket buffers were unlinked"
-        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
-
-
-def _pack_records(
-    bucket: Bucket,
-    tensors: list[torch.Tensor],
-    buffer: torch.Tensor,
-    segment: shm.SharedSegment | None,
-) -> list[dict[str, Any]]:
-    """Packs `tensors` into `buffer` and returns the records that locate them there."""
-    with torch.no_grad():  # parameters that require grad are copied as plain bytes
-        pack_bucket(bucket, tensors, buffer)
-    cuda = None
-    if buffer.is_cuda:
-        torch.cuda.synchronize(buffer.device)  # workers read on their own streams
-        cuda = export_cuda_storage(buffer.untyped_storage())
-    name = segment.name if segment is not None else None
-    return [
-        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
-        for s in bucket.slots
-    ]
-
-
-def _send_unpacked(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: _Courier,
-    stats: TransferStats,
-) -> None:
-    tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
-    source.check_exhausted(len(specs))
-    _device_of(tensors, specs, None)
-    exports: dict[int, CUDAStorageHandle] = {}
-    records = [
-        _in_place_record(session, s, t, exports).to_dict()
-        for s, t in zip(specs, tensors, strict=True)
-    ]
-    if exports:
-        for device in {t.device for t in tensors if t.is_cuda}:
-            torch.cuda.synchronize(device)
-    _announce(courier, header)
-    if not specs:
-        return
-    try:
-        # `tensors` stays referenced until the workers acknowledged: they read its memory.
-        courier.submit(_part(header, 0, records), "the update")
-        stats.num_buckets = stats.direct_buckets = 1
-        courier.drain()
-    except Exception as exc:
-        raise _data_failed(exc, delivered=True) from exc
-    del tensors

@@ -203,23 +203,7 @@ def trainer_send_weights(
     trainer.connect()
     group, info = trainer._group, trainer._info
     start = time.perf_counter()
-    specs: list[TensorSpec] | None = None
-    problem: WeightValidationError | None = None
-    try:
-        specs = parse_info(
-            WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
-        ).specs()
-    except WeightValidationError as exc:
-        problem = exc
-    trainer._seq += 1
-    try:
-        broadcast.handshake(group, trainer._seq, specs, problem)
-    except WeightValidationError:
-        raise
-    except WeightTransferError as exc:
-        trainer._closed = True
-        raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
-    assert specs is not None
+    specs = _handshake(trainer, trainer_args.update_info)
     buckets = broadcast.plan(specs, info.wire)
     tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     stats = TransferStats(
@@ -263,6 +247,28 @@ def trainer_send_weights(
         stats.num_buckets,
     )
     return stats
+
+
+def _handshake(
+    trainer: TrainerGroup, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+) -> list[TensorSpec]:
+    """Announces the update to every worker; returns its specs once all of them accepted it."""
+    specs: list[TensorSpec] | None = None
+    problem: WeightValidationError | None = None
+    try:
+        specs = parse_info(WeightTransferUpdateInfo, update_info, what="update_info").specs()
+    except WeightValidationError as exc:
+        problem = exc  # told to the workers in the handshake, then raised
+    trainer._seq += 1
+    try:
+        broadcast.handshake(trainer._group, trainer._seq, specs, problem)
+    except WeightValidationError:
+        raise
+    except WeightTransferError as exc:
+        trainer._closed = True
+        raise broadcast.transfer_failed(trainer._group, exc, partially_applied=False) from exc
+    assert specs is not None
+    return specs
 
 
 def _post_send(
