@@ -55,9 +55,14 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, vmap
 
-from weightsync import EngineConfig, LlamaForCausalLM, RequestOutput, SamplingParams
+from weightsync import (
+    EngineConfig,
+    LlamaForCausalLM,
+    RequestOutput,
+    SamplingParams,
+    weight_checksums,
+)
 from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights
-from weightsync.transfer.worker import tensor_digests
 
 # The device is chosen here, once: nccl needs a GPU for the trainer and one for the engine.
 if torch.cuda.device_count() >= 2:
@@ -254,7 +259,7 @@ def main() -> int:
                     f"e.g. {batch.texts[0]!r}"
                 )
             rewards.append(batch.rewards.mean().item())  # the last policy's batch, not trained on
-            same = engine.weight_digests() == tensor_digests(dict(policy.named_weights()))
+            same = engine.weight_digests() == weight_checksums(policy.named_weights())
     finally:
         engine.close()
 

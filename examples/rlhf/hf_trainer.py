@@ -36,9 +36,8 @@ import sys
 
 import torch
 
-from weightsync import ByteTokenizer, EngineConfig, SamplingParams
+from weightsync import ByteTokenizer, EngineConfig, SamplingParams, weight_checksums
 from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights
-from weightsync.transfer.worker import tensor_digests
 
 # The device is chosen here, once: nccl needs a GPU for the trainer and one for the engine.
 if torch.cuda.device_count() >= 2:
@@ -109,7 +108,7 @@ def main() -> int:
         )
         greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         outputs = engine.generate(PROMPTS, greedy)
-        same_weights = engine.weight_digests() == tensor_digests(dict(model.named_parameters()))
+        same_weights = engine.weight_digests() == weight_checksums(model.named_parameters())
     finally:
         engine.close()
 

@@ -41,7 +41,6 @@ import sys
 import torch
 
 from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, RequestOutput, SamplingParams
-from weightsync.engine.scheduler import PauseState
 from weightsync.trainer import IPCWeightSender
 
 DTYPE = torch.float64
@@ -103,7 +102,7 @@ def run_scenario(
         step(engine, timeline)
 
     engine.start_pause(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
-    while engine.pause_state is PauseState.DRAINING:  # `wait`: the running requests finish first
+    while not engine.is_paused():  # `wait` drains first: its running requests run to the end
         step(engine, timeline)
     step(engine, timeline)  # paused: runs nothing, delivers what the pause ended
     engine.add_request("D", "Arrived while paused", SamplingParams(temperature=0, max_tokens=4))

@@ -39,9 +39,14 @@ import sys
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from weightsync import ByteTokenizer, EngineConfig, LlamaForCausalLM, SamplingParams
+from weightsync import (
+    ByteTokenizer,
+    EngineConfig,
+    LlamaForCausalLM,
+    SamplingParams,
+    weight_checksums,
+)
 from weightsync.trainer import EngineProcess, IPCWeightSender, sync_weights
-from weightsync.transfer.worker import tensor_digests
 
 # The device is chosen here, once: the ipc backend follows the tensors' device.
 TRAINER_DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -100,7 +105,7 @@ def main() -> int:
                 stats = sync_weights(sender, policy.named_weights(), weight_version=version)
             greedy = SamplingParams(temperature=0, max_tokens=len(phrase.encode()))
             out = engine.generate([args.prompt], greedy)[0].outputs[0]
-            same = engine.weight_digests() == tensor_digests(dict(policy.named_weights()))
+            same = engine.weight_digests() == weight_checksums(policy.named_weights())
             print(
                 f"{name + ':':10} learned {phrase!r} (loss {loss:.4f}); sent {stats.num_bytes / 1e6:.2f} MB "
                 f"in {stats.num_buckets} deliveries ({stats.direct_buckets} in place) in "

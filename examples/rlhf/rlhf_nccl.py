@@ -34,9 +34,14 @@ import sys
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from weightsync import ByteTokenizer, EngineConfig, LlamaForCausalLM, SamplingParams
+from weightsync import (
+    ByteTokenizer,
+    EngineConfig,
+    LlamaForCausalLM,
+    SamplingParams,
+    weight_checksums,
+)
 from weightsync.trainer import BroadcastWeightSender, EngineProcess, sync_weights
-from weightsync.transfer.worker import tensor_digests
 
 
 def pick_devices(num_engines: int) -> tuple[str, str, list[str]]:
@@ -108,7 +113,7 @@ def main() -> int:
             )
 
             after = [e.generate([args.prompt], greedy)[0].outputs[0] for e in engines]
-            want = tensor_digests(dict(policy.named_weights()))
+            want = weight_checksums(policy.named_weights())
             same = [e.weight_digests() == want for e in engines]
     finally:
         for engine in engines:

@@ -46,6 +46,7 @@ from weightsync.transfer.base import (
     WeightTransferEngine,
     WeightTransferUpdateInfo,
 )
+from weightsync.transfer.checksums import weight_checksums
 from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (
     IPCWeightTransferEngine,
@@ -124,6 +125,7 @@ __all__ = [
     "sync_weights",
     "trainer_init",
     "trainer_send_weights",
+    "weight_checksums",
 ]
 
 __version__ = "0.1.0"

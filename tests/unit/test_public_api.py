@@ -59,6 +59,7 @@ EXPECTED = [
     "sync_weights",
     "trainer_init",
     "trainer_send_weights",
+    "weight_checksums",
 ]
 
 

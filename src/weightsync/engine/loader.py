@@ -20,6 +20,7 @@ import torch
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.errors import EngineConfigError
+from weightsync.transfer.checksums import _byte_view
 
 __all__ = ["load_hf_directory", "read_safetensors", "save_hf_directory", "write_safetensors"]
 
@@ -82,7 +83,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
     offset = 0
     payloads = []
     for name, tensor in tensors.items():
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = _byte_view(tensor)  # zero-copy; keeps its tensor alive until written
         header[name] = {
             "dtype": _NAMES[tensor.dtype],
             "shape": list(tensor.shape),

@@ -45,7 +45,8 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.transfer.base import TransferStats
-from weightsync.transfer.worker import CommandProcess, WorkerProcessError, tensor_digests
+from weightsync.transfer.checksums import weight_checksums
+from weightsync.transfer.worker import CommandProcess, WorkerProcessError
 
 __all__ = ["EngineProcess"]
 
@@ -230,9 +231,7 @@ class _EngineLoop:
             ),
             "update_weights": self.update_weights,
             "state": self.state,
-            "weight_digests": lambda: {
-                "digests": tensor_digests(dict(engine.model.named_weights()))
-            },
+            "weight_digests": lambda: {"digests": weight_checksums(engine.model.named_weights())},
         }
 
     def serve(self, conn: Connection) -> None:
@@ -561,6 +560,10 @@ class EngineProcess(CommandProcess):
         return TransferStats(**reply["stats"])
 
     def weight_digests(self) -> dict[str, str]:
-        """SHA-256 of every weight's bytes, by Hugging Face name (see `tensor_digests`)."""
+        """SHA-256 of every weight's bytes, by Hugging Face name.
+
+        Equal to [`weight_checksums`][weightsync.transfer.checksums.weight_checksums] of the
+        trainer's weights exactly when the engine holds the same bits.
+        """
         digests: dict[str, str] = self._call("weight_digests")["digests"]
         return digests
