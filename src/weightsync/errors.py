@@ -11,6 +11,7 @@ __all__ = [
     "EngineBusyError",
     "EngineConfigError",
     "EngineStateError",
+    "EngineTimeoutError",
     "InvalidRequestError",
     "TornWeightsError",
     "WeightSyncError",
@@ -61,6 +62,13 @@ class EngineBusyError(EngineStateError):
     """A weight update was requested while requests are running and the engine is not paused.
 
     Call `pause_generation(...)` first, update, then `resume_generation()`.
+    """
+
+
+class EngineTimeoutError(EngineStateError, TimeoutError):
+    """An engine in another process did not answer within its `timeout_s`.
+
+    It is stuck or overloaded; raise the timeout, or close it and start a new one.
     """
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from ipc_rigs import IPCReceiverProcess, IPCTrainerProcess
 from weightsync.errors import WeightValidationError
 from weightsync.transfer._cuda_ipc import cuda_device_uuids
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
@@ -14,7 +15,6 @@ from weightsync.transfer.ipc_trainer import (
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.ipc_worker import IPCReceiverProcess, IPCTrainerProcess
 
 pytestmark = pytest.mark.gpu
 

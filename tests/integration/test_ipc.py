@@ -6,14 +6,14 @@ import select
 import pytest
 import torch
 
-from weightsync.errors import WeightTransferError
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.ipc_worker import (
+from ipc_rigs import (
     IPCReceiverProcess,
     IPCTrainerProcess,
     deliver_to_processes,
 )
-from weightsync.transfer.worker import WorkerProcessError
+from process_rigs import WorkerProcessError
+from weightsync.errors import WeightTransferError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 
 TIMEOUT_S = 30.0
 SPECS = [

@@ -9,6 +9,8 @@ import threading
 import pytest
 import torch
 
+from process_rigs import fill_tensors
+from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._ipc_records import IPCHandle
@@ -20,7 +22,6 @@ from weightsync.transfer.ipc_trainer import (
     ipc_trainer_send_weights,
 )
 from weightsync.transfer.registry import create_engine
-from weightsync.transfer.worker import fill_tensors, tensor_digests
 
 SPECS = [
     TensorSpec("w", torch.float32, (4, 8)),
@@ -102,7 +103,7 @@ def test_update_info_survives_json_unchanged(data_info):
 
 def test_shared_tensors_go_bitwise_equal_without_copies(rig):
     stats = rig.send()
-    assert tensor_digests(rig.params) == tensor_digests(rig.source)
+    assert weight_checksums(rig.params) == weight_checksums(rig.source)
     assert (stats.num_buckets, stats.direct_buckets) == (1, 1)
     segments = {h.get("segment") for h in rig.delivered[1]["ipc_handles"] if h["nbytes"]}
     assert segments == set(rig.session.segment_names())  # records point into the tensors' memory
@@ -163,24 +164,24 @@ CUDA_RECORD = {
     ],
 )
 def test_corrupted_record_is_rejected_and_weights_stay(rig, data_info, changes, message):
-    before = tensor_digests(rig.params)
+    before = weight_checksums(rig.params)
     with pytest.raises(WeightValidationError, match=message):
         rig.receive(corrupt(data_info, 0, **changes))
-    assert tensor_digests(rig.params) == before
+    assert weight_checksums(rig.params) == before
     assert rig.engine.is_initialized
 
 
 def test_missing_segment_is_rejected_and_weights_stay(rig, data_info):
-    before = tensor_digests(rig.params)
+    before = weight_checksums(rig.params)
     name = data_info["ipc_handles"][0]["segment"]
     missing = corrupt(data_info, 0, segment=name.rsplit("-", 1)[0] + "-999")
     with pytest.raises(WeightValidationError, match=r"segment '.*-999' does not exist"):
         rig.receive(missing)
-    assert tensor_digests(rig.params) == before
+    assert weight_checksums(rig.params) == before
 
 
 def test_unknown_cuda_device_is_rejected_listing_what_the_receiver_has(rig, data_info):
-    before = tensor_digests(rig.params)
+    before = weight_checksums(rig.params)
     info = corrupt(data_info, 0, segment=None, cuda=CUDA_RECORD, offset=0)
     with pytest.raises(WeightValidationError) as raised:
         rig.receive(info)
@@ -188,15 +189,15 @@ def test_unknown_cuda_device_is_rejected_listing_what_the_receiver_has(rig, data
         raised.value
     )
     assert "available UUIDs: " in str(raised.value)
-    assert tensor_digests(rig.params) == before
+    assert weight_checksums(rig.params) == before
 
 
 def test_bad_record_after_a_good_one_touches_nothing(rig, data_info):
     # The bad record is the last one: the good ones before it must not be loaded either.
-    before = tensor_digests(rig.params)
+    before = weight_checksums(rig.params)
     with pytest.raises(WeightValidationError, match=r"ipc_handles\[5\] \('scale'\)"):
         rig.receive(corrupt(data_info, 5, offset=1 << 30))
-    assert tensor_digests(rig.params) == before
+    assert weight_checksums(rig.params) == before
 
 
 def test_record_count_and_part_order_are_checked(rig, data_info):
@@ -276,7 +277,7 @@ def test_packed_send_reuses_its_buffers_and_unlinks_them_on_close():
             stats = ipc_trainer_send_weights(
                 plain.items(), IPCTrainerSendWeightsArgs(rig.session, rig.deliver)
             )
-            assert tensor_digests(rig.params) == tensor_digests(plain)
+            assert weight_checksums(rig.params) == weight_checksums(plain)
         assert stats.num_buckets > 2 and stats.direct_buckets == 0
         used = {
             h["segment"]

@@ -18,6 +18,7 @@ EXPECTED = [
     "EngineConfigError",
     "EngineProcess",
     "EngineStateError",
+    "EngineTimeoutError",
     "GlooWeightTransferEngine",
     "IPCTrainerSendWeightsArgs",
     "IPCTrainerSession",

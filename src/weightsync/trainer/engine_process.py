@@ -2,8 +2,7 @@
 
 The trainer's process keeps its cores for training while a spawned process runs an
 [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] step loop, the way an inference server or an
-actor would. Commands and replies are JSON objects on a pipe (the
-[`CommandProcess`][weightsync.transfer.worker.CommandProcess] protocol: no pickle crosses it).
+actor would. Commands and replies are JSON objects on a pipe: no pickle crosses it.
 
 The worker's loop checks the pipe between two engine steps, so a command acts at a step
 boundary while requests are in flight. A command whose answer must wait for generation (collect
@@ -44,9 +43,9 @@ from weightsync.errors import (
     WeightTransferTimeout,
     WeightValidationError,
 )
+from weightsync.trainer._pipe import PipeProcess
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
-from weightsync.transfer.worker import CommandProcess, WorkerProcessError
 
 __all__ = ["EngineProcess"]
 
@@ -330,7 +329,7 @@ def _to_output(data: dict[str, Any]) -> RequestOutput:
     return RequestOutput(**data, outputs=completions)
 
 
-class EngineProcess(CommandProcess):
+class EngineProcess(PipeProcess):
     """An `LLMEngine` in a spawned process, and the trainer's client for it.
 
     Its methods mirror `LLMEngine`'s and block until the worker answered; requests run in the
@@ -379,18 +378,18 @@ class EngineProcess(CommandProcess):
     def _call(self, op: str, wait_s: float | None = None, **fields: Any) -> dict[str, Any]:
         """Sends one command and returns its reply; worker errors keep their class."""
         with self._lock:
-            self.start(op, **fields)
-            try:
-                return self.reply(wait_s)
-            except WorkerProcessError as exc:
-                error_cls = _REMOTE_ERRORS.get(exc.error_type)
-                if error_cls is None:
-                    raise
-                message = str(exc.reply.get("message"))
-                if issubclass(error_cls, WeightTransferError):
-                    partial = bool(exc.reply.get("partially_applied"))
-                    raise error_cls(message, partially_applied=partial) from exc
-                raise error_cls(message) from exc
+            self._start(op, **fields)
+            return self._reply(wait_s)
+
+    def _error_from(self, reply: dict[str, Any]) -> Exception:
+        """Re-raises a worker's weightsync error under its own class."""
+        error_cls = _REMOTE_ERRORS.get(str(reply.get("error_type")))
+        message = str(reply.get("message"))
+        if error_cls is None:  # an unexpected failure inside the engine process
+            return super()._error_from(reply)
+        if issubclass(error_cls, WeightTransferError):
+            return error_cls(message, partially_applied=bool(reply.get("partially_applied")))
+        return error_cls(message)
 
     # --- requests -----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from weightsync import weight_checksums
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput
@@ -16,7 +17,6 @@ from weightsync.errors import (
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender
 from weightsync.transfer.base import WeightTransferUpdateInfo
-from weightsync.transfer.worker import tensor_digests
 
 MAX_TOKENS = 12
 
@@ -64,7 +64,7 @@ def test_a_pause_after_tokens_lands_at_that_token_and_kept_requests_continue(
     engine.resume_generation()
     for out in engine.collect(ids):
         assert out.outputs[0].weight_versions == [0] * 5 + ["v1"] * (MAX_TOKENS - 5)
-    assert engine.weight_digests() == tensor_digests(dict(policy.named_weights()))
+    assert engine.weight_digests() == weight_checksums(dict(policy.named_weights()))
 
 
 def test_a_finished_request_does_not_hold_up_a_pause_after_tokens(engine):
@@ -134,6 +134,6 @@ def test_a_hugging_face_config_gives_zero_weights_of_that_shape():
             n: torch.zeros(s.shape, dtype=torch.float64)
             for n, s in LlamaForCausalLM.from_preset("debug").weight_specs().items()
         }
-        assert process.weight_digests() == tensor_digests(zeros)
+        assert process.weight_digests() == weight_checksums(zeros)
     finally:
         process.close()

@@ -1,12 +1,10 @@
-"""Trainer and receiver processes for IPC transfers, driven over JSON pipes.
+"""Test rig: trainer and receiver processes for IPC transfers, driven over JSON pipes.
 
-Spawn-safe entry points used by the benchmarks and the multi-process tests, built on the
-machinery of [`CommandProcess`][weightsync.transfer.worker.CommandProcess]. The parent process plays
-the control channel (what HTTP or Ray is in production): an
-[`IPCTrainerProcess`][weightsync.transfer.ipc_worker.IPCTrainerProcess] hands it each update info
-dict, the parent gives the dict to every
-[`IPCReceiverProcess`][weightsync.transfer.ipc_worker.IPCReceiverProcess] and sends the trainer
-their acknowledgement. Only JSON crosses the pipes.
+Spawn-safe entry points used by the multi-process tests and the benchmarks, built on
+`process_rigs.CommandProcess`. The parent process plays the control channel (what HTTP or Ray is
+in production): an `IPCTrainerProcess` hands it each update info dict, the parent gives the dict
+to every `IPCReceiverProcess` and sends the trainer their acknowledgement. Only JSON crosses the
+pipes.
 """
 
 from __future__ import annotations
@@ -18,6 +16,14 @@ from typing import Any
 
 import torch
 
+from process_rigs import (
+    CommandProcess,
+    WorkerProcessError,
+    allocate_tensors,
+    fill_tensors,
+    serve_commands,
+)
+from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
@@ -25,14 +31,6 @@ from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
-)
-from weightsync.transfer.worker import (
-    CommandProcess,
-    WorkerProcessError,
-    allocate_tensors,
-    fill_tensors,
-    serve_commands,
-    tensor_digests,
 )
 
 __all__ = ["IPCReceiverProcess", "IPCTrainerProcess", "deliver_to_processes"]
@@ -72,7 +70,7 @@ def _receiver_main(
             "init": lambda init_info: engine.init_transfer_engine(init_info),
             "update": update,
             "fill": fill,
-            "digests": lambda: {"digests": tensor_digests(params)},
+            "digests": lambda: {"digests": weight_checksums(params)},
             "state": lambda: {
                 "initialized": engine.is_initialized,
                 "update_in_progress": engine.update_in_progress,
@@ -139,7 +137,7 @@ def _trainer_main(
         {
             "init": init,
             "send": send,
-            "digests": lambda: {"digests": tensor_digests(state["tensors"])},
+            "digests": lambda: {"digests": weight_checksums(state["tensors"])},
             "segments": lambda: {"segments": state["session"].segment_names()},
             "close": close,
         },
@@ -225,7 +223,7 @@ class IPCTrainerProcess(CommandProcess):
 
     Commands: `init` (`layout` = `"plain"` or `"shared"` (the session's shared memory), plus the
     keyword arguments of `ipc_trainer_init`),
-    `send` through [`send`][weightsync.transfer.ipc_worker.IPCTrainerProcess.send], `digests`,
+    `send` (see `IPCTrainerProcess.send`), `digests`,
     `segments`, `close`, `exit`.
 
     Args:
