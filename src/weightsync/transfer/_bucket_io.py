@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.transfer.packing import Bucket, Slot
+if TYPE_CHECKING:  # packing imports round_up from here
+    from weightsync.transfer.packing import Bucket, Slot
+
+
+def round_up(nbytes: int, multiple: int) -> int:
+    """Rounds `nbytes` up to a multiple of `multiple`.
+
+    >>> round_up(1, 256), round_up(256, 256), round_up(257, 256)
+    (256, 256, 512)
+    """
+    return -(-nbytes // multiple) * multiple
 
 
 def _typed_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:

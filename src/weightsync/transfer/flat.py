@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._bucket_io import unpack_bucket
+from weightsync.transfer._bucket_io import round_up, unpack_bucket
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import align_up, flat_layout
+from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
 
 __all__ = ["flat_tensors", "flatten_module"]
 
@@ -74,5 +74,5 @@ def flat_tensors(
     (512, torch.Size([]))
     """
     layout = flat_layout(specs)
-    buffer = torch.zeros(align_up(layout.nbytes), dtype=torch.uint8, device=device)
+    buffer = torch.zeros(round_up(layout.nbytes, ALIGN_BYTES), dtype=torch.uint8, device=device)
     return buffer, dict(unpack_bucket(layout, buffer))

@@ -27,7 +27,7 @@ from torch import nn
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _courier
 from weightsync.transfer import _shm as shm
-from weightsync.transfer._bucket_io import unpack_bucket
+from weightsync.transfer._bucket_io import round_up, unpack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._courier import Courier
 from weightsync.transfer._ipc_send import send_packed, send_unpacked
@@ -38,7 +38,7 @@ from weightsync.transfer.base import (
     TransferStats,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import align_up, flat_layout
+from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -158,7 +158,7 @@ class IPCTrainerSession:
         """
         self._check_open()
         layout = flat_layout(specs)
-        segment = self._new_segment(align_up(layout.nbytes))
+        segment = self._new_segment(round_up(layout.nbytes, ALIGN_BYTES))
         self._shared.append(segment)
         return dict(unpack_bucket(layout, segment.tensor))
 
@@ -199,7 +199,7 @@ class IPCTrainerSession:
 
             def allocate(nbytes: int) -> _BucketBuffer:
                 if device.type == "cpu":
-                    created = self._new_segment(align_up(nbytes, mmap.PAGESIZE))
+                    created = self._new_segment(round_up(nbytes, mmap.PAGESIZE))
                     return created.tensor, created
                 return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
 

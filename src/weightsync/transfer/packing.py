@@ -14,22 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightsync.transfer._bucket_io import round_up
 from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.wire import WireParams
 
-__all__ = ["ALIGN_BYTES", "Bucket", "Slot", "align_up", "flat_layout", "plan_buckets"]
+__all__ = ["ALIGN_BYTES", "Bucket", "Slot", "flat_layout", "plan_buckets"]
 
 ALIGN_BYTES = 256
 """Byte alignment of every tensor inside a bucket (and inside a flat parameter buffer)."""
-
-
-def align_up(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
-    """Rounds `nbytes` up to a multiple of `alignment`.
-
-    >>> align_up(1), align_up(256), align_up(257)
-    (256, 256, 512)
-    """
-    return -(-nbytes // alignment) * alignment
 
 
 @dataclass(frozen=True)
@@ -98,7 +90,7 @@ def _layout(specs: Sequence[TensorSpec], bucket_size_bytes: int | None) -> list[
     slots: list[Slot] = []
     end = 0
     for spec in specs:
-        offset = align_up(end)
+        offset = round_up(end, ALIGN_BYTES)
         if slots and bucket_size_bytes is not None and offset + spec.nbytes > bucket_size_bytes:
             buckets.append(Bucket(tuple(slots), end))
             slots, offset = [], 0
