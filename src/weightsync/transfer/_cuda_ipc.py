@@ -3,7 +3,7 @@
 Both go through `torch.multiprocessing.reductions`, the functions torch itself uses to move a CUDA
 tensor between processes: `reduce_tensor` on the trainer's side, `rebuild_cuda_tensor` on the
 receiver's. weightsync carries their arguments as JSON-safe data
-([`CUDAStorageHandle`][weightsync.transfer._ipc_records.CUDAStorageHandle]) instead of a pickle.
+(`CUDAStorageHandle`) instead of a pickle.
 """
 
 from __future__ import annotations
