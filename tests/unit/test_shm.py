@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from weightsync.errors import WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _shm as shm
 
 
@@ -51,3 +51,12 @@ def test_a_missing_segment_is_a_validation_error_that_says_why(session):
 def test_a_segment_needs_at_least_one_byte(session):
     with pytest.raises(WeightValidationError, match="a segment needs nbytes >= 1, got 0"):
         shm.SharedSegment(f"{session}-0", 0)
+
+
+def test_a_taken_name_is_a_transfer_error_not_an_oserror(session):
+    segment = shm.SharedSegment(f"{session}-0", 8)
+    try:
+        with pytest.raises(WeightTransferError, match="cannot create shared-memory segment"):
+            shm.SharedSegment(f"{session}-0", 8)
+    finally:
+        segment.unlink()

@@ -120,7 +120,12 @@ class SharedSegment:
             raise WeightValidationError(f"a segment needs nbytes >= 1, got {nbytes}")
         self.name = name
         self.nbytes = nbytes
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except OSError as exc:  # the name is taken, or /dev/shm is missing or not writable
+            raise WeightTransferError(
+                f"cannot create shared-memory segment {name!r}: {exc}{_free_space_hint()}"
+            ) from exc
         try:
             if hasattr(os, "posix_fallocate"):
                 # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
