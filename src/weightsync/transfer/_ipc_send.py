@@ -8,6 +8,7 @@ runs them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,18 @@ from weightsync.transfer.packing import Bucket, plan_buckets
 
 if TYPE_CHECKING:
     from weightsync.transfer.ipc_trainer import IPCTrainerSession, _BucketBuffer
+
+
+@dataclass
+class Sending:
+    """One update on its way: the session, what was announced, the tensors, the courier, stats."""
+
+    session: IPCTrainerSession
+    specs: list[TensorSpec]
+    source: AnnouncedTensors
+    header: dict[str, Any]
+    courier: Courier
+    stats: TransferStats
 
 
 def in_place_record(
@@ -114,14 +127,10 @@ def data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Except
     )
 
 
-def send_packed(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: Courier,
-    stats: TransferStats,
-) -> None:
+def send_packed(send: Sending) -> None:
+    """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
+    session, specs, source = send.session, send.specs, send.source
+    header, courier, stats = send.header, send.courier, send.stats
     buckets = plan_buckets(specs, session.wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
     announce(courier, header)
@@ -177,14 +186,10 @@ def pack_records(
     ]
 
 
-def send_unpacked(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: Courier,
-    stats: TransferStats,
-) -> None:
+def send_unpacked(send: Sending) -> None:
+    """Exports every tensor where it lies and delivers them in one part, after the announcement."""
+    session, specs, source = send.session, send.specs, send.source
+    header, courier, stats = send.header, send.courier, send.stats
     tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
     source.check_exhausted(len(specs))
     device_of(tensors, specs, None)

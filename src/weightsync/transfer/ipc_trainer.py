@@ -30,7 +30,7 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._bucket_io import round_up, unpack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._courier import Courier
-from weightsync.transfer._ipc_send import send_packed, send_unpacked
+from weightsync.transfer._ipc_send import Sending, send_packed, send_unpacked
 from weightsync.transfer._pipeline import BufferPool
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
@@ -332,11 +332,9 @@ def ipc_trainer_send_weights(
     }
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
     courier = Courier(trainer_args.deliver, session.wire.timeout_s)
+    sending = Sending(session, specs, source, header, courier, stats)
     try:
-        if session.wire.packed:
-            send_packed(session, specs, source, header, courier, stats)
-        else:
-            send_unpacked(session, specs, source, header, courier, stats)
+        (send_packed if session.wire.packed else send_unpacked)(sending)
     finally:
         courier.close()
     stats.seconds = time.perf_counter() - start
