@@ -62,14 +62,14 @@ def test_home_page_renders(page, site_url: str):
 
 
 def test_api_page_renders(page, site_url: str):
-    url = site_url + "reference/weightsync/transfer/nccl/"
+    url = site_url + "reference/weightsync/transfer/nccl_trainer/"
     page.goto(url)
-    heading = "document.getElementById('weightsync.transfer.nccl.trainer_init')"
+    heading = "document.getElementById('weightsync.transfer.nccl_trainer.trainer_init')"
     assert page.evaluate(f"{heading} !== null")
     signature = page.evaluate(
         f"{heading}.parentElement.querySelector('.doc-signature').textContent"
     )
-    assert "world_size" in signature and "timeout_s" in signature
+    assert "world_size" in signature and "wire: WireParams" in signature
     # Cross-references inside docstrings became links.
     assert page.evaluate("document.querySelectorAll('a.autorefs-internal').length") > 10
     _clean(page, url)

@@ -21,12 +21,6 @@ import torch
 
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
-    EngineBusyError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-)
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
@@ -39,6 +33,12 @@ from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.weights import LiveWeights
+from weightsync.errors import (
+    EngineBusyError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+)
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["LLMEngine"]

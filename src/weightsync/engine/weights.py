@@ -15,16 +15,10 @@ from typing import Any
 import torch
 
 from weightsync.config import WeightTransferConfig
-from weightsync.engine.errors import EngineStateError
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferEngine,
-    WeightTransferError,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
+from weightsync.errors import EngineStateError, WeightTransferError, WeightValidationError
+from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
 
 __all__ = ["LiveWeights"]
 
