@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import describe_machine
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -42,6 +44,7 @@ def main() -> None:
     else:
         from transfer_ipc import run
     result = run(size_mb=args.size_mb, repeats=args.repeats, verbose=not args.json)
+    result["machine"] = describe_machine()
     print(json.dumps(result))
 
 

@@ -46,6 +46,7 @@ sends over `nccl` to an engine receiving on `cuda:1`; the engine itself computes
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -195,6 +196,39 @@ def train_step(
     }
 
 
+def write_log(
+    path: str, args: argparse.Namespace, rewards: list[float], step: int, batch: Batch
+) -> None:
+    """The run as JSON: mean reward per batch, and one batch's tokens with their weight versions.
+
+    The docs build plots it (`docs/gen/example_plots.py`) from `benchmarks/results/examples/`.
+    """
+    from weightsync import ByteTokenizer  # the engine's tokenizer; only --log needs it here
+
+    tokenizer = ByteTokenizer()
+    outputs = batch.token_ids[:, batch.prompt_len :].tolist()
+    log = {
+        "example": "async_rl",
+        "args": {k: v for k, v in vars(args).items() if k != "log"},
+        "mean_reward": rewards,  # index i: batch i, drawn by policies i - 1 and i
+        "batch": {
+            "step": step,
+            "rollouts": [
+                {
+                    "tokens": [tokenizer.decode([t]) for t in token_ids],
+                    "weight_versions": versions,
+                    "reward": reward,
+                }
+                for token_ids, versions, reward in zip(
+                    outputs, batch.versions.tolist(), batch.rewards.view(-1).tolist(), strict=True
+                )
+            ],
+        },
+    }
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(json.dumps(log, indent=1) + "\n")
+
+
 def main() -> int:
     """Runs the loop; returns the exit code (non-zero unless the reward rose and weights match)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -214,6 +248,7 @@ def main() -> int:
     )
     parser.add_argument("--min-gain", type=float, default=0.3, help="required reward rise")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the sampling")
+    parser.add_argument("--log", help="write the run (rewards, one batch) as JSON here")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -236,6 +271,7 @@ def main() -> int:
             batch = to_batch(engine.generate(*rollout_requests(0, args)), args)
             previous: dict[int, dict[str, torch.Tensor]] = {}
             straddled = 0
+            logged = (0, batch)
             for step in range(1, args.steps + 1):
                 # 1. The engine generates batch `step` with the current policy, meanwhile...
                 # ...and freezes it at token --land-at, whatever the timing (the pause is armed
@@ -262,6 +298,8 @@ def main() -> int:
                 batch = to_batch(engine.collect(request_ids), args)
                 mixed = sum(len(set(v)) > 1 for v in batch.versions.tolist())
                 straddled += mixed
+                if step == (args.steps + 1) // 2:
+                    logged = (step, batch)  # mid-run: the policy is still changing
                 print(
                     f"step {step:3d}  reward {rewards[-1]:.3f}  "
                     f"stale tokens {metrics['stale_tokens']:4.0f} "
@@ -274,6 +312,8 @@ def main() -> int:
     finally:
         engine.close()
 
+    if args.log is not None:
+        write_log(args.log, args, rewards, *logged)
     k = 5
     first, last = statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
     print(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from docs_support import DOCS, ROOT, BuiltSite
 SRC = ROOT / "src"
 EXAMPLES = sorted((ROOT / "examples" / "rlhf").glob("*.py"))
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+EXAMPLE_LOGS = sorted((ROOT / "benchmarks" / "results" / "examples").glob("*.json"))
 
 
 def _public_modules() -> list[str]:
@@ -63,13 +67,63 @@ def test_every_public_module_has_an_api_page(built_site: BuiltSite):
 
 
 def test_benchmark_results_are_plotted(built_site: BuiltSite):
+    """Every results file has a chart on the performance page and says what machine made it."""
     site = built_site.require()
     html = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    assert RESULTS, "benchmarks/results holds no results file"
     for path in RESULTS:
         json.loads(path.read_text(encoding="utf-8"))
-        svg = site / "assets" / "benchmarks" / f"{path.stem}.svg"
-        assert svg.is_file() and "<rect" in svg.read_text(encoding="utf-8"), path.name
-        assert f"assets/benchmarks/{path.stem}.svg" in html, path.name
+        charts = sorted((site / "assets" / "benchmarks").glob(f"{path.stem}*.svg"))
+        charts = [c for c in charts if c.stem == path.stem or c.stem.startswith(f"{path.stem}-")]
+        assert charts, f"{path.name}: no chart"
+        for svg in charts:
+            assert "<rect" in svg.read_text(encoding="utf-8"), svg.name
+            assert f"assets/benchmarks/{svg.name}" in html, svg.name
+        machine = re.search(
+            rf"From <code>benchmarks/results/{re.escape(path.name)}</code>, "
+            r"measured on: ([^<]+)",
+            html,
+        )
+        assert machine and "not recorded" not in machine[1], f"{path.name}: no machine stated"
+
+
+def test_example_run_logs_are_drawn(built_site: BuiltSite):
+    """Each committed example log belongs to an example and its page shows the run's pictures."""
+    site = built_site.require()
+    stems = {path.stem for path in EXAMPLE_LOGS}
+    assert {"async_rl", "pause_resume"} <= stems, "the async_rl and pause_resume logs are missing"
+    for log in EXAMPLE_LOGS:
+        assert (ROOT / "examples" / "rlhf" / f"{log.stem}.py").is_file(), f"{log.name}: no example"
+        html = (site / "examples" / log.stem / "index.html").read_text(encoding="utf-8")
+        images = re.findall(r'src="(\.\./assets/[^"]+\.svg)"', html)
+        assert images, f"{log.stem}: its page shows no picture of the run"
+        for image in images:
+            svg = (site / "examples" / log.stem / image).resolve()
+            assert "<rect" in svg.read_text(encoding="utf-8"), image
+    pause_resume = (site / "examples" / "pause_resume" / "index.html").read_text(encoding="utf-8")
+    for mode in ("abort", "wait", "keep"):
+        assert f"pause_resume-{mode}-" in pause_resume, f"no picture of the {mode} mode"
+
+
+def test_pause_resume_log_is_current(tmp_path: Path):
+    """The committed pause_resume log is what the example writes today (it is deterministic)."""
+    committed = ROOT / "benchmarks" / "results" / "examples" / "pause_resume.json"
+    fresh = tmp_path / "pause_resume.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "rlhf" / "pause_resume.py"), "--log", str(fresh)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
+    assert json.loads(fresh.read_text(encoding="utf-8")) == json.loads(
+        committed.read_text(encoding="utf-8")
+    ), f"stale: run python examples/rlhf/pause_resume.py --log {committed.relative_to(ROOT)}"
 
 
 def test_docs_requirements_match_the_docs_extra():

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from weightsync.engine.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState
+from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["AsyncEngine"]

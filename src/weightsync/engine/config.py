@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.engine.errors import EngineConfigError
+from weightsync.errors import EngineConfigError
 
 __all__ = ["EngineConfig"]
 

@@ -22,13 +22,6 @@ import torch
 
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
-    EngineBusyError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-    WeightUpdateStateError,
-)
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
@@ -41,6 +34,13 @@ from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.weights import LiveWeights, _Transaction
+from weightsync.errors import (
+    EngineBusyError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+    WeightUpdateStateError,
+)
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["LLMEngine"]

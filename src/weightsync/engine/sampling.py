@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.engine.errors import InvalidRequestError
+from weightsync.errors import InvalidRequestError
 
 __all__ = ["SamplingParams", "sample"]
 

@@ -28,22 +28,18 @@ from typing import Any
 import torch
 
 from weightsync.config import WeightTransferConfig
-from weightsync.engine.errors import (
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.outputs import WeightVersion
+from weightsync.errors import (
     EngineStateError,
     IncompleteWeightUpdateError,
     TornWeightsError,
-    WeightUpdateStateError,
-)
-from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.outputs import WeightVersion
-from weightsync.transfer.base import (
-    TransferStats,
     WeightSyncError,
-    WeightTransferEngine,
     WeightTransferError,
-    WeightTransferUpdateInfo,
+    WeightUpdateStateError,
     WeightValidationError,
 )
+from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
 
 __all__ = ["LiveWeights"]
 

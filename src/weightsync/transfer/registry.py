@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from weightsync.transfer.base import WeightTransferEngine, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import WeightTransferEngine
 
 __all__ = ["EngineRegistry", "create_engine", "default_registry", "register_engine"]
 

@@ -8,15 +8,16 @@ import pytest
 import torch
 from engine_helpers import debug_model, greedy, make_engine
 
-from weightsync.engine.errors import (
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.errors import (
     EngineBusyError,
     IncompleteWeightUpdateError,
     TornWeightsError,
+    WeightTransferError,
     WeightUpdateStateError,
+    WeightValidationError,
 )
-from weightsync.engine.llm_engine import LLMEngine
 from weightsync.trainer.senders import IPCWeightSender
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,

@@ -6,12 +6,12 @@ import torch
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer.senders import (
     BroadcastWeightSender,
     IPCWeightSender,
     create_weight_sender,
 )
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
 
 
 def engine(worker_index=0):
