@@ -158,13 +158,14 @@ def test_each_backend_page_ends_with_the_examples_that_show_it(page: str):
 
 
 def test_the_documented_wire_parameters_are_the_checked_ones():
-    # transfer/index.md: the trainer decides the last five fields of the init info table, and a
-    # worker that disagrees on any of them, or on world_size, is refused.
+    # transfer/index.md: the trainer decides backend, world_size and the four wire parameters
+    # (the last five fields of the init info table, and world_size); a worker that disagrees on
+    # any of them is refused.
     from weightsync import NCCLWeightTransferInitInfo
 
     text = (DOCS / "transfer" / "index.md").read_text(encoding="utf-8")
     table = text.split("## The init info", 1)[1].split("\n\n| Field |", 1)[1].split("\n\n", 1)[0]
     fields = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
-    assert "The trainer decides the last five" in text and "or\n`world_size`" in text
+    assert "The trainer decides `backend` and `world_size` and the four *wire parameters*" in text
     info = NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1, world_size=2)
     assert set(info.wire_params()) == {*fields[-5:], "world_size"}
