@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
@@ -183,6 +184,7 @@ def main() -> None:
         "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
         "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
     }
+    result["machine"] = describe_machine()
     print(json.dumps(result))
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_transfer.py --backend gloo --json
     python benchmarks/bench_transfer.py --backend ipc --json
+    python benchmarks/bench_transfer.py --staging --json   (an engine's update, staged or not)
     python benchmarks/bench_transfer.py --backend gloo --via http --json
 
 The last line of output is one JSON object with the figures and their ratios.
@@ -16,6 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import describe_machine
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -29,6 +32,11 @@ def main() -> None:
         "--repeats", type=int, default=3, help="timed repetitions per figure (best is kept)"
     )
     parser.add_argument(
+        "--staging",
+        action="store_true",
+        help="measure an engine's update with and without weight_update_staging instead",
+    )
+    parser.add_argument(
         "--via",
         choices=["direct", "http"],
         default="direct",
@@ -36,7 +44,9 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
-    if args.via == "http":
+    if args.staging:
+        from transfer_staging import run
+    elif args.via == "http":
         if args.backend != "gloo":
             parser.error("--via http measures the gloo backend")
         from transfer_http import run
@@ -45,6 +55,7 @@ def main() -> None:
     else:
         from transfer_ipc import run
     result = run(size_mb=args.size_mb, repeats=args.repeats, verbose=not args.json)
+    result["machine"] = describe_machine()
     print(json.dumps(result))
 
 

@@ -27,21 +27,21 @@ from typing import Any
 
 import torch
 
-from model_specs import llama_like_specs
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.group import BroadcastGroup
-from weightsync.transfer.nccl import (
-    GlooWeightTransferEngine,
-    NCCLTrainerSendWeightsArgs,
-    trainer_init,
-    trainer_send_weights,
-)
-from weightsync.transfer.worker import (
+from _rigs import (
     CommandProcess,
     allocate_tensors,
     fill_tensors,
     serve_commands,
-    tensor_digests,
+)
+from model_specs import llama_like_specs
+from weightsync import weight_checksums
+from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.nccl import GlooWeightTransferEngine
+from weightsync.transfer.nccl_trainer import (
+    NCCLTrainerSendWeightsArgs,
+    trainer_init,
+    trainer_send_weights,
 )
 
 BUCKET_SIZE_BYTES = 256 << 20
@@ -95,7 +95,7 @@ def _receiver_main(
         return {"direct_buckets": stats.direct_buckets, "num_buckets": stats.num_buckets}
 
     def digests(use_flat: bool) -> dict[str, Any]:
-        return {"digests": tensor_digests(flat if use_flat else separate)}
+        return {"digests": weight_checksums(flat if use_flat else separate)}
 
     def zero(use_flat: bool) -> None:
         for tensor in (flat if use_flat else separate).values():
@@ -212,7 +212,7 @@ def _run_for(num_receivers: int, specs: list[TensorSpec], repeats: int, log: Any
         # Warm-up, which also checks each update mode on its own: the receivers' tensors are
         # zeroed first and must hold the trainer's bytes after it. Receiver peak memory is read
         # around each engine's first update, buffer allocation included.
-        want = tensor_digests(separate)  # flat holds the same values
+        want = weight_checksums(separate)  # flat holds the same values
         peak_extra = 0
         for name, (op, send, fields) in modes.items():
             if op == "update":

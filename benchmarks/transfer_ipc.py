@@ -28,24 +28,25 @@ from typing import Any
 
 import torch
 
+from _rigs import (
+    CommandProcess,
+    IPCReceiverProcess,
+    allocate_tensors,
+    deliver_to_processes,
+    fill_tensors,
+    serve_commands,
+)
 from model_specs import llama_like_specs
+from weightsync import weight_checksums
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.broadcast import DEFAULT_BUCKET_SIZE_BYTES
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.ipc_worker import IPCReceiverProcess, deliver_to_processes
-from weightsync.transfer.worker import (
-    CommandProcess,
-    allocate_tensors,
-    fill_tensors,
-    serve_commands,
-    tensor_digests,
-)
+from weightsync.transfer.wire import WireParams
 
-BUCKET_SIZE_BYTES = DEFAULT_BUCKET_SIZE_BYTES
+BUCKET_SIZE_BYTES = WireParams().bucket_size_bytes
 NUM_BUFFERS = 2
 TIMEOUT_S = 300.0
 
@@ -63,7 +64,7 @@ def _pickle_receiver_main(conn: Connection, data: Connection, update_info: dict[
 
     serve_commands(
         conn,
-        {"receive": receive, "digests": lambda: {"digests": tensor_digests(params)}},
+        {"receive": receive, "digests": lambda: {"digests": weight_checksums(params)}},
     )
 
 
@@ -78,7 +79,7 @@ def _best(run: Callable[[], None], repeats: int) -> tuple[float, float]:
 
 
 def _check(receivers: list[CommandProcess], tensors: dict[str, torch.Tensor], what: str) -> None:
-    want = tensor_digests(tensors)
+    want = weight_checksums(tensors)
     for receiver in receivers:
         if receiver.call("digests")["digests"] != want:
             raise AssertionError(f"{what}: a receiver's tensors differ from the trainer's")

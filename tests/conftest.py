@@ -1,12 +1,20 @@
-"""Shared test set-up: `gpu`-marked tests skip cleanly where CUDA is absent."""
+"""Shared test set-up: tests under integration/ are marked `integration`; `gpu` tests skip without CUDA."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        # The tier is where a test lives: `-m "not integration"` runs what needs no processes.
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA; this machine has none")

@@ -1,15 +1,26 @@
 """Plots the benchmark results committed in `benchmarks/results/*.json` onto the performance page.
 
-Each results file is the JSON object a benchmark prints (`benchmarks/bench_transfer.py --json`).
-Every `*_gbps` figure becomes a bar: top-level figures form one group, each nested object holding
-`*_gbps` figures (e.g. `two_receivers`) another. For each file this appends to `performance.md` a
-section with the chart (an SVG written here, no plotting library needed), the figures as a table,
-and the run's recorded settings. Adding a results file adds its section.
+Each results file is the JSON object a benchmark prints (`benchmarks/bench_*.py --json`). Every
+file gets a section with one chart per kind of figure it holds (an SVG written here, no plotting
+library needed), the figures as tables, the run's recorded settings, and the machine that produced
+it. The kinds of figure, found by name at any nesting depth:
+
+- `*_gbps`: transfer throughput; top-level figures form one group, each nested object holding
+  `*_gbps` figures (e.g. `two_receivers`) another;
+- `*_tokens_per_s`: decode throughput;
+- `*_steps` and `*_seconds` objects whose values are percentile summaries (`{"p50", "p99", ...}`),
+  one bar per key and percentile (e.g. pause latency per mode).
+
+The machine is the file's `machine` object (`benchmarks/machine.py`), or, for files written before
+benchmarks recorded it, the file's row in `benchmarks/results/README.md`. Adding a results file adds
+its section; a file with no figure of a known kind is listed with its settings and no chart.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -18,21 +29,40 @@ import mkdocs_gen_files
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+RESULTS_README = RESULTS / "README.md"
 COLORS = ("#3f51b5", "#ff9800", "#009688", "#9c27b0", "#795548", "#607d8b")
 # Settings shown under each chart, when the results file records them.
 SETTINGS = {
     "backend": "backend",
+    "model": "model preset",
+    "parameters": "model parameters",
+    "threads": "torch threads",
     "total_bytes": "bytes moved per update",
     "num_tensors": "tensors per update",
     "bucket_size_bytes": "bucket size (bytes)",
     "num_buffers": "buffers in flight",
     "num_buckets": "buckets per update",
     "repeats": "timed repetitions",
+    "pause_streams": "concurrent streams while pausing",
+    "pause_trials": "pauses per mode",
+    "batching_speedup": "continuous batching speed-up",
+    "resume_to_token_steps": "steps from resume to the next token (p99)",
     "cpu_count": "CPU cores",
     "torch": "torch",
 }
+PERCENTILES = ("p50", "p99")
 
 Groups = dict[str, dict[str, float]]
+
+
+@dataclass
+class Chart:
+    """One chart of a results file: grouped bars in one unit."""
+
+    slug: str
+    title: str
+    axis: str
+    groups: Groups
 
 
 def figure_groups(result: dict[str, Any]) -> Groups:
@@ -55,7 +85,66 @@ def figure_groups(result: dict[str, Any]) -> Groups:
     return {label: top, **nested} if top else nested
 
 
-def bar_chart(groups: Groups, title: str) -> str:
+def _leaves(mapping: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every `(key, value)` pair at any depth."""
+    pairs = []
+    for key, value in mapping.items():
+        pairs.append((key, value))
+        if isinstance(value, dict):
+            pairs += _leaves(value)
+    return pairs
+
+
+def _percentile_groups(summaries: dict[str, Any]) -> Groups:
+    """`{"p50": {key: value}, "p99": {...}}` from `{key: {"p50": ..., "p99": ...}}`."""
+    return {
+        stat: {key: float(summary[stat]) for key, summary in summaries.items()}
+        for stat in PERCENTILES
+    }
+
+
+def charts(result: dict[str, Any]) -> list[Chart]:
+    """The charts a results object gives, in a fixed order (see the module docstring)."""
+    found = []
+    if groups := figure_groups(result):
+        found.append(
+            Chart("", "throughput", "GB/s (10^9 bytes per second), higher is better", groups)
+        )
+    tokens = {
+        key.removesuffix("_tokens_per_s").replace("_", " "): float(value)
+        for key, value in _leaves(result)
+        if key.endswith("_tokens_per_s") and isinstance(value, int | float)
+    }
+    if tokens:
+        axis = "output tokens per second, higher is better"
+        found.append(Chart("tokens", "decode throughput", axis, {"tokens/s": tokens}))
+    for key, value in result.items():
+        unit = {"_steps": "engine steps", "_seconds": "seconds"}.get(
+            next((s for s in ("_steps", "_seconds") if key.endswith(s)), ""), ""
+        )
+        is_summary = (
+            isinstance(value, dict)
+            and value
+            and all(
+                isinstance(v, dict) and all(p in v for p in PERCENTILES) for v in value.values()
+            )
+        )
+        if unit and is_summary:
+            title = key.replace("_", " ")
+            axis = f"{unit}, lower is better"
+            found.append(Chart(key.replace("_", "-"), title, axis, _percentile_groups(value)))
+    return found
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10 or value == int(value):
+        return f"{value:.1f}".removesuffix(".0")
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
+
+
+def bar_chart(groups: Groups, title: str, axis: str) -> str:
     """A horizontal grouped bar chart as a standalone SVG document."""
     names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
     peak = max((v for figures in groups.values() for v in figures.values()), default=1.0) or 1.0
@@ -89,41 +178,78 @@ def bar_chart(groups: Groups, title: str) -> str:
                     f'fill="{color}"/>'
                 )
                 out.append(
-                    f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h - 6}">{value:.2f}</text>'
+                    f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h - 6}">{_number(value)}</text>'
                 )
             y += bar_h
         y += gap
-    out.append(
-        f'<text x="{label_w}" y="{height - 12}" fill="#555555">GB/s (10^9 bytes per second), '
-        "higher is better</text>"
-    )
+    out.append(f'<text x="{label_w}" y="{height - 12}" fill="#555555">{escape(axis)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def section(path: Path) -> str:
-    """The performance page's section for one results file (writes its chart too)."""
-    result = json.loads(path.read_text(encoding="utf-8"))
-    groups = figure_groups(result)
-    image = f"assets/benchmarks/{path.stem}.svg"
-    with mkdocs_gen_files.open(image, "w") as svg:
-        svg.write(bar_chart(groups, f"{path.stem}: throughput per figure"))
-    relative = path.relative_to(ROOT).as_posix()
+def recorded_machines() -> dict[str, str]:
+    """`{file name: machine}` from the table in `benchmarks/results/README.md`."""
+    machines: dict[str, str] = {}
+    if RESULTS_README.is_file():
+        for line in RESULTS_README.read_text(encoding="utf-8").splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) == 3 and (name := re.fullmatch(r"`([^`]+\.json)`", cells[0])):
+                # "the same machine" refers to the row above.
+                same = cells[2].lower().startswith("the same machine") and machines
+                machines[name[1]] = list(machines.values())[-1] if same else cells[2]
+    return machines
+
+
+def machine_of(path: Path, result: dict[str, Any]) -> str:
+    """Which machine produced a results file, in words."""
+    machine = result.get("machine")
+    if isinstance(machine, dict):
+        gpus = machine.get("gpus") or []
+        parts = [
+            f"{machine.get('cores', '?')} cores, {machine.get('cpu', 'unknown CPU')}",
+            ", ".join(gpus) if gpus else "no GPU",
+            str(machine.get("os", "")),
+            f"Python {machine.get('python', '?')}",
+            f"torch {machine.get('torch', '?')}",
+        ]
+        return "; ".join(part for part in parts if part)
+    recorded = recorded_machines().get(path.name)
+    if recorded:
+        return f"{recorded} (from `benchmarks/results/README.md`)"
+    return "not recorded"
+
+
+def _table(chart: Chart) -> list[str]:
+    groups = chart.groups
+    unit = chart.axis.split(",")[0]
     lines = [
-        f"### `{path.stem}`",
-        "",
-        f"From `{relative}`.",
-        "",
-        f"![{path.stem}: GB/s per figure]({image})",
-        "",
-        "| Figure | " + " | ".join(f"{group} (GB/s)" for group in groups) + " |",
+        "| Figure | " + " | ".join(f"{group} ({unit})" for group in groups) + " |",
         "| --- |" + " ---: |" * len(groups),
     ]
     names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
     for name in names:
-        cells = [f"{figures[name]:.2f}" if name in figures else "" for figures in groups.values()]
+        cells = [_number(figures[name]) if name in figures else "" for figures in groups.values()]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += ["", "| Setting | Value |", "| --- | --- |"]
+    return lines
+
+
+def section(path: Path) -> str:
+    """The performance page's section for one results file (writes its charts too)."""
+    result = json.loads(path.read_text(encoding="utf-8"))
+    relative = path.relative_to(ROOT).as_posix()
+    lines = [
+        f"### `{path.stem}`",
+        "",
+        f"From `{relative}`, measured on: {machine_of(path, result)}.",
+        "",
+    ]
+    for chart in charts(result):
+        stem = f"{path.stem}-{chart.slug}" if chart.slug else path.stem
+        image = f"assets/benchmarks/{stem}.svg"
+        with mkdocs_gen_files.open(image, "w") as svg:
+            svg.write(bar_chart(chart.groups, f"{path.stem}: {chart.title}", chart.axis))
+        lines += [f"![{path.stem}: {chart.title}]({image})", "", *_table(chart), ""]
+    lines += ["| Setting | Value |", "| --- | --- |"]
     lines += [f"| {label} | `{result[key]}` |" for key, label in SETTINGS.items() if key in result]
     ratios = {k: v for k, v in result.items() if "ratio" in k and isinstance(v, int | float)}
     lines += [f"| {k.replace('_', ' ')} | `{v:.2f}` |" for k, v in ratios.items()]

@@ -2,16 +2,21 @@
 
 Each page has a title made from the file name, the module docstring as its introduction, how to
 run it (with the options its argparse parser declares, read from the source), and the file itself,
-embedded through `pymdownx.snippets` so that the page always shows the file as it is. Adding an
-example file adds its page; nothing else needs editing.
+embedded through `pymdownx.snippets` so that the page always shows the file as it is. Where a run
+log of the example is committed, the page also shows pictures of that run (`example_plots.py`).
+Adding an example file adds its page; nothing else needs editing.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import mkdocs_gen_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_plots import pictures  # a sibling module, found through the line above
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "rlhf"
@@ -21,6 +26,7 @@ SPELLING = {
     "cpu": "CPU",
     "dp": "DP",
     "gpu": "GPU",
+    "hf": "HF",
     "http": "HTTP",
     "ipc": "IPC",
     "kv": "KV",
@@ -97,6 +103,7 @@ def page(path: Path) -> str:
             for flag, default, text in options
         ]
         lines.append("")
+    lines += pictures(path.stem)
     lines += [
         "## The script",
         "",

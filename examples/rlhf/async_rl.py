@@ -48,23 +48,30 @@ sends over `nccl` to an engine receiving on `cuda:1`; the engine itself computes
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-from torch.func import functional_call, vmap
+# torch does not depend on numpy, yet without it `import torch` warns that it failed to initialize
+# numpy. Nothing here needs numpy, so on an install with torch alone that warning is noise; this
+# filter hides only it, and must come before torch is first imported.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from weightsync import (
+import torch  # noqa: E402
+from torch.func import functional_call, vmap  # noqa: E402
+
+from weightsync import (  # noqa: E402
     EngineConfig,
     LlamaForCausalLM,
     RequestOutput,
     SamplingParams,
     weight_checksums,
 )
-from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights
+from weightsync.trainer import EngineProcess, create_weight_sender, sync_weights  # noqa: E402
 
 # The device is chosen here, once: nccl needs a GPU for the trainer and one for the engine.
 if torch.cuda.device_count() >= 2:
@@ -98,6 +105,11 @@ class Batch:
     versions: torch.Tensor  # (rollouts, output) weight version of each output token
     rewards: torch.Tensor  # (prompts, rollouts per prompt)
     texts: list[str]
+
+
+def readable(text: str) -> str:
+    """`text` with every character that is not printable ASCII shown as `·` (bytes decode raw)."""
+    return "".join(c if c.isascii() and c.isprintable() else "·" for c in text)
 
 
 def rollout_requests(step: int, args: argparse.Namespace) -> tuple[list[str], list[SamplingParams]]:
@@ -186,6 +198,39 @@ def train_step(
     }
 
 
+def write_log(
+    path: str, args: argparse.Namespace, rewards: list[float], step: int, batch: Batch
+) -> None:
+    """The run as JSON: mean reward per batch, and one batch's tokens with their weight versions.
+
+    The docs build plots it (`docs/gen/example_plots.py`) from `benchmarks/results/examples/`.
+    """
+    from weightsync import ByteTokenizer  # the engine's tokenizer; only --log needs it here
+
+    tokenizer = ByteTokenizer()
+    outputs = batch.token_ids[:, batch.prompt_len :].tolist()
+    log = {
+        "example": "async_rl",
+        "args": {k: v for k, v in vars(args).items() if k != "log"},
+        "mean_reward": rewards,  # index i: batch i, drawn by policies i - 1 and i
+        "batch": {
+            "step": step,
+            "rollouts": [
+                {
+                    "tokens": [tokenizer.decode([t]) for t in token_ids],
+                    "weight_versions": versions,
+                    "reward": reward,
+                }
+                for token_ids, versions, reward in zip(
+                    outputs, batch.versions.tolist(), batch.rewards.view(-1).tolist(), strict=True
+                )
+            ],
+        },
+    }
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(json.dumps(log, indent=1) + "\n")
+
+
 def main() -> int:
     """Runs the loop; returns the exit code (non-zero unless the reward rose and weights match)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -205,6 +250,7 @@ def main() -> int:
     )
     parser.add_argument("--min-gain", type=float, default=0.3, help="required reward rise")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the sampling")
+    parser.add_argument("--log", help="write the run (rewards, one batch) as JSON here")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -227,6 +273,7 @@ def main() -> int:
             batch = to_batch(engine.generate(*rollout_requests(0, args)), args)
             previous: dict[int, dict[str, torch.Tensor]] = {}
             straddled = 0
+            logged = (0, batch)
             for step in range(1, args.steps + 1):
                 # 1. The engine generates batch `step` with the current policy, meanwhile...
                 # ...and freezes it at token --land-at, whatever the timing (the pause is armed
@@ -253,18 +300,22 @@ def main() -> int:
                 batch = to_batch(engine.collect(request_ids), args)
                 mixed = sum(len(set(v)) > 1 for v in batch.versions.tolist())
                 straddled += mixed
+                if step == (args.steps + 1) // 2:
+                    logged = (step, batch)  # mid-run: the policy is still changing
                 print(
                     f"step {step:3d}  reward {rewards[-1]:.3f}  "
                     f"stale tokens {metrics['stale_tokens']:4.0f} "
                     f"({metrics['clipped']:.0%} clipped, {metrics['dropped_tokens']:.0f} dropped)  "
                     f"next batch: {mixed}/{len(batch.texts)} rollouts straddle an update  "
-                    f"e.g. {batch.texts[0]!r}"
+                    f"e.g. {readable(batch.texts[0])}"
                 )
             rewards.append(batch.rewards.mean().item())  # the last policy's batch, not trained on
             same = engine.weight_digests() == weight_checksums(policy.named_weights())
     finally:
         engine.close()
 
+    if args.log is not None:
+        write_log(args.log, args, rewards, *logged)
     k = 5
     first, last = statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
     print(

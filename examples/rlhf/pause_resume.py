@@ -36,11 +36,20 @@ float64, so that comparing greedy outputs computed two ways cannot trip over rou
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
-from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, RequestOutput, SamplingParams
+from weightsync import (
+    ByteTokenizer,
+    EngineConfig,
+    LlamaForCausalLM,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
 from weightsync.trainer import IPCWeightSender
 
 DTYPE = torch.float64
@@ -54,6 +63,8 @@ class Timeline:
     def __init__(self) -> None:
         self.steps: dict[str, list[int]] = {}
         self.final: dict[str, RequestOutput] = {}
+        self.paused_at = 0  # the engine step after which the pause landed
+        self.resumed_at = 0  # the engine step after which it resumed
 
     def record(self, outputs: list[RequestOutput], step: int) -> None:
         """Notes the new tokens of `outputs` as produced at engine step `step`."""
@@ -105,11 +116,13 @@ def run_scenario(
     while not engine.is_paused():  # `wait` drains first: its running requests run to the end
         step(engine, timeline)
     step(engine, timeline)  # paused: runs nothing, delivers what the pause ended
+    timeline.paused_at = engine.num_steps
     engine.add_request("D", "Arrived while paused", SamplingParams(temperature=0, max_tokens=4))
 
     with IPCWeightSender([engine]) as sender:
         sender.send(new_policy.named_weights(), weight_version=1)
     engine.resume_generation()
+    timeline.resumed_at = engine.num_steps
     while engine.has_unfinished_requests():
         step(engine, timeline)
     engine.shutdown()
@@ -154,10 +167,32 @@ def check(
     return problems
 
 
+def scenario_log(mode: str, clear_cache: bool, timeline: Timeline) -> dict[str, object]:
+    """One scenario as JSON: each request's tokens with their step and weight version."""
+    tokenizer = ByteTokenizer()
+    requests = {}
+    for request_id, final in sorted(timeline.final.items()):
+        out = final.outputs[0]
+        requests[request_id] = {
+            "tokens": [tokenizer.decode([t]) for t in out.token_ids],
+            "steps": timeline.steps.get(request_id, []),
+            "weight_versions": out.weight_versions,
+            "finish_reason": out.finish_reason,
+        }
+    return {
+        "mode": mode,
+        "clear_cache": clear_cache,
+        "paused_at_step": timeline.paused_at,
+        "resumed_at_step": timeline.resumed_at,
+        "requests": requests,
+    }
+
+
 def main() -> int:
     """Runs the four scenarios; returns the exit code (non-zero when a mode broke a promise)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pause-at", type=int, default=4, help="tokens of A and B at the pause")
+    parser.add_argument("--log", type=Path, help="write every scenario's tokens as JSON here")
     args = parser.parse_args()
     if not REQUESTS["C"][1] < args.pause_at < REQUESTS["A"][1]:
         parser.error(
@@ -166,15 +201,20 @@ def main() -> int:
 
     new_policy = LlamaForCausalLM.from_preset("debug", seed=1, dtype=DTYPE)  # the trainer's next
     problems = []
+    logs = []
     for mode, clear_cache in SCENARIOS:
         print(f"mode={mode!r}, clear_cache={clear_cache}: paused after step {args.pause_at}")
         timeline = run_scenario(mode, clear_cache, args.pause_at, new_policy)
+        logs.append(scenario_log(mode, clear_cache, timeline))
         for request_id in ("A", "B", "C", "D"):
             print(f"  {request_id}: {timeline.describe(request_id)}")
         problems += [
             f"{mode}/{clear_cache}: {p}"
             for p in check(mode, clear_cache, timeline, args.pause_at, new_policy)
         ]
+    if args.log is not None:
+        log = {"example": "pause_resume", "pause_at": args.pause_at, "scenarios": logs}
+        args.log.write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:

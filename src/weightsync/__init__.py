@@ -1,6 +1,9 @@
 """weightsync: live weight updates and pause/resume for LLM inference engines in async RL.
 
-The public API, re-exported from the modules that define it.
+The public API, re-exported from the modules that define it: the engine, the transfer backends
+(worker engines, trainer functions, configs and infos), the trainer side
+([`weightsync.trainer`][weightsync.trainer]) and the errors
+([`weightsync.errors`][weightsync.errors]). Every other module is private (`_name`).
 """
 
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
@@ -8,28 +11,41 @@ from weightsync.engine import (
     AsyncEngine,
     ByteTokenizer,
     CompletionOutput,
-    EngineBusyError,
     EngineConfig,
-    EngineConfigError,
-    EngineStateError,
-    InvalidRequestError,
     LlamaConfig,
     LlamaForCausalLM,
     LLMEngine,
     RequestOutput,
     SamplingParams,
-    TornWeightsError,
     WeightVersionSpan,
+)
+from weightsync.errors import (
+    EngineBusyError,
+    EngineConfigError,
+    EngineStateError,
+    EngineTimeoutError,
+    InvalidRequestError,
+    TornWeightsError,
+    WeightSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightValidationError,
+)
+from weightsync.trainer import (
+    BroadcastWeightSender,
+    EngineClient,
+    EngineProcess,
+    IPCWeightSender,
+    WeightSender,
+    call_each,
+    create_weight_sender,
+    sync_weights,
 )
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
-    WeightSyncError,
     WeightTransferEngine,
-    WeightTransferError,
-    WeightTransferTimeout,
     WeightTransferUpdateInfo,
-    WeightValidationError,
 )
 from weightsync.transfer.checksums import weight_checksums
 from weightsync.transfer.flat import flatten_module
@@ -46,26 +62,34 @@ from weightsync.transfer.ipc_trainer import (
 )
 from weightsync.transfer.nccl import (
     GlooWeightTransferEngine,
-    NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
     NCCLWeightTransferInitInfo,
+)
+from weightsync.transfer.nccl_trainer import (
+    NCCLTrainerSendWeightsArgs,
     TrainerGroup,
     trainer_init,
     trainer_send_weights,
 )
 from weightsync.transfer.registry import create_engine, register_engine
+from weightsync.transfer.wire import WireParams
 
 __all__ = [
     "AsyncEngine",
+    "BroadcastWeightSender",
     "ByteTokenizer",
     "CompletionOutput",
     "EngineBusyError",
+    "EngineClient",
     "EngineConfig",
     "EngineConfigError",
+    "EngineProcess",
     "EngineStateError",
+    "EngineTimeoutError",
     "GlooWeightTransferEngine",
     "IPCTrainerSendWeightsArgs",
     "IPCTrainerSession",
+    "IPCWeightSender",
     "IPCWeightTransferEngine",
     "IPCWeightTransferInitInfo",
     "IPCWeightTransferUpdateInfo",
@@ -82,6 +106,7 @@ __all__ = [
     "TornWeightsError",
     "TrainerGroup",
     "TransferStats",
+    "WeightSender",
     "WeightSyncError",
     "WeightTransferConfig",
     "WeightTransferEngine",
@@ -90,12 +115,16 @@ __all__ = [
     "WeightTransferUpdateInfo",
     "WeightValidationError",
     "WeightVersionSpan",
+    "WireParams",
+    "call_each",
     "create_engine",
+    "create_weight_sender",
     "flatten_module",
     "ipc_trainer_init",
     "ipc_trainer_send_weights",
     "parse_weight_transfer_config",
     "register_engine",
+    "sync_weights",
     "trainer_init",
     "trainer_send_weights",
     "weight_checksums",

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from weightsync.transfer.base import WeightTransferEngine, WeightValidationError, parse_info
+from weightsync.errors import WeightValidationError
+from weightsync.transfer._checks import parse_info
+from weightsync.transfer.base import WeightTransferEngine
 from weightsync.transfer.registry import default_registry
 
 __all__ = ["WeightTransferConfig", "parse_dataclass_arg", "parse_weight_transfer_config"]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from browser_support import find_chromium, find_mermaid, open_browser, serve_directory
+from code_blocks import html_blocks
 from docs_support import BuiltSite
 
 pytest.importorskip(
@@ -61,14 +62,14 @@ def test_home_page_renders(page, site_url: str):
 
 
 def test_api_page_renders(page, site_url: str):
-    url = site_url + "reference/weightsync/transfer/nccl/"
+    url = site_url + "reference/weightsync/transfer/nccl_trainer/"
     page.goto(url)
-    heading = "document.getElementById('weightsync.transfer.nccl.trainer_init')"
+    heading = "document.getElementById('weightsync.transfer.nccl_trainer.trainer_init')"
     assert page.evaluate(f"{heading} !== null")
     signature = page.evaluate(
         f"{heading}.parentElement.querySelector('.doc-signature').textContent"
     )
-    assert "world_size" in signature and "timeout_s" in signature
+    assert "world_size" in signature and "wire: WireParams" in signature
     # Cross-references inside docstrings became links.
     assert page.evaluate("document.querySelectorAll('a.autorefs-internal').length") > 10
     _clean(page, url)
@@ -122,3 +123,29 @@ def test_mermaid_diagrams_render(page, site_url: str, built_site: BuiltSite):
             timeout_s=30,
         )
         _clean(page, url)
+
+
+def test_copied_code_is_what_the_docs_tests_run(page, site_url: str, built_site: BuiltSite):
+    """The copy button's text, taken in the browser as Material takes it, is what test_pages runs.
+
+    Material copies a block's `<code>` element's `innerText` while the element carries
+    `data-md-copying` (which hides code annotations), with trailing whitespace trimmed.
+    """
+    site = built_site.require()
+    checked = 0
+    for path in sorted(site.rglob("index.html")):
+        if path.parent.name in ("reference", "examples") or "reference" in path.parts:
+            continue
+        expected = [block.text for block in html_blocks(path.read_text(encoding="utf-8"))]
+        if not expected:
+            continue
+        url = (site_url + path.parent.relative_to(site).as_posix() + "/").replace("/./", "/")
+        page.goto(url)
+        copied = page.evaluate(
+            "Array.from(document.querySelectorAll('.language-python.highlight code')).map(c => {"
+            " c.setAttribute('data-md-copying', ''); const text = c.innerText.trimEnd();"
+            " c.removeAttribute('data-md-copying'); return text; })"
+        )
+        assert copied == expected, url
+        checked += len(expected)
+    assert checked >= 10

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from docs_support import DOCS, ROOT, BuiltSite
 SRC = ROOT / "src"
 EXAMPLES = sorted((ROOT / "examples" / "rlhf").glob("*.py"))
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+EXAMPLE_LOGS = sorted((ROOT / "benchmarks" / "results" / "examples").glob("*.json"))
 
 
 def _public_modules() -> list[str]:
@@ -63,13 +67,63 @@ def test_every_public_module_has_an_api_page(built_site: BuiltSite):
 
 
 def test_benchmark_results_are_plotted(built_site: BuiltSite):
+    """Every results file has a chart on the performance page and says what machine made it."""
     site = built_site.require()
     html = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    assert RESULTS, "benchmarks/results holds no results file"
     for path in RESULTS:
         json.loads(path.read_text(encoding="utf-8"))
-        svg = site / "assets" / "benchmarks" / f"{path.stem}.svg"
-        assert svg.is_file() and "<rect" in svg.read_text(encoding="utf-8"), path.name
-        assert f"assets/benchmarks/{path.stem}.svg" in html, path.name
+        charts = sorted((site / "assets" / "benchmarks").glob(f"{path.stem}*.svg"))
+        charts = [c for c in charts if c.stem == path.stem or c.stem.startswith(f"{path.stem}-")]
+        assert charts, f"{path.name}: no chart"
+        for svg in charts:
+            assert "<rect" in svg.read_text(encoding="utf-8"), svg.name
+            assert f"assets/benchmarks/{svg.name}" in html, svg.name
+        machine = re.search(
+            rf"From <code>benchmarks/results/{re.escape(path.name)}</code>, "
+            r"measured on: ([^<]+)",
+            html,
+        )
+        assert machine and "not recorded" not in machine[1], f"{path.name}: no machine stated"
+
+
+def test_example_run_logs_are_drawn(built_site: BuiltSite):
+    """Each committed example log belongs to an example and its page shows the run's pictures."""
+    site = built_site.require()
+    stems = {path.stem for path in EXAMPLE_LOGS}
+    assert {"async_rl", "pause_resume"} <= stems, "the async_rl and pause_resume logs are missing"
+    for log in EXAMPLE_LOGS:
+        assert (ROOT / "examples" / "rlhf" / f"{log.stem}.py").is_file(), f"{log.name}: no example"
+        html = (site / "examples" / log.stem / "index.html").read_text(encoding="utf-8")
+        images = re.findall(r'src="(\.\./assets/[^"]+\.svg)"', html)
+        assert images, f"{log.stem}: its page shows no picture of the run"
+        for image in images:
+            svg = (site / "examples" / log.stem / image).resolve()
+            assert "<rect" in svg.read_text(encoding="utf-8"), image
+    pause_resume = (site / "examples" / "pause_resume" / "index.html").read_text(encoding="utf-8")
+    for mode in ("abort", "wait", "keep"):
+        assert f"pause_resume-{mode}-" in pause_resume, f"no picture of the {mode} mode"
+
+
+def test_pause_resume_log_is_current(tmp_path: Path):
+    """The committed pause_resume log is what the example writes today (it is deterministic)."""
+    committed = ROOT / "benchmarks" / "results" / "examples" / "pause_resume.json"
+    fresh = tmp_path / "pause_resume.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "rlhf" / "pause_resume.py"), "--log", str(fresh)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
+    assert json.loads(fresh.read_text(encoding="utf-8")) == json.loads(
+        committed.read_text(encoding="utf-8")
+    ), f"stale: run python examples/rlhf/pause_resume.py --log {committed.relative_to(ROOT)}"
 
 
 def test_docs_requirements_match_the_docs_extra():
@@ -81,3 +135,37 @@ def test_docs_requirements_match_the_docs_extra():
     requirements = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert requirements == extra
     assert not any(r.split(">")[0].split("<")[0].split("=")[0] == "torch" for r in requirements)
+
+
+@pytest.mark.parametrize(
+    ("stem", "title"),
+    [("hf_trainer", "HF trainer"), ("rlhf_ipc", "RLHF IPC"), ("rlhf_nccl", "RLHF NCCL")],
+)
+def test_example_titles_keep_their_spelling(built_site: BuiltSite, stem: str, title: str):
+    html = (built_site.require() / "examples" / stem / "index.html").read_text(encoding="utf-8")
+    assert f"<title>{title} - " in html
+
+
+@pytest.mark.parametrize("page", ["transfer/broadcast.md", "transfer/ipc.md"])
+def test_each_backend_page_ends_with_the_examples_that_show_it(page: str):
+    text = (DOCS / page).read_text(encoding="utf-8")
+    last_section = text.rsplit("\n## ", 1)[-1]
+    assert last_section.startswith("Examples"), f"{page} does not end with its examples"
+    links = re.findall(r"\]\(\.\./examples/(\w+)\.md\)", last_section)
+    assert links, f"{page}: its last section links no example"
+    for stem in links:
+        assert (ROOT / "examples" / "rlhf" / f"{stem}.py").is_file(), f"{page} links {stem}"
+
+
+def test_the_documented_wire_parameters_are_the_checked_ones():
+    # transfer/index.md: the trainer decides backend, world_size and the four wire parameters
+    # (the last five fields of the init info table, and world_size); a worker that disagrees on
+    # any of them is refused.
+    from weightsync import NCCLWeightTransferInitInfo
+
+    text = (DOCS / "transfer" / "index.md").read_text(encoding="utf-8")
+    table = text.split("## The init info", 1)[1].split("\n\n| Field |", 1)[1].split("\n\n", 1)[0]
+    fields = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    assert "The trainer decides `backend` and `world_size` and the four *wire parameters*" in text
+    info = NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1, world_size=2)
+    assert set(info.wire_params()) == {*fields[-5:], "world_size"}

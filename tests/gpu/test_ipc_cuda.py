@@ -5,15 +5,16 @@ import json
 import pytest
 import torch
 
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, WeightValidationError
+from ipc_rigs import IPCReceiverProcess, IPCTrainerProcess
+from weightsync.errors import WeightValidationError
+from weightsync.transfer._cuda_ipc import cuda_device_uuids
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferEngine
-from weightsync.transfer.ipc_handles import cuda_device_uuids
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.ipc_worker import IPCReceiverProcess, IPCTrainerProcess
 
 pytestmark = pytest.mark.gpu
 

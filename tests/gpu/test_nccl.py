@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from process_rigs import ReceiverProcess, TrainerProcess
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.worker import ReceiverProcess, TrainerProcess
 
 pytestmark = [
     pytest.mark.gpu,

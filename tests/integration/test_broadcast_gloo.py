@@ -5,27 +5,21 @@ import time
 import pytest
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
-from weightsync.transfer.nccl import (
-    GlooWeightTransferEngine,
-    NCCLTrainerSendWeightsArgs,
-    NCCLWeightTransferEngine,
-    trainer_init,
-    trainer_send_weights,
-)
-from weightsync.transfer.worker import (
+from process_rigs import (
     ReceiverProcess,
     TrainerProcess,
     WorkerProcessError,
     allocate_tensors,
     fill_tensors,
-    tensor_digests,
+)
+from weightsync import weight_checksums
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.nccl import GlooWeightTransferEngine, NCCLWeightTransferEngine
+from weightsync.transfer.nccl_trainer import (
+    NCCLTrainerSendWeightsArgs,
+    trainer_init,
+    trainer_send_weights,
 )
 
 TIMEOUT_S = 10.0
@@ -95,7 +89,7 @@ def exchange(group, receivers, tensors, update_info=INFO, receiver_info=None, pa
 
 
 def assert_received(receivers, tensors):
-    want = tensor_digests(tensors)
+    want = weight_checksums(tensors)
     for receiver in receivers:
         assert receiver.call("digests")["digests"] == want
 

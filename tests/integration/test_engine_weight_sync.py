@@ -4,12 +4,12 @@ import asyncio
 
 import torch
 
+from process_rigs import TrainerProcess, fill_tensors
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
 from weightsync.transfer.base import WeightTransferUpdateInfo
-from weightsync.transfer.worker import TrainerProcess, fill_tensors
 
 N = 16
 MAX_TOKENS = 16

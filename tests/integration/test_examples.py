@@ -1,5 +1,7 @@
 """Every example in examples/rlhf runs to completion as a subprocess and checks its own outcome.
 
+The exit code is the verdict: each example checks what it demonstrates (bytes equal, reward
+risen, pause promises kept) and exits non-zero when a check fails; what it prints is for people.
 An example that cannot run on this machine (a missing optional dependency, say) prints why and
 exits with code 77, and is skipped.
 """
@@ -18,6 +20,7 @@ def test_examples_are_found():
     assert EXAMPLES, "examples/rlhf holds no example"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_and_checks_itself(path):
     result = subprocess.run(
@@ -26,4 +29,3 @@ def test_example_runs_and_checks_itself(path):
     if result.returncode == SKIPPED:
         pytest.skip(result.stdout.strip() or f"{path.name} cannot run here")
     assert result.returncode == 0, f"{path.name} failed:\n{result.stdout}\n{result.stderr}"
-    assert "ok" in result.stdout.lower()

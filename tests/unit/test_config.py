@@ -1,7 +1,7 @@
 import pytest
 
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
-from weightsync.transfer.base import WeightValidationError
+from weightsync.errors import WeightValidationError
 from weightsync.transfer.nccl import GlooWeightTransferEngine
 from weightsync.transfer.registry import EngineRegistry, default_registry
 

@@ -1,9 +1,10 @@
 import torch
 from torch import nn
 
+from weightsync.transfer._bucket_io import direct_region
 from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flatten_module
-from weightsync.transfer.packing import direct_region, plan_buckets
+from weightsync.transfer.packing import plan_buckets
 
 
 def make_model():

@@ -1,16 +1,12 @@
 import pytest
 import torch
 
-from weightsync.transfer.base import _DTYPES, TensorSpec, WeightValidationError
+from process_rigs import allocate_tensors, fill_tensors
+from weightsync.errors import WeightValidationError
+from weightsync.transfer._bucket_io import direct_region, pack_bucket, unpack_bucket
+from weightsync.transfer.base import _DTYPES, TensorSpec
 from weightsync.transfer.flat import flat_tensors
-from weightsync.transfer.packing import (
-    ALIGN_BYTES,
-    direct_region,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-)
-from weightsync.transfer.worker import allocate_tensors, fill_tensors
+from weightsync.transfer.packing import ALIGN_BYTES, plan_buckets
 
 SHAPES = {"0-d": (), "empty": (0, 3), "vector": (7,), "matrix": (5, 3)}
 

@@ -14,13 +14,6 @@ between steps.
 
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
-    EngineBusyError,
-    EngineConfigError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-)
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
@@ -32,16 +25,11 @@ __all__ = [
     "AsyncEngine",
     "ByteTokenizer",
     "CompletionOutput",
-    "EngineBusyError",
     "EngineConfig",
-    "EngineConfigError",
-    "EngineStateError",
-    "InvalidRequestError",
     "LLMEngine",
     "LlamaConfig",
     "LlamaForCausalLM",
     "RequestOutput",
     "SamplingParams",
-    "TornWeightsError",
     "WeightVersionSpan",
 ]

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from weightsync.engine.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState
+from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["AsyncEngine"]
@@ -47,6 +47,7 @@ async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
+        logger.info("cancelled during %s: waiting for it to end first", fn.__name__)
         await asyncio.wait([work])
         raise
 
@@ -87,6 +88,7 @@ class AsyncEngine:
         self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
         self._wake = asyncio.Event()
         self._step_done = asyncio.Event()
+        self._idle_waiters: list[asyncio.Future[None]] = []  # see wait_until_idle
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -109,6 +111,7 @@ class AsyncEngine:
         try:
             while not self._closed:
                 if not self.engine.has_work():
+                    self._settle_idle_waiters(None)
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -127,6 +130,17 @@ class AsyncEngine:
             for queue in self._streams.values():
                 queue.put_nowait(exc)
             self._step_done.set()
+            self._settle_idle_waiters(EngineStateError(f"the engine loop died: {exc!r}"))
+
+    def _settle_idle_waiters(self, error: Exception | None) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if waiter.done():
+                continue  # its caller was cancelled
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -238,6 +252,35 @@ class AsyncEngine:
         """Forward passes run so far."""
         return self.engine.num_steps
 
+    async def wait_until_idle(self) -> None:
+        """Returns once the step loop has looked for work after this call and found none.
+
+        Then every step that was due for the requests and calls made before this call has run, and
+        no step runs until new work arrives or a pause ends. An observation hook: it tells a caller
+        (a test, a monitor) that nothing more happens now, without polling. While requests can
+        run it waits for them to finish, so bound it (`asyncio.wait_for`) where work may not end.
+
+        Raises:
+            EngineStateError: The engine was shut down or its loop died.
+
+        >>> import asyncio
+        >>> async def main():
+        ...     async with AsyncEngine("debug") as engine:
+        ...         await engine.pause_generation(mode="keep")
+        ...         queued = asyncio.create_task(engine.generate("hi").__anext__())
+        ...         await engine.wait_until_idle()  # the loop saw the request and runs nothing
+        ...         steps = engine.num_steps
+        ...         queued.cancel()
+        ...         return steps
+        >>> asyncio.run(main())
+        0
+        """
+        self._start()
+        waiter = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(waiter)
+        self._wake.set()  # a parked loop looks again, so the answer is about the work of now
+        await waiter
+
     async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer group (`{"init_info": {...}}`), off the event loop.
 
@@ -291,6 +334,7 @@ class AsyncEngine:
                 await self._task
         for queue in self._streams.values():
             queue.put_nowait(_Closed())
+        self._settle_idle_waiters(EngineStateError("the engine was shut down"))
         await asyncio.to_thread(self._executor.shutdown, wait=True)
         self.engine.shutdown()
 

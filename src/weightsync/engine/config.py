@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.engine.errors import EngineConfigError
+from weightsync.errors import EngineConfigError
 
 __all__ = ["EngineConfig"]
 
@@ -27,8 +27,8 @@ class EngineConfig:
         seed: Seeds the sampling of requests that set no seed of their own.
         weight_update_staging: Before a weight update touches a weight, keep a copy of it, so
             that a failed or aborted update restores the previous weights and version instead
-            of leaving them torn. Costs memory for one copy of the updated weights and one
-            copy per update; see the transfer overview's figures.
+            of leaving them torn. Costs one copy of the updated weights in memory, kept between
+            updates, and one copy per update (`python benchmarks/bench_transfer.py --staging`).
 
     Raises:
         EngineConfigError: A value is out of range; the message names the field.

@@ -23,13 +23,6 @@ import torch
 
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
-    EngineBusyError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-    WeightUpdateStateError,
-)
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
@@ -42,6 +35,13 @@ from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.weights import LiveWeights, _Transaction
+from weightsync.errors import (
+    EngineBusyError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+    WeightUpdateStateError,
+)
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["ArmedPause", "LLMEngine"]
@@ -80,6 +80,8 @@ def _unwrap(request: Any, key: str, method: str) -> Any:
 
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
+
+    It computes on the CPU (for now): pass a model in CPU memory.
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from weightsync.engine.errors import EngineConfigError
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
+from weightsync.errors import EngineConfigError
 from weightsync.transfer.checksums import _byte_view
 
 __all__ = ["load_hf_directory", "read_safetensors", "save_hf_directory", "write_safetensors"]

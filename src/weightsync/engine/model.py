@@ -23,7 +23,8 @@ from torch import nn
 
 from weightsync.engine.attention import AttentionMetadata, causal_attention, paged_attention
 from weightsync.engine.model_config import LlamaConfig
-from weightsync.transfer.base import TensorSpec, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec
 
 __all__ = [
     "LlamaAttention",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from weightsync.engine.errors import EngineConfigError
+from weightsync.errors import EngineConfigError
 
 __all__ = ["PRESETS", "LlamaConfig"]
 

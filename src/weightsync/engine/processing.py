@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.engine.errors import InvalidRequestError
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.scheduler import ScheduledSequence
 from weightsync.engine.sequence import Sequence
 from weightsync.engine.tokenizer import ByteTokenizer
+from weightsync.errors import InvalidRequestError
 
 __all__ = ["InputProcessor", "OutputProcessor", "Prompt"]
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from weightsync.engine.errors import InvalidRequestError
+from weightsync.errors import InvalidRequestError
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprobs", "sample", "token_logprobs"]
 

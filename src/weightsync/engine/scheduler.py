@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import InvalidRequestError
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.sequence import Sequence, SequenceStatus
+from weightsync.errors import InvalidRequestError
 
 __all__ = ["PauseMode", "PauseState", "ScheduledSequence", "Scheduler"]
 

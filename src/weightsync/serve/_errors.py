@@ -39,7 +39,7 @@ _STATUS: tuple[tuple[type[WeightSyncError], int], ...] = (
 )
 
 
-class RequestRefused(WeightSyncError):
+class _RequestRefused(WeightSyncError):
     """A request the server refuses before it reaches the engine (auth, size, malformed).
 
     Attributes:
@@ -124,7 +124,7 @@ def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 def _on_weightsync_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, WeightSyncError)
-    if isinstance(exc, RequestRefused):
+    if isinstance(exc, _RequestRefused):
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return error_response(exc.status, exc.error_type, str(exc), exc.param, headers=headers)
     status = status_of(exc)

@@ -26,7 +26,7 @@ from weightsync import (
     WeightSyncError,
 )
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._errors import RequestRefused, error_body, status_of
+from weightsync.serve._errors import _RequestRefused, error_body, status_of
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
 from weightsync.serve.app import ServerState
 from weightsync.serve.protocol import (
@@ -56,7 +56,7 @@ class _Run:
     def __init__(self, state: ServerState, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
         if body.model is not None and body.model != state.config.model_name:
-            raise RequestRefused(
+            raise _RequestRefused(
                 400,
                 f"model {body.model!r} is not served here; this server serves "
                 f"{state.config.model_name!r} (see GET /v1/models)",
@@ -66,7 +66,7 @@ class _Run:
         self.body = body
         self.id = body.request_id or f"{kind}-{uuid.uuid4().hex}"
         if self.id in state.live:
-            raise RequestRefused(
+            raise _RequestRefused(
                 400,
                 f"request_id {self.id!r} is already running; use a unique id",
                 param="request_id",
@@ -78,7 +78,7 @@ class _Run:
                 self.prompt_ids.append(state.engine.engine.input_processor.tokenize(prompt)[1])
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chatcmpl" else "prompt"
-                raise RequestRefused(400, str(exc), param=param) from None
+                raise _RequestRefused(400, str(exc), param=param) from None
         # Choice i*n + j is prompt i's choice j, as OpenAI numbers them.
         self.choices: list[tuple[str, list[int], SamplingParams]] = [
             (f"{self.id}-{i * body.n + j}", ids, body.sampling_params(max_tokens, logprobs, j))

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from weightsync import AsyncEngine, EngineStateError, weight_checksums
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._errors import RequestRefused
+from weightsync.serve._errors import _RequestRefused
 from weightsync.serve.app import ServerState
 
 __all__ = [
@@ -108,14 +108,14 @@ async def _pause(
     `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`.
     """
     if mode not in _PAUSE_MODES:
-        raise RequestRefused(
+        raise _RequestRefused(
             400,
             f"query parameter 'mode' must be one of {list(_PAUSE_MODES)}, got {mode!r}",
             param="mode",
         )
     if wait_for_inflight_requests:
         if mode not in ("abort", "wait"):  # abort is the default, so it may mean "not given"
-            raise RequestRefused(
+            raise _RequestRefused(
                 400,
                 f"query parameters 'mode={mode}' and 'wait_for_inflight_requests=true' conflict: "
                 "give mode=wait alone (wait_for_inflight_requests is deprecated)",
@@ -146,7 +146,7 @@ async def _arm_pause(
     trainer is; `/pause` then waits for it. Queue the requests while paused, arm, then resume.
     """
     if mode not in _PAUSE_MODES:
-        raise RequestRefused(
+        raise _RequestRefused(
             400,
             f"query parameter 'mode' must be one of {list(_PAUSE_MODES)}, got {mode!r}",
             param="mode",
@@ -227,7 +227,7 @@ async def _start_weight_update(
 ) -> dict[str, Any]:
     """Opens a weight-update transaction; no forward pass runs until it ends."""
     if body is not None and not body.is_checkpoint_format:
-        raise RequestRefused(
+        raise _RequestRefused(
             400,
             "field 'is_checkpoint_format': only checkpoint-format (Hugging Face) names are "
             "supported; send true or leave it out",
@@ -291,7 +291,7 @@ async def _weight_checker(request: Request, body: WeightCheckerRequest) -> dict[
     if body.action == "reset":
         return {"status": "reset"}  # the checker keeps no state between calls
     if body.action == "compare" and body.baseline is None:
-        raise RequestRefused(
+        raise _RequestRefused(
             400, "field 'baseline' is required with action 'compare'", param="baseline"
         )
     engine = _engine(request).engine

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync import CompletionOutput, RequestOutput, SamplingParams
+from weightsync.engine.outputs import CompletionOutput, RequestOutput
 from weightsync.engine.processing import Prompt
+from weightsync.engine.sampling import SamplingParams
 
 
 def completion_body(

@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 
-from weightsync import EngineStateError, RequestOutput, SamplingParams, WeightTransferTimeout
+from weightsync.engine.outputs import RequestOutput
 from weightsync.engine.processing import Prompt
+from weightsync.engine.sampling import SamplingParams
+from weightsync.errors import EngineStateError, EngineTimeoutError
 from weightsync.trainer._completions import accumulate, completion_body, to_output
 from weightsync.trainer.http_client import error_from_answer
 
@@ -86,9 +88,7 @@ class Rollouts:
                         if chunk.get("choices"):
                             total = accumulate(total, chunk["choices"][0])
         except httpx.TimeoutException as exc:
-            raise _refused(
-                accepted, WeightTransferTimeout(f"request {request_id}: {exc!r}")
-            ) from exc
+            raise _refused(accepted, EngineTimeoutError(f"request {request_id}: {exc!r}")) from exc
         except httpx.HTTPError as exc:
             gone = EngineStateError(f"request {request_id}: the server went away ({exc!r})")
             raise _refused(accepted, gone) from exc

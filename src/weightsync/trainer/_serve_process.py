@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync import EngineConfig, EngineConfigError, EngineStateError
+from weightsync.engine.config import EngineConfig
+from weightsync.errors import EngineConfigError, EngineStateError
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
 

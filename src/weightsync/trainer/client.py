@@ -18,7 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseMode
-from weightsync.transfer.base import TransferStats, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TransferStats
 
 __all__ = ["EngineClient", "call_each"]
 

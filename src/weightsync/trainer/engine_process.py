@@ -17,21 +17,16 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from weightsync import (
-    EngineConfig,
-    EngineStateError,
-    InvalidRequestError,
-    RequestOutput,
-    SamplingParams,
-    TransferStats,
-    WeightTransferTimeout,
-)
-from weightsync.engine.outputs import WeightVersion
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import Prompt
+from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode
+from weightsync.errors import EngineStateError, EngineTimeoutError, InvalidRequestError
 from weightsync.trainer._rollouts import Rollouts
 from weightsync.trainer._serve_process import ServeProcess
 from weightsync.trainer.http_client import HTTPEngineClient
+from weightsync.transfer.base import TransferStats
 
 __all__ = ["EngineProcess"]
 
@@ -194,7 +189,7 @@ class EngineProcess:
             EngineStateError: The engine is paused with some of them unfinished (it would wait
                 forever): resume it first.
             InvalidRequestError: An unknown or already collected id.
-            WeightTransferTimeout: They did not finish within the limit.
+            EngineTimeoutError: They did not finish within the limit.
         """
         unknown = [r for r in request_ids if r not in self._results]
         if unknown:
@@ -222,7 +217,7 @@ class EngineProcess:
                     self._results[request_id].result(max(0.0, deadline - time.monotonic()))
                 )
             except FutureTimeout:
-                raise WeightTransferTimeout(
+                raise EngineTimeoutError(
                     f"collect: request {request_id} did not finish within {limit} s"
                 ) from None
         for request_id in request_ids:

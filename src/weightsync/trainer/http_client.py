@@ -17,19 +17,19 @@ from typing import Any
 
 import httpx
 
-from weightsync import (
+from weightsync.engine.outputs import RequestOutput, WeightVersion
+from weightsync.engine.processing import Prompt
+from weightsync.engine.sampling import SamplingParams
+from weightsync.errors import (
     EngineStateError,
+    EngineTimeoutError,
     InvalidRequestError,
-    RequestOutput,
-    SamplingParams,
-    TransferStats,
     WeightSyncError,
     WeightTransferError,
     WeightTransferTimeout,
 )
-from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.processing import Prompt
 from weightsync.trainer._completions import accumulate, completion_body, to_output
+from weightsync.transfer.base import TransferStats
 
 __all__ = ["HTTPEngineClient", "error_from_answer"]
 
@@ -120,9 +120,9 @@ class HTTPEngineClient:
 
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> WeightSyncError:
         if isinstance(exc, httpx.TimeoutException):
-            return WeightTransferTimeout(
-                f"{method} {path}: no answer from {self.base_url} within {self.timeout_s} s; the "
-                "server may still complete the call: check its state (/is_paused, /weight_info) "
+            return EngineTimeoutError(
+                f"{method} {path}: {self.base_url} did not answer within {self.timeout_s} s "
+                "(timeout_s); the server may still complete the call: check its state (/is_paused, /weight_info) "
                 "before retrying, or raise timeout_s"
             )
         return EngineStateError(
@@ -287,7 +287,7 @@ class HTTPEngineClient:
         """`POST /v1/completions` with `stream`: yields the cumulative output after each chunk.
 
         The last one has `finished` set. Raises like the other calls; a chunk that does not
-        arrive within `timeout_s` raises `WeightTransferTimeout`.
+        arrive within `timeout_s` raises `EngineTimeoutError`.
         """
         params = sampling_params or SamplingParams()
         body = completion_body([prompt], params, request_id, stream=True)

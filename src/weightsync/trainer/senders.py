@@ -19,36 +19,31 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer.client import EngineClient, call_each
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferError,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
-from weightsync.transfer.broadcast import (
-    DEFAULT_BUCKET_SIZE_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DEFAULT_TIMEOUT_S,
-)
+from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     IPCTrainerSession,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.nccl import (
+from weightsync.transfer.nccl_trainer import (
     NCCLTrainerSendWeightsArgs,
     TrainerGroup,
     trainer_init,
     trainer_send_weights,
 )
+from weightsync.transfer.wire import WireKeywords, WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
     "BroadcastWeightSender",
@@ -164,17 +159,16 @@ class BroadcastWeightSender(WeightSender):
 
     The trainer is rank 0 and engine `i` rank `1 + i`, so engine `i` must have been created with
     `worker_index=i`. Arguments after `engines` are those of
-    [`trainer_init`][weightsync.transfer.nccl.trainer_init].
+    [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
 
     Args:
         engines: The engines to update.
         backend: `"nccl"` or `"gloo"`.
         master_address: Address the engines reach this process at.
         master_port: Port of the group's store; 0 picks a free one.
-        packed: Pack tensors into buckets (True) or broadcast each on its own.
-        bucket_size_bytes: Bucket size in bytes.
-        num_buffers: Buckets in flight at once.
-        timeout_s: Limit, in seconds, for the rendezvous and for each collective.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]); the
+            defaults when None.
+        **wire_fields: The same, as keywords (`bucket_size_bytes=...`), instead of `wire`.
 
     Raises:
         WeightValidationError: A bad argument, or an engine whose `worker_index` is not its
@@ -188,12 +182,11 @@ class BroadcastWeightSender(WeightSender):
         backend: str = "nccl",
         master_address: str = "127.0.0.1",
         master_port: int = 0,
-        packed: bool = True,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        num_buffers: int = DEFAULT_NUM_BUFFERS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        wire: WireParams | None = None,
+        **wire_fields: Unpack[WireKeywords],
     ) -> None:
         super().__init__(engines)
+        self.wire = WireParams.build(wire, **wire_fields)
         for index, engine in enumerate(self.engines):
             declared = _worker_index(engine)
             if declared is not None and declared != index:
@@ -206,10 +199,6 @@ class BroadcastWeightSender(WeightSender):
             "backend": backend,
             "master_address": master_address,
             "master_port": master_port,
-            "packed": packed,
-            "bucket_size_bytes": bucket_size_bytes,
-            "num_buffers": num_buffers,
-            "timeout_s": timeout_s,
         }
         self.group: TrainerGroup | None = None
         # Engines receive on these threads while the trainer sends on the caller's.
@@ -223,7 +212,7 @@ class BroadcastWeightSender(WeightSender):
         Raises:
             WeightTransferTimeout: Some engine did not join within `timeout_s`.
         """
-        group = trainer_init(world_size=1 + len(self.engines), **self._group_kwargs)
+        group = trainer_init(world_size=1 + len(self.engines), wire=self.wire, **self._group_kwargs)
         request = {"init_info": group.init_info}
         joins = [self._pool.submit(e.init_weight_transfer_engine, request) for e in self.engines]
         try:
@@ -282,30 +271,23 @@ class IPCWeightSender(WeightSender):
 
     Args:
         engines: The engines to update.
-        packed: Copy tensors into reusable bucket buffers (True), or export them where they are
-            (zero-copy: CUDA tensors as they are, CPU tensors once in shared memory, see
-            `share_module`).
-        bucket_size_bytes: Bucket size in bytes (packed mode).
-        num_buffers: Bucket buffers.
-        timeout_s: Limit, in seconds, for each delivery to be acknowledged.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]);
+            `packed=False` exports tensors where they are (zero-copy: CUDA tensors as they are,
+            CPU tensors once in shared memory, see `share_module`). The defaults when None.
+        **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
     """
 
     def __init__(
         self,
         engines: Sequence[EngineClient],
         *,
-        packed: bool = True,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        num_buffers: int = DEFAULT_NUM_BUFFERS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        wire: WireParams | None = None,
+        **wire_fields: Unpack[WireKeywords],
     ) -> None:
         super().__init__(engines)
         self.backend = "ipc"
         self.session: IPCTrainerSession = ipc_trainer_init(
-            packed=packed,
-            bucket_size_bytes=bucket_size_bytes,
-            num_buffers=num_buffers,
-            timeout_s=timeout_s,
+            wire=WireParams.build(wire, **wire_fields)
         )
 
     def share_module(self, module: nn.Module) -> None:

@@ -13,31 +13,31 @@ through two plain-dict payloads that can travel over any control channel (a pipe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
+# The transfer errors were defined here first; `X as X` keeps their old import path working.
+from weightsync.errors import WeightSyncError as WeightSyncError
+from weightsync.errors import WeightTransferError as WeightTransferError
+from weightsync.errors import WeightTransferTimeout as WeightTransferTimeout
+from weightsync.errors import WeightValidationError as WeightValidationError
+from weightsync.transfer._checks import parse_info
+from weightsync.transfer._dtypes import WIRE_DTYPES
+
 __all__ = [
-    "AnnouncedTensors",
     "LoadWeightsFn",
     "TensorSpec",
     "TransferStats",
-    "WeightSyncError",
     "WeightTransferEngine",
-    "WeightTransferError",
     "WeightTransferInitInfo",
-    "WeightTransferTimeout",
     "WeightTransferUpdateInfo",
-    "WeightValidationError",
     "dtype_from_name",
     "dtype_name",
-    "parse_info",
-    "validate_specs",
 ]
 
 LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -45,62 +45,6 @@ LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 The tensors may be views of a reusable transfer buffer: copy them before returning.
 """
-
-
-class WeightSyncError(Exception):
-    """Base class of every error weightsync raises on purpose."""
-
-
-class WeightValidationError(WeightSyncError, ValueError):
-    """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
-
-
-class WeightTransferError(WeightSyncError, RuntimeError):
-    """A transfer failed while bytes were moving (a peer died, a collective failed).
-
-    Attributes:
-        partially_applied: True when some tensors of the update may already have been written into
-            the receiver's weights, which are then torn until a complete update lands.
-    """
-
-    def __init__(self, message: str, *, partially_applied: bool = False) -> None:
-        super().__init__(message)
-        self.partially_applied = partially_applied
-
-
-class WeightTransferTimeout(WeightTransferError, TimeoutError):
-    """A blocking step of a transfer (rendezvous, broadcast, hand-off) ran past its timeout."""
-
-
-# Dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
-# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
-_DTYPE_NAMES = (
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "complex64",
-    "complex128",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint64",
-    "uint32",
-    "uint16",
-    "uint8",
-    "bool",
-)
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in _DTYPE_NAMES
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -113,9 +57,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     'bfloat16'
     """
     name = str(dtype).removeprefix("torch.")
-    if _DTYPES.get(name) is not dtype:
+    if WIRE_DTYPES.get(name) is not dtype:
         raise WeightValidationError(
-            f"dtype {dtype} cannot be transferred; supported: {', '.join(_DTYPES)}"
+            f"dtype {dtype} cannot be transferred; supported: {', '.join(WIRE_DTYPES)}"
         )
     return name
 
@@ -126,10 +70,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     Raises:
         WeightValidationError: `name` is not a supported dtype name.
     """
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise WeightValidationError(
-            f"unknown dtype name {name!r}; expected one of: {', '.join(_DTYPES)}"
+            f"unknown dtype name {name!r}; expected one of: {', '.join(WIRE_DTYPES)}"
         )
     return dtype
 
@@ -188,54 +132,6 @@ class TransferStats:
     def gbps(self) -> float:
         """Throughput in GB/s (10^9 bytes per second)."""
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-_InfoT = TypeVar("_InfoT")
-
-
-def parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
-    """Builds the dataclass `cls` from a plain dict, as received over a control channel.
-
-    Args:
-        cls: The dataclass to build.
-        data: A mapping of field names to values, or an instance of `cls` (returned as is).
-        what: How the payload is called in error messages, e.g. `"init_info"`.
-
-    Raises:
-        WeightValidationError: `data` is not a mapping, has unknown keys, lacks required ones, or
-            holds values the dataclass rejects. The message names every offending key.
-    """
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, Mapping):
-        raise WeightValidationError(
-            f"{what} must be a JSON object (dict) or {cls.__name__}, got {type(data).__name__}"
-        )
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    missing = sorted(
-        name
-        for name, f in fields.items()
-        if name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    )
-    problems = []
-    if unknown:
-        problems.append(f"unknown keys {unknown}")
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if problems:
-        raise WeightValidationError(
-            f"invalid {what} for {cls.__name__}: {'; '.join(problems)}; "
-            f"expected keys: {sorted(fields)}"
-        )
-    try:
-        return cls(**data)
-    except WeightValidationError as exc:
-        raise WeightValidationError(f"invalid {what}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise WeightValidationError(f"invalid {what} for {cls.__name__}: {exc}") from None
 
 
 @dataclass
@@ -344,7 +240,7 @@ class WeightTransferUpdateInfo:
         return list(self._specs)
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the JSON-safe dict form, the inverse of `parse_info`."""
+        """Returns the JSON-safe dict form, the inverse of parsing it."""
         return {
             "names": list(self.names),
             "dtype_names": list(self.dtype_names),
@@ -353,7 +249,7 @@ class WeightTransferUpdateInfo:
         }
 
 
-def validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
+def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
     """Checks announced tensors against what the receiving model holds.
 
     Every announced name must be known, with the same shape and dtype. An update may cover a
@@ -379,66 +275,6 @@ def validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tensor
             f"update rejected before any byte moved: {len(problems)} of {len(incoming)} tensors "
             "do not match the model:\n  " + "\n  ".join(shown)
         )
-
-
-class AnnouncedTensors:
-    """A trainer's `(name, tensor)` iterator, checked tensor by tensor against what was announced.
-
-    Sending a tensor the receivers do not expect would hang a collective or load garbage, so
-    every backend's sender takes its tensors through this check and stops at the first
-    divergence, naming it.
-
-    Args:
-        pairs: The trainer's iterator, e.g. `iter(model.named_parameters())`.
-        post: Optional map from each pair to the tensor to send (e.g. a gather).
-    """
-
-    def __init__(
-        self,
-        pairs: Iterator[tuple[str, torch.Tensor]],
-        post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
-    ) -> None:
-        self._pairs = pairs
-        self._post = post
-
-    def take(self, spec: TensorSpec, index: int) -> torch.Tensor:
-        """Returns the next tensor, which must be announced tensor `index`, matching `spec`.
-
-        Raises:
-            WeightValidationError: The iterator ended, or the name, shape or dtype differs.
-        """
-        pair = next(self._pairs, None)
-        if pair is None:
-            raise WeightValidationError(
-                f"the iterator ended after {index} tensors but the update announced more, "
-                f"starting with {spec.name!r}"
-            )
-        name, tensor = pair
-        if self._post is not None:
-            tensor = self._post(pair)
-        if name != spec.name:
-            raise WeightValidationError(
-                f"tensor #{index} is {name!r} but the update announced {spec.name!r}"
-            )
-        got = TensorSpec.of(name, tensor)
-        if got.shape != spec.shape or got.dtype != spec.dtype:
-            raise WeightValidationError(
-                f"tensor {name!r} is {got.describe()} but the update announced {spec.describe()}"
-            )
-        return tensor
-
-    def check_exhausted(self, count: int) -> None:
-        """Checks that the iterator yields nothing after the `count` announced tensors.
-
-        Raises:
-            WeightValidationError: It yields more, naming the first extra tensor.
-        """
-        extra = next(self._pairs, None)
-        if extra is not None:
-            raise WeightValidationError(
-                f"the iterator yields more tensors than the {count} announced, "
-                f"starting with {extra[0]!r}"
-            )
 
 
 class WeightTransferEngine(ABC):
@@ -496,7 +332,7 @@ class WeightTransferEngine(ABC):
         """
         specs = update_info.specs()
         if self.expected_specs is not None:
-            validate_specs(specs, self.expected_specs)
+            _validate_specs(specs, self.expected_specs)
         return specs
 
     @property

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from weightsync.transfer.base import TensorSpec, WeightValidationError
-from weightsync.transfer.packing import align_up
+from weightsync.errors import WeightValidationError
+from weightsync.transfer._bucket_io import round_up, unpack_bucket
+from weightsync.transfer.base import TensorSpec
+from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
 
 __all__ = ["flat_tensors", "flatten_module"]
 
@@ -71,14 +73,6 @@ def flat_tensors(
     >>> buffer.numel(), views["b"].shape
     (512, torch.Size([]))
     """
-    offsets = []
-    end = 0
-    for spec in specs:
-        offsets.append(align_up(end))
-        end = offsets[-1] + spec.nbytes
-    buffer = torch.zeros(align_up(end), dtype=torch.uint8, device=device)
-    views = {
-        spec.name: buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        for spec, offset in zip(specs, offsets, strict=True)
-    }
-    return buffer, views
+    layout = flat_layout(specs)
+    buffer = torch.zeros(round_up(layout.nbytes, ALIGN_BYTES), dtype=torch.uint8, device=device)
+    return buffer, dict(unpack_bucket(layout, buffer))

@@ -2,7 +2,7 @@
 
 The mechanism follows the tensors' device: CUDA tensors travel as CUDA IPC handles, CPU tensors
 as POSIX shared-memory segments. Either way the trainer sends only JSON-safe
-[handle records][weightsync.transfer.ipc_handles.IPCHandle] and each worker copies the bytes
+handle records and each worker copies the bytes
 straight out of the trainer's memory into its model.
 
 This module holds the worker side and the payloads; the trainer side is
@@ -19,16 +19,20 @@ post, a Ray call), which returns once every worker acknowledged:
 1. an *announcement* (`ipc_handles` null): every worker validates the whole update against its
    model, so a rejection anywhere stops the update before any byte moves on any worker;
 2. one *part* per bucket (packed) or a single part (unpacked), each with the metadata and
-   records of the tensors `first_index ..` of the update. The worker's weights are complete after the last part;
+   records of the tensors `first_index ..` of the update. Each delivery is one `update_weights`
+   call inside the engine's update transaction, which
+   counts the parts' `loaded_names` against the announcement. A late, stray, duplicated or
+   out-of-order delivery is refused and leaves the update in progress untouched;
    [`update_in_progress`][weightsync.transfer.ipc.IPCWeightTransferEngine.update_in_progress]
-   says whether that point was reached.
+   says whether an announced update still waits for parts.
 
 **Packed** mode copies the tensors into `num_buffers` reusable bucket buffers exported once, and
 refills a buffer only after the workers acknowledged its part; while workers copy bucket k, the
 trainer packs bucket k+1. **Unpacked** mode exports the tensors where they are: on CPUs they must
-live in shared memory ([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors],
-[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module] or torch's
-`share_memory_()`), and then the worker's single copy is the whole cost.
+live in the session's shared memory
+([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors] or
+[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module]), and then the
+worker's single copy is the whole cost.
 """
 
 from __future__ import annotations
@@ -41,18 +45,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.transfer import shm
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer import _shm as shm
+from weightsync.transfer._ipc_records import IPCHandle
+from weightsync.transfer._ipc_regions import RegionCache
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
     WeightTransferEngine,
-    WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    WeightValidationError,
 )
-from weightsync.transfer.ipc_handles import IPCHandle, import_cuda_storage
 
 __all__ = [
     "IPCWeightTransferEngine",
@@ -68,8 +72,7 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
     """How a worker joins a trainer's IPC session; take it from `IPCTrainerSession.init_info`.
 
     Attributes:
-        session: The trainer's session name; the worker attaches only to its segments (and to
-            torch's shared-memory segments, which a trainer exports in place).
+        session: The trainer's session name; the worker attaches only to its segments.
         backend: Always `"ipc"`.
     """
 
@@ -102,7 +105,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     Attributes:
         update_id: Identifies the update all its deliveries belong to.
         ipc_handles: One record per tensor of this part (see
-            [`IPCHandle`][weightsync.transfer.ipc_handles.IPCHandle]), or None for the
+            `IPCHandle`), or None for the
             announcement, which moves nothing.
         first_index: Position of this part's first tensor in the announced update (0 for the
             announcement).
@@ -205,9 +208,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     ) -> None:
         super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
         self._session: str | None = None
-        self._segments: dict[str, shm.AttachedSegment] = {}
-        self._cuda: dict[tuple[str, int], torch.Tensor] = {}
-        self._used: set[object] = set()
+        self._mappings = RegionCache()
         self._progress: _Progress | None = None
 
     @property
@@ -233,6 +234,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         info: IPCWeightTransferInitInfo = self.parse_init_info(init_info)
         self.shutdown()
         self._session = info.session
+        self._mappings = RegionCache(info.session)
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
 
     def receive_weights(
@@ -249,10 +251,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         first part leaves the weights as they were.
 
         Raises:
-            WeightValidationError: The update or a record is invalid; nothing was loaded by this
-                call, and the weights are still whole unless `update_in_progress`.
-            WeightTransferError: Loading failed, or a later part was invalid after earlier parts
-                were loaded (`partially_applied`); the engine is then shut down.
+            WeightValidationError: The delivery was refused (invalid, late, stray, duplicated
+                or out of order); nothing was loaded by this call and the update in progress,
+                if any, goes on.
+            WeightTransferError: `load_weights` failed after bytes moved (`partially_applied`);
+                the update in progress is dropped.
         """
         if self._session is None:
             raise WeightTransferError(
@@ -263,22 +266,40 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         info: IPCWeightTransferUpdateInfo = self.parse_update_info(update_info)
         stats = TransferStats()
         if info.is_announcement:
-            specs = self.check_update(info)
-            progress = self._progress
-            if progress is not None and progress.touched:
-                logger.warning(
-                    "worker %d: update %s was left incomplete; its weights stay torn until "
-                    "update %s completes",
-                    self.worker_index,
-                    progress.update_id,
-                    info.update_id,
-                )
-            self._progress = (
-                _Progress(info.update_id, specs, info.weight_version) if specs else None
-            )
+            self._announce(info)
             stats.loaded_names = []
-            stats.seconds = time.perf_counter() - start
-            return stats
+        else:
+            progress = self._check_part(info)
+            part = info.specs()
+            self._load_part(info, part, load_weights)
+            progress.touched = True
+            progress.next_index = info.first_index + len(part)
+            if progress.next_index == len(progress.specs):
+                self._progress = None
+                self._mappings.drop_unused()
+            stats.num_tensors = len(part)
+            stats.num_bytes = sum(s.nbytes for s in part)
+            stats.num_buckets = 1
+            stats.loaded_names = [spec.name for spec in part]
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _announce(self, info: IPCWeightTransferUpdateInfo) -> None:
+        """Validates an announced update against the model and starts tracking it."""
+        specs = self.check_update(info)
+        progress = self._progress
+        if progress is not None and progress.touched:
+            logger.warning(
+                "worker %d: update %s was left incomplete; its weights stay torn until "
+                "update %s completes",
+                self.worker_index,
+                progress.update_id,
+                info.update_id,
+            )
+        self._progress = _Progress(info.update_id, specs, info.weight_version) if specs else None
+
+    def _check_part(self, info: IPCWeightTransferUpdateInfo) -> _Progress:
+        """Checks that a part continues the announced update, in order; returns its progress."""
         progress = self._progress
         if progress is None or progress.update_id != info.update_id:
             raise self._reject(
@@ -299,15 +320,21 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 f"update {info.update_id}: the part's tensors {info.first_index}..{end - 1} or "
                 "weight_version differ from what was announced"
             )
-        handles = info.handles()
+        return progress
+
+    def _load_part(
+        self,
+        info: IPCWeightTransferUpdateInfo,
+        part: list[TensorSpec],
+        load_weights: LoadWeightsFn,
+    ) -> None:
+        """Resolves every record of a part, then hands the tensors to `load_weights`."""
         regions: dict[object, torch.Tensor] = {}
+        resolve = self._mappings.resolve
         try:
             tensors = [
-                (
-                    spec.name,
-                    self._resolve(handle, spec, regions, f"ipc_handles[{i}] ({spec.name!r})"),
-                )
-                for i, (handle, spec) in enumerate(zip(handles, part, strict=True))
+                (spec.name, resolve(handle, spec, regions, f"ipc_handles[{i}] ({spec.name!r})"))
+                for i, (handle, spec) in enumerate(zip(info.handles(), part, strict=True))
             ]
         except WeightValidationError as exc:
             raise self._reject(str(exc)) from None
@@ -321,69 +348,6 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             raise self._fail(f"load_weights failed: {type(exc).__name__}: {exc}") from exc
         finally:
             del tensors
-        progress.touched = True
-        progress.next_index = end
-        if end == len(progress.specs):
-            self._progress = None
-            self._drop_unused()
-        stats.num_tensors = len(part)
-        stats.num_bytes = sum(s.nbytes for s in part)
-        stats.num_buckets = 1
-        stats.loaded_names = [s.name for s in part]
-        stats.seconds = time.perf_counter() - start
-        return stats
-
-    def _resolve(
-        self, handle: IPCHandle, spec: TensorSpec, regions: dict[object, torch.Tensor], where: str
-    ) -> torch.Tensor:
-        """Checks a record against the live memory and returns the tensor it locates.
-
-        `regions` holds the regions already opened for this delivery: each is checked and, for
-        CUDA, imported once per delivery, matching the trainer's one export per delivery.
-        """
-        if handle.nbytes == 0:
-            return torch.empty(spec.shape, dtype=spec.dtype)
-        key: object = handle.cuda.cache_key if handle.cuda is not None else handle.segment
-        region = regions.get(key)
-        if region is None:
-            if handle.cuda is not None:
-                region = import_cuda_storage(handle.cuda, where=where)
-                # Kept open across updates: importing a handle whose storage was freed would
-                # open it anew, and the producer's reference count would be released twice.
-                self._cuda[handle.cuda.cache_key] = region
-                self._used.add(key)
-            else:
-                assert handle.segment is not None
-                region = self._attach(handle.segment, where)
-            regions[key] = region
-        try:
-            return handle.view(region)
-        except WeightValidationError as exc:
-            raise WeightValidationError(f"{where}: {exc}") from None
-
-    def _attach(self, name: str, where: str) -> torch.Tensor:
-        """Returns the mapping of segment `name`, reusing a cached one while it is still current."""
-        assert self._session is not None
-        if not shm.segment_belongs_to(name, self._session):
-            raise WeightValidationError(
-                f"{where}.segment {name!r} is not a segment of session {self._session}: "
-                "initialize this worker with the trainer's current init_info"
-            )
-        try:
-            identity = shm.segment_identity(name)
-            cached = self._segments.get(name)
-            if cached is None or cached.identity != identity:
-                cached = self._segments[name] = shm.attach_segment(name)
-        except WeightValidationError as exc:
-            raise WeightValidationError(f"{where}: {exc}") from None
-        self._used.add(name)
-        return cached.tensor
-
-    def _drop_unused(self) -> None:
-        """Unmaps what the update that just completed did not use."""
-        self._segments = {k: v for k, v in self._segments.items() if k in self._used}
-        self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
-        self._used = set()
 
     def _reject(self, message: str) -> WeightValidationError:
         """The error for a refused delivery; the update in progress, if any, is untouched.
@@ -405,9 +369,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     def abort_update(self) -> None:
         """Forgets the update in progress and unmaps what it alone used."""
         self._progress = None
-        self._drop_unused()
+        self._mappings.drop_unused()
 
     def shutdown(self) -> None:
         """Drops every mapping and the session. Safe to call twice."""
         self._session, self._progress = None, None
-        self._segments, self._cuda, self._used = {}, {}, set()
+        self._mappings = RegionCache()

@@ -11,43 +11,38 @@ for the protocol.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import mmap
-import queue
 import secrets
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from weightsync.transfer import shm
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer import _courier
+from weightsync.transfer import _shm as shm
+from weightsync.transfer._bucket_io import round_up, unpack_bucket
+from weightsync.transfer._checks import parse_info
+from weightsync.transfer._courier import Courier
+from weightsync.transfer._ipc_send import Sending, send_packed, send_unpacked
+from weightsync.transfer._pipeline import BufferPool
+from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
-    AnnouncedTensors,
     TensorSpec,
     TransferStats,
-    WeightTransferError,
-    WeightTransferTimeout,
     WeightTransferUpdateInfo,
-    WeightValidationError,
-    parse_info,
 )
-from weightsync.transfer.broadcast import (
-    DEFAULT_BUCKET_SIZE_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DEFAULT_TIMEOUT_S,
-    check_wire_params,
-)
-from weightsync.transfer.ipc_handles import CUDAStorageHandle, IPCHandle, export_cuda_storage
-from weightsync.transfer.packing import align_up, pack_bucket, plan_buckets
+from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
+from weightsync.transfer.wire import WireKeywords, WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
     "DeliverFn",
@@ -59,7 +54,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DeliverFn = Callable[[dict[str, Any]], None]
+# A bucket buffer: its bytes, and on the CPU the shared-memory segment they live in.
+_BucketBuffer = tuple[torch.Tensor, "shm.SharedSegment | None"]
+
+DeliverFn = _courier.DeliverFn
 """Hands one JSON-safe update info dict to every worker's `receive_weights`.
 
 Returns once every worker returned; raises if any failed (a `WeightValidationError` for a
@@ -81,14 +79,13 @@ class IPCTrainerSession:
     are the same.
 
     Args:
-        packed: Copy tensors into reusable bucket buffers (True) or export them in place.
-        bucket_size_bytes: Bucket size in bytes (packed mode); a tensor larger than a bucket gets
-            a bucket of its own. Trainer memory beyond the model: `num_buffers` x this.
-        num_buffers: Bucket buffers; 2 lets the trainer pack one bucket while workers copy the
-            other.
-        timeout_s: Limit, in seconds, for each delivery to be acknowledged.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]): `packed`
+            copies tensors into `num_buffers` reusable bucket buffers of `bucket_size_bytes`
+            (trainer memory beyond the model: their sum), unpacked exports them in place;
+            `timeout_s` bounds each delivery's acknowledgement. The defaults when None.
 
     Attributes:
+        wire: The wire parameters.
         session: The session's name, `weightsync-` and 12 random hex digits; every segment it
             creates is named after it.
 
@@ -96,33 +93,15 @@ class IPCTrainerSession:
         WeightValidationError: A bad argument.
     """
 
-    def __init__(
-        self,
-        *,
-        packed: bool = True,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        num_buffers: int = DEFAULT_NUM_BUFFERS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        check_wire_params(
-            packed=packed,
-            bucket_size_bytes=bucket_size_bytes,
-            num_buffers=num_buffers,
-            timeout_s=timeout_s,
-        )
-        self.packed = packed
-        self.bucket_size_bytes = bucket_size_bytes
-        self.num_buffers = num_buffers
-        self.timeout_s = float(timeout_s)
+    def __init__(self, wire: WireParams | None = None) -> None:
+        self.wire = WireParams.build(wire)
         self.session = shm.new_session_name()
         self._janitor = shm.SegmentJanitor(self.session)
         self._counter = itertools.count()
         self._owned: dict[str, shm.SharedSegment] = {}
         self._shared: list[shm.SharedSegment] = []
         # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
-        self._buffers: dict[
-            torch.device, list[tuple[torch.Tensor, shm.SharedSegment | None] | None]
-        ] = {}
+        self._pools: dict[torch.device, BufferPool[_BucketBuffer]] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
 
@@ -178,18 +157,10 @@ class IPCTrainerSession:
         >>> session.close()
         """
         self._check_open()
-        offsets, end = [], 0
-        for spec in specs:
-            offsets.append(align_up(end))
-            end = offsets[-1] + spec.nbytes
-        segment = self._new_segment(align_up(end))
+        layout = flat_layout(specs)
+        segment = self._new_segment(round_up(layout.nbytes, ALIGN_BYTES))
         self._shared.append(segment)
-        return {
-            spec.name: segment.tensor[offset : offset + spec.nbytes]
-            .view(spec.dtype)
-            .view(spec.shape)
-            for spec, offset in zip(specs, offsets, strict=True)
-        }
+        return dict(unpack_bucket(layout, segment.tensor))
 
     def share_module(self, module: nn.Module) -> None:
         """Moves the CPU parameters of `module` into shared memory of this session, in place.
@@ -221,39 +192,38 @@ class IPCTrainerSession:
                 return segment.name, address - segment.address
         return None
 
-    def _buffer(
-        self, device: torch.device, index: int, nbytes: int
-    ) -> tuple[torch.Tensor, str | None]:
-        """Bucket buffer `index` on `device`, at least `nbytes` long, and its segment name (CPU)."""
-        buffers = self._buffers.setdefault(device, [None] * self.num_buffers)
-        entry = buffers[index]
-        if entry is None or entry[0].numel() < nbytes:
-            buffers[index] = None
-            if entry is not None and entry[1] is not None:
-                self._drop_segment(entry[1])
-            if device.type == "cpu":
-                created = self._new_segment(align_up(nbytes, mmap.PAGESIZE))
-                entry = (created.tensor, created)
-            else:  # CUDA memory is exported by handle: no segment
-                entry = (torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None)
-            buffers[index] = entry
-        buffer, segment = entry
-        return buffer, segment.name if segment is not None else None
+    def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
+        """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
+        pool = self._pools.get(device)
+        if pool is None:
+
+            def allocate(nbytes: int) -> _BucketBuffer:
+                if device.type == "cpu":
+                    created = self._new_segment(round_up(nbytes, mmap.PAGESIZE))
+                    return created.tensor, created
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+
+            def release(entry: _BucketBuffer) -> None:
+                if entry[1] is not None:
+                    self._drop_segment(entry[1])
+
+            pool = self._pools[device] = BufferPool(
+                self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
+            )
+        return pool
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
-        for buffers in self._buffers.values():
-            for entry in buffers:
-                if entry is not None and entry[1] is not None:
-                    self._drop_segment(entry[1])
-        self._buffers.clear()
+        for pool in self._pools.values():
+            pool.clear()
+        self._pools.clear()
 
     def close(self) -> None:
         """Unlinks every segment of this session and stops its janitor. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._buffers.clear()
+        self._pools.clear()
         self._shared.clear()
         self._finalizer()
         if torch.cuda.is_available():
@@ -267,28 +237,26 @@ class IPCTrainerSession:
 
 
 def ipc_trainer_init(
-    *,
-    packed: bool = True,
-    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-    num_buffers: int = DEFAULT_NUM_BUFFERS,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *, wire: WireParams | None = None, **wire_fields: Unpack[WireKeywords]
 ) -> IPCTrainerSession:
     """Starts the trainer's end of an IPC transfer; pass `session.init_info` to every worker.
 
-    Arguments as for [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession].
     Nothing is allocated until the first send (or `shared_tensors`).
+
+    Args:
+        wire: The wire parameters (see
+            [`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession]).
+        **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
+
+    Raises:
+        WeightValidationError: A bad wire parameter.
 
     >>> session = ipc_trainer_init()
     >>> session.init_info["backend"]
     'ipc'
     >>> session.close()
     """
-    return IPCTrainerSession(
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=timeout_s,
-    )
+    return IPCTrainerSession(WireParams.build(wire, **wire_fields))
 
 
 @dataclass
@@ -312,136 +280,6 @@ class IPCTrainerSendWeightsArgs:
     update_info: Mapping[str, Any] | WeightTransferUpdateInfo | None = None
     weight_version: str | int | None = None
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
-
-
-class _Courier:
-    """Runs deliveries in order on a helper thread, so the trainer packs while workers copy.
-
-    The thread is a daemon: a `deliver` that never returns cannot keep the trainer from exiting
-    (the wait for it times out instead). After a failed delivery the queued ones are dropped.
-    """
-
-    def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
-        self._deliver = deliver
-        self._timeout_s = timeout_s
-        self._jobs: queue.SimpleQueue[tuple[dict[str, Any], Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._pending: deque[tuple[Future[None], str]] = deque()
-        self._thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        failed = False
-        while (job := self._jobs.get()) is not None:
-            info, future = job
-            if failed or not future.set_running_or_notify_cancel():
-                future.cancel()
-                continue
-            try:
-                self._deliver(info)
-            except BaseException as exc:  # handed to the trainer's thread, which re-raises it
-                failed = True
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def submit(self, info: dict[str, Any], what: str) -> None:
-        future: Future[None] = Future()
-        self._jobs.put((info, future))
-        self._pending.append((future, what))
-
-    def wait_oldest(self) -> None:
-        future, what = self._pending.popleft()
-        try:
-            future.result(self._timeout_s)
-        except concurrent.futures.TimeoutError:
-            if future.done():  # the deliver callable raised a timeout of its own
-                raise
-            raise WeightTransferTimeout(
-                f"delivering {what}: the workers did not acknowledge within timeout_s="
-                f"{self._timeout_s:g} s"
-            ) from None
-
-    def raise_if_failed(self) -> None:
-        while self._pending and self._pending[0][0].done():
-            self.wait_oldest()
-
-    def drain(self) -> None:
-        while self._pending:
-            self.wait_oldest()
-
-    def close(self) -> None:
-        for future, _ in self._pending:
-            future.cancel()
-        self._jobs.put(None)
-
-
-def _in_place_record(
-    session: IPCTrainerSession,
-    spec: TensorSpec,
-    tensor: torch.Tensor,
-    exports: dict[int, CUDAStorageHandle | tuple[str, int]],
-) -> IPCHandle:
-    """The record exporting `tensor` where it lies (unpacked mode).
-
-    `exports` caches, per storage, its CUDA export or its torch segment and data offset.
-    """
-    if spec.nbytes == 0:
-        return IPCHandle.for_tensor(spec, 0)
-    if not tensor.is_contiguous():
-        raise WeightValidationError(
-            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
-            "contiguous or use packed=True"
-        )
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
-    if tensor.is_cuda:
-        if key not in exports:
-            exports[key] = export_cuda_storage(storage)
-        cuda = exports[key]
-        assert isinstance(cuda, CUDAStorageHandle)
-        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=cuda)
-    found = session._locate(tensor, spec.nbytes)
-    if found is not None:
-        return IPCHandle.for_tensor(spec, found[1], segment=found[0])
-    if storage.is_shared():
-        if key not in exports:
-            # torch shares CPU memory by file descriptor by default: the segment has no name
-            # then, and this moves it once into a named one (`file_system` strategy: no move).
-            _, name_bytes, _ = storage._share_filename_cpu_()
-            if storage.data_ptr() != key:
-                logger.info("moved the shared storage of %r into a named segment (once)", spec.name)
-                key = storage.data_ptr()
-            name = name_bytes.decode().lstrip("/")
-            # torch keeps a reference count in front of the data: the data ends the segment.
-            exports[key] = (name, shm.segment_size(name) - storage.nbytes())
-        entry = exports[key]
-        assert isinstance(entry, tuple)
-        name, data_offset = entry
-        offset = data_offset + tensor.data_ptr() - key
-        return IPCHandle.for_tensor(spec, offset, segment=name)
-    raise WeightValidationError(
-        f"tensor {spec.name!r} is not in shared memory: unpacked IPC exports tensors in place; "
-        "allocate them with session.shared_tensors(), move the model with "
-        "session.share_module(model) or tensor.share_memory_(), or use packed=True"
-    )
-
-
-def _device_of(
-    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device | None
-) -> torch.device:
-    for spec, tensor in zip(specs, tensors, strict=True):
-        device = device or tensor.device
-        if tensor.device != device:
-            raise WeightValidationError(
-                f"tensor {spec.name!r} is on {tensor.device} but the update started on {device}: "
-                "IPC follows the tensors' device; send one device per update"
-            )
-    return device or torch.device("cpu")
 
 
 def ipc_trainer_send_weights(
@@ -493,12 +331,10 @@ def ipc_trainer_send_weights(
         "update_id": secrets.token_hex(8),
     }
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
-    courier = _Courier(trainer_args.deliver, session.timeout_s)
+    courier = Courier(trainer_args.deliver, session.wire.timeout_s)
+    sending = Sending(session, specs, source, header, courier, stats)
     try:
-        if session.packed:
-            _send_packed(session, specs, source, header, courier, stats)
-        else:
-            _send_unpacked(session, specs, source, header, courier, stats)
+        (send_packed if session.wire.packed else send_unpacked)(sending)
     finally:
         courier.close()
     stats.seconds = time.perf_counter() - start
@@ -512,122 +348,3 @@ def ipc_trainer_send_weights(
         stats.direct_buckets,
     )
     return stats
-
-
-def _part(header: dict[str, Any], first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The delivery of tensors `first ..` of the update: their metadata slice and records."""
-    end = first + len(records)
-    return {
-        **header,
-        "names": header["names"][first:end],
-        "dtype_names": header["dtype_names"][first:end],
-        "shapes": header["shapes"][first:end],
-        "ipc_handles": records,
-        "first_index": first,
-    }
-
-
-def _announce(courier: _Courier, header: dict[str, Any]) -> None:
-    courier.submit({**header, "ipc_handles": None, "first_index": 0}, "the update's announcement")
-    try:
-        courier.wait_oldest()
-    except WeightValidationError as exc:
-        raise WeightValidationError(f"a worker rejected the update; nothing moved: {exc}") from exc
-    except WeightTransferError:
-        raise
-    except Exception as exc:
-        raise WeightTransferError(
-            f"announcing the update failed: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Exception:
-    """The error to raise for a failure after the announcement was accepted."""
-    if isinstance(exc, WeightValidationError) and not delivered:
-        return exc
-    error_cls = (
-        WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
-    )
-    return error_cls(
-        f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
-        + ("; workers may hold part of the update: send a complete one" if delivered else ""),
-        partially_applied=delivered,
-    )
-
-
-def _send_packed(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: _Courier,
-    stats: TransferStats,
-) -> None:
-    buckets = plan_buckets(specs, session.bucket_size_bytes)
-    nbytes = max((b.nbytes for b in buckets), default=1)
-    _announce(courier, header)
-    if not buckets:
-        source.check_exhausted(0)
-    device: torch.device | None = None
-    index = 0
-    try:
-        for number, bucket in enumerate(buckets):
-            tensors = [source.take(slot.spec, index + i) for i, slot in enumerate(bucket.slots)]
-            if number == len(buckets) - 1:
-                source.check_exhausted(len(specs))
-            device = _device_of(tensors, [s.spec for s in bucket.slots], device)
-            if len(courier) >= session.num_buffers:
-                courier.wait_oldest()  # its buffer is the one we refill next
-            courier.raise_if_failed()
-            buffer, segment = session._buffer(device, number % session.num_buffers, nbytes)
-            with torch.no_grad():  # parameters that require grad are copied as plain bytes
-                pack_bucket(bucket, tensors, buffer)
-            cuda = None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # workers read on their own streams
-                cuda = export_cuda_storage(buffer.untyped_storage())
-            records = [
-                IPCHandle.for_tensor(s.spec, s.offset, segment=segment, cuda=cuda).to_dict()
-                for s in bucket.slots
-            ]
-            what = f"part {number + 1} of {len(buckets)}"
-            courier.submit(_part(header, index, records), what)
-            index += len(bucket.slots)
-            stats.num_buckets += 1
-        courier.drain()
-    except Exception as exc:
-        session.drop_buffers()
-        cleanup = "; the bucket buffers were unlinked"
-        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
-
-
-def _send_unpacked(
-    session: IPCTrainerSession,
-    specs: list[TensorSpec],
-    source: AnnouncedTensors,
-    header: dict[str, Any],
-    courier: _Courier,
-    stats: TransferStats,
-) -> None:
-    tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
-    source.check_exhausted(len(specs))
-    _device_of(tensors, specs, None)
-    exports: dict[int, CUDAStorageHandle | tuple[str, int]] = {}
-    records = [
-        _in_place_record(session, s, t, exports).to_dict()
-        for s, t in zip(specs, tensors, strict=True)
-    ]
-    if any(isinstance(e, CUDAStorageHandle) for e in exports.values()):
-        for device in {t.device for t in tensors if t.is_cuda}:
-            torch.cuda.synchronize(device)
-    _announce(courier, header)
-    if not specs:
-        return
-    try:
-        # `tensors` stays referenced until the workers acknowledged: they read its memory.
-        courier.submit(_part(header, 0, records), "the update")
-        stats.num_buckets = stats.direct_buckets = 1
-        courier.drain()
-    except Exception as exc:
-        raise _data_failed(exc, delivered=True) from exc
-    del tensors

@@ -1,62 +1,138 @@
-"""Trainer-rooted broadcast transfer: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
+"""Trainer-rooted broadcast, worker side: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
 
-Both backends speak the protocol of [`weightsync.transfer.broadcast`][weightsync.transfer.broadcast]
-over a group of their own (rank 0 the trainer, workers from `rank_offset`); only the communicator
-differs. The trainer side is [`trainer_init`][weightsync.transfer.nccl.trainer_init] and
-[`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights]; the worker side is
-[`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine] (or
-[`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine]).
+Both backends speak one protocol (a handshake, then the buckets) over a group of their own (rank
+0 the trainer, workers from `rank_offset`); only the communicator differs, so
+[`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine] and
+[`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine] are siblings over
+one private base. The trainer side is in
+[`weightsync.transfer.nccl_trainer`][weightsync.transfer.nccl_trainer].
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from weightsync.transfer import broadcast
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer import _broadcast as broadcast
+from weightsync.transfer._broadcast import InFlight
+from weightsync.transfer._bucket_io import direct_region, unpack_bucket
+from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer.base import (
-    AnnouncedTensors,
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
     WeightSyncError,
     WeightTransferEngine,
-    WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    WeightValidationError,
-    parse_info,
 )
-from weightsync.transfer.broadcast import BufferPool, InFlight, NCCLWeightTransferInitInfo
-from weightsync.transfer.group import BroadcastGroup, check_backend
-from weightsync.transfer.packing import (
-    Bucket,
-    direct_region,
-    pack_bucket,
-    unpack_bucket,
-)
+from weightsync.transfer.packing import Bucket
+from weightsync.transfer.wire import WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    pass
 
 __all__ = [
     "GlooWeightTransferEngine",
-    "NCCLTrainerSendWeightsArgs",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
-    "TrainerGroup",
-    "trainer_init",
-    "trainer_send_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_WIRE = WireParams()
+_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
 
-class NCCLWeightTransferEngine(WeightTransferEngine):
-    """Worker side of the broadcast transfer over NCCL (CUDA tensors).
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
+    """How a worker joins a trainer's broadcast group; built by the trainer, never by hand.
+
+    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl_trainer.TrainerGroup.init_info]:
+    the wire parameters (`packed` to `timeout_s`) are decided by the trainer and checked again
+    against the trainer's own copy when the worker joins.
+
+    Attributes:
+        master_address: Host of the trainer (it runs the group's store).
+        master_port: Port of the trainer's store.
+        world_size: 1 (the trainer) + the number of workers.
+        rank_offset: Rank of the first worker; worker `i` is rank `rank_offset + i`.
+        backend: `"nccl"` (CUDA tensors) or `"gloo"` (CPU tensors).
+        packed: Whether tensors travel packed into buckets (True) or one broadcast each.
+        bucket_size_bytes: Bucket size in bytes (packed mode).
+        num_buffers: Buckets in flight at once; also the number of reusable bucket buffers.
+        timeout_s: Limit for the rendezvous and each collective, in seconds.
+    """
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    backend: str = "nccl"
+    packed: bool = _DEFAULT_WIRE.packed
+    bucket_size_bytes: int = _DEFAULT_WIRE.bucket_size_bytes
+    num_buffers: int = _DEFAULT_WIRE.num_buffers
+    timeout_s: float = _DEFAULT_WIRE.timeout_s
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise WeightValidationError(
+                f"master_address must be a non-empty host name, got {self.master_address!r}"
+            )
+        check_port(self.master_port, allow_zero=False)
+        for key, low in (("world_size", 2), ("rank_offset", 1)):
+            value = getattr(self, key)
+            if not _is_int(value) or value < low:
+                raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
+        self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        backend: str,
+        wire: WireParams,
+    ) -> NCCLWeightTransferInitInfo:
+        """The init info of a group with these wire parameters."""
+        return cls(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            backend=backend,
+            **wire.to_dict(),
+        )
+
+    @property
+    def wire(self) -> WireParams:
+        """The wire parameters, validated."""
+        return WireParams(
+            packed=self.packed,
+            bucket_size_bytes=self.bucket_size_bytes,
+            num_buffers=self.num_buffers,
+            timeout_s=self.timeout_s,
+        )
+
+    def wire_params(self) -> dict[str, object]:
+        """Returns the parameters both sides must agree on."""
+        return {key: getattr(self, key) for key in _WIRE_KEYS}
+
+
+class _BroadcastWeightTransferEngine(WeightTransferEngine):
+    """Worker side of the broadcast transfer; subclasses name the backend.
 
     Arguments as for [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; its
     rank is `rank_offset + worker_index`. When a bucket's tensors lie in `params` at the plan's
@@ -71,7 +147,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
     for buckets received in place.
     """
 
-    backend: ClassVar[str] = "nccl"
+    backend: ClassVar[str]
     init_info_cls: ClassVar[type[WeightTransferInitInfo]] = NCCLWeightTransferInitInfo
 
     def __init__(
@@ -85,7 +161,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         self.device = check_backend(self.backend)
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
-        self._pool: BufferPool | None = None
+        self._pool: BufferPool[torch.Tensor] | None = None
         self._seq = 0
 
     @property
@@ -184,21 +260,22 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
             loaded_names=[s.name for s in specs],
         )
         if self._pool is None:
-            self._pool = BufferPool(info.num_buffers, group.device)
+            self._pool = byte_buffers(info.num_buffers, group.device)
         self._pool.reset()
-        buckets = broadcast.plan(specs, info)
-        window: deque[InFlight] = deque()
+        buckets = broadcast.plan(specs, info.wire)
+        window: Window[InFlight] = Window(
+            info.num_buffers, lambda item: self._land(item, load_weights, stats)
+        )
         touched = False  # whether any byte of the model may have been overwritten
         try:
             for bucket in buckets:
-                if len(window) >= info.num_buffers:
-                    touched = True
-                    self._land(window.popleft(), load_weights, stats)
-                window.append(self._post(group, bucket))
-                touched |= window[-1].region is not None
-            while window:
-                touched = True
-                self._land(window.popleft(), load_weights, stats)
+                touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
+                window.make_room()
+                item = self._post(group, bucket)
+                window.push(item)
+                touched |= item.region is not None  # received straight into the model
+            touched |= len(window) > 0
+            window.drain()
         except Exception as exc:
             window.clear()  # in-flight work pins the group's connections open
             raise broadcast.transfer_failed(group, exc, partially_applied=touched) from exc
@@ -250,7 +327,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
                 group.broadcast(region.data, what), bucket, region.data, None, region, saved
             )
         assert self._pool is not None
-        index, data = self._pool.take(bucket.nbytes)
+        index, buffer = self._pool.take(bucket.nbytes)
+        data = buffer[: bucket.nbytes]
         return InFlight(group.broadcast(data, what), bucket, data, index)
 
     def _land(self, item: InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
@@ -276,265 +354,17 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         self._group, self._info, self._pool = None, None, None
 
 
-class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+class NCCLWeightTransferEngine(_BroadcastWeightTransferEngine):
+    """Worker side of the broadcast transfer over NCCL: CUDA tensors, one GPU per rank.
+
+    Arguments, behaviour and errors as described in the module; see
+    [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine] for the lifecycle.
+    """
+
+    backend: ClassVar[str] = "nccl"
+
+
+class GlooWeightTransferEngine(_BroadcastWeightTransferEngine):
     """Worker side of the broadcast transfer over gloo: the same protocol on CPU tensors."""
 
     backend: ClassVar[str] = "gloo"
-
-
-class TrainerGroup:
-    """The trainer's end of a broadcast group, returned by [`trainer_init`][weightsync.transfer.nccl.trainer_init].
-
-    The store is bound at creation; the group itself forms on
-    [`connect`][weightsync.transfer.nccl.TrainerGroup.connect] (or the first send), once every
-    worker was given [`init_info`][weightsync.transfer.nccl.TrainerGroup.init_info].
-    """
-
-    def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
-        self._group = group
-        self._info = info
-        self._pool = BufferPool(info.num_buffers, group.device)
-        self._seq = 0
-        self._closed = False
-
-    @property
-    def init_info(self) -> dict[str, Any]:
-        """The JSON-safe init info every worker passes to `init_transfer_engine`."""
-        return dict(vars(self._info))
-
-    @property
-    def world_size(self) -> int:
-        """1 + the number of workers."""
-        return self._info.world_size
-
-    def connect(self) -> None:
-        """Blocks until every worker joined (idempotent).
-
-        Raises:
-            WeightTransferTimeout: Some worker did not join within `timeout_s`; the message
-                includes the errors workers reported while joining.
-            WeightTransferError: The group was closed after a failure.
-        """
-        if self._closed:
-            raise WeightTransferError(
-                "this trainer group was closed after a failure: call trainer_init again"
-            )
-        try:
-            self._group.connect()
-        except WeightTransferError as exc:
-            errors = [
-                f"rank {r}: {e}"
-                for r in range(1, self._info.world_size)
-                if (e := self._group.try_get(f"init_error/{r}")) is not None
-            ]
-            if errors:
-                raise type(exc)(f"{exc}; workers reported: {'; '.join(errors)}") from exc
-            raise
-
-    def close(self) -> None:
-        """Closes the group; workers blocked on it fail at once. Safe to call twice."""
-        self._closed = True
-        self._group.close()
-
-    def __enter__(self) -> TrainerGroup:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def trainer_init(
-    *,
-    world_size: int,
-    backend: str = "nccl",
-    master_address: str = "127.0.0.1",
-    master_port: int = 0,
-    packed: bool = True,
-    bucket_size_bytes: int = broadcast.DEFAULT_BUCKET_SIZE_BYTES,
-    num_buffers: int = broadcast.DEFAULT_NUM_BUFFERS,
-    timeout_s: float = broadcast.DEFAULT_TIMEOUT_S,
-) -> TrainerGroup:
-    """Creates the trainer's end (rank 0) of a weight-transfer group and decides the wire parameters.
-
-    Binds the group's store and returns at once; pass `group.init_info` to every worker's
-    `init_transfer_engine`, then send. It never touches torch.distributed's default group.
-
-    Args:
-        world_size: 1 (this trainer) + the number of workers.
-        backend: `"nccl"` for CUDA tensors, `"gloo"` for CPU tensors.
-        master_address: Address workers reach this process at (loopback by default).
-        master_port: Port for the store; 0 picks a free one.
-        packed: Pack tensors into buckets (True) or broadcast each tensor on its own.
-        bucket_size_bytes: Bucket size in bytes; peak extra memory per side is
-            `num_buffers * bucket_size_bytes` (or the largest tensor, if bigger).
-        num_buffers: Buckets in flight at once (2 overlaps packing with sending).
-        timeout_s: Limit, in seconds, for the rendezvous and for each collective.
-
-    Raises:
-        WeightValidationError: A bad argument, or `nccl` without CUDA.
-
-    >>> group = trainer_init(world_size=2, backend="gloo")
-    >>> sorted(group.init_info)[:3]
-    ['backend', 'bucket_size_bytes', 'master_address']
-    >>> group.close()
-    """
-    broadcast.check_wire_params(
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=timeout_s,
-    )
-    group = BroadcastGroup(
-        backend=backend,
-        master_address=master_address,
-        master_port=master_port,
-        rank=0,
-        world_size=world_size,
-        timeout_s=timeout_s,
-    )
-    info = NCCLWeightTransferInitInfo(
-        master_address=master_address,
-        master_port=group.port,
-        world_size=world_size,
-        backend=backend,
-        packed=packed,
-        bucket_size_bytes=bucket_size_bytes,
-        num_buffers=num_buffers,
-        timeout_s=float(timeout_s),
-    )
-    group.set("wire", info.wire_params())
-    group.claim_rank()
-    return TrainerGroup(group, info)
-
-
-@dataclass
-class NCCLTrainerSendWeightsArgs:
-    """Arguments of [`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights].
-
-    Attributes:
-        group: The trainer's group from `trainer_init`.
-        update_info: The update info the workers were given (a dict or the dataclass); every
-            tensor the iterator yields is checked against it, in order.
-        post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to send
-            (e.g. to gather a sharded parameter); by default the pair's tensor.
-    """
-
-    group: TrainerGroup
-    update_info: Mapping[str, Any] | WeightTransferUpdateInfo
-    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
-
-
-def trainer_send_weights(
-    iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs
-) -> TransferStats:
-    """Broadcasts one update to every worker of the group.
-
-    The workers must be inside `receive_weights` with the same update info. Packed mode packs
-    bucket k+1 while bucket k is on the wire; a bucket whose tensors already sit in one storage at
-    the plan's offsets (see [`flatten_module`][weightsync.transfer.flat.flatten_module]) is sent
-    from that memory without a copy.
-
-    Args:
-        iterator: `(name, tensor)` pairs in the announced order, e.g. `model.named_parameters()`.
-        trainer_args: The group and the announced update info.
-
-    Returns:
-        What was sent and how fast.
-
-    Raises:
-        WeightValidationError: A worker rejected the update (nothing moved), or a yielded tensor
-            differs from what was announced (the group is then closed and the workers fail too).
-        WeightTransferError: The transfer failed; the group is closed.
-    """
-    trainer = trainer_args.group
-    trainer.connect()
-    group, info = trainer._group, trainer._info
-    start = time.perf_counter()
-    specs: list[TensorSpec] | None = None
-    problem: WeightValidationError | None = None
-    try:
-        specs = parse_info(
-            WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
-        ).specs()
-    except WeightValidationError as exc:
-        problem = exc
-    trainer._seq += 1
-    try:
-        broadcast.handshake(group, trainer._seq, specs, problem)
-    except WeightValidationError:
-        raise
-    except WeightTransferError as exc:
-        trainer._closed = True
-        raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
-    assert specs is not None
-    buckets = broadcast.plan(specs, info)
-    tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
-    stats = TransferStats(
-        num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs), num_buckets=len(buckets)
-    )
-    pool = trainer._pool
-    pool.reset()
-    window: deque[InFlight] = deque()
-    index = 0
-    try:
-        for number, bucket in enumerate(buckets):
-            bucket_tensors = []
-            for slot in bucket.slots:
-                bucket_tensors.append(tensors.take(slot.spec, index))
-                index += 1
-            if number == len(buckets) - 1:
-                tensors.check_exhausted(len(specs))
-            if bucket.nbytes == 0:
-                continue
-            if len(window) >= info.num_buffers:
-                _drain_one(window, pool)
-            window.append(_post_send(group, pool, bucket, bucket_tensors, stats))
-        if not buckets:
-            tensors.check_exhausted(0)
-        while window:
-            _drain_one(window, pool)
-    except Exception as exc:
-        window.clear()  # in-flight work pins the group's connections open
-        trainer._closed = True
-        error = broadcast.transfer_failed(group, exc, partially_applied=index > 0)
-        if isinstance(exc, WeightValidationError):
-            raise WeightValidationError(str(error)) from exc
-        raise error from exc
-    stats.seconds = time.perf_counter() - start
-    logger.info(
-        "sent %d tensors, %.1f MB to %d workers in %.3f s (%.2f GB/s, %d of %d buckets in place)",
-        stats.num_tensors,
-        stats.num_bytes / 1e6,
-        info.world_size - 1,
-        stats.seconds,
-        stats.gbps,
-        stats.direct_buckets,
-        stats.num_buckets,
-    )
-    return stats
-
-
-def _post_send(
-    group: BroadcastGroup,
-    pool: BufferPool,
-    bucket: Bucket,
-    tensors: list[torch.Tensor],
-    stats: TransferStats,
-) -> InFlight:
-    what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
-    region = direct_region(bucket, tensors) if tensors[0].device == group.device else None
-    if region is not None:
-        stats.direct_buckets += 1
-        return InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
-    index, buffer = pool.take(bucket.nbytes)
-    with torch.no_grad():  # parameters that require grad are copied as plain bytes
-        data = pack_bucket(bucket, tensors, buffer)
-    return InFlight(group.broadcast(data, what), bucket, data, index)
-
-
-def _drain_one(window: deque[InFlight], pool: BufferPool) -> None:
-    item = window.popleft()
-    assert item.work is not None
-    item.work.wait()
-    if item.buffer_index is not None:
-        pool.give_back(item.buffer_index)

@@ -1,7 +1,7 @@
 """Backend name -> transfer engine class, with registration for third-party backends.
 
-Built in: `nccl`, `gloo` (and `ipc` once its module exists). A backend can be registered as a
-class or lazily as `"package.module:ClassName"`, imported on first use.
+Built in: `nccl`, `gloo` and `ipc`. A backend can be registered as a class or lazily as
+`"package.module:ClassName"`, imported on first use.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from weightsync.transfer.base import WeightTransferEngine, WeightValidationError
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import WeightTransferEngine
 
 __all__ = ["EngineRegistry", "create_engine", "default_registry", "register_engine"]
 

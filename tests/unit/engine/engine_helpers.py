@@ -92,6 +92,7 @@ class LocalSource:
         self.tensors: dict[str, torch.Tensor] = {}
         self.fail_after: int | None = None
         self.gate: threading.Event | None = None  # when set, receiving waits for it to open
+        self.at_gate = threading.Event()  # set once receiving waits at the gate
         self.init_request = {"init_info": {"source": key}}
 
     def update_info(self, weight_version: str | int | None = None) -> dict[str, Any]:
@@ -122,6 +123,7 @@ class LocalTransferEngine(WeightTransferEngine):
         assert self.source is not None
         specs = self.check_update(self.parse_update_info(update_info))
         if self.source.gate is not None:
+            self.source.at_gate.set()
             assert self.source.gate.wait(timeout=30), "the test never opened the gate"
         for index, spec in enumerate(specs):
             if self.source.fail_after is not None and index == self.source.fail_after:

@@ -1,4 +1,5 @@
 import asyncio
+import threading
 
 import pytest
 from engine_helpers import PROMPTS, greedy, make_async_engine, reference_greedy, start_streams
@@ -23,14 +24,22 @@ def test_streams_grow_token_by_token_and_match_the_reference():
 def test_the_event_loop_stays_responsive_while_steps_run():
     async def main():
         async with make_async_engine() as engine:
-            streams = start_streams(engine, 16, 16)
-            ticks = 0
-            while not all(s.task.done() for s in streams):
-                assert await engine.is_paused() is False
-                ticks += 1
-                await asyncio.sleep(0)
-            # Far more event-loop turns than steps: forward passes ran off the loop.
-            assert ticks > engine.num_steps
+            # The first forward pass holds until the event loop answers a control call: were it
+            # run on the loop's thread, the call could never be answered.
+            in_forward, answered = threading.Event(), threading.Event()
+            execute = engine.engine.runner.execute
+
+            def held(batch):
+                in_forward.set()
+                assert answered.wait(timeout=30), "the event loop was blocked by a forward pass"
+                return execute(batch)
+
+            engine.engine.runner.execute = held
+            stream = start_streams(engine, 1, 4)[0]
+            assert await asyncio.to_thread(in_forward.wait, 30)
+            assert await engine.is_paused() is False and not stream.outputs
+            answered.set()
+            assert len((await stream.final()).outputs[0].token_ids) == 4
 
     asyncio.run(main())
 

@@ -60,8 +60,7 @@ def test_wait_lets_running_requests_finish_and_queues_new_ones():
                 assert final.outputs[0].token_ids == expected_tokens(engine, stream)
             late = start_streams(engine, 2, 4)
             steps = engine.num_steps
-            for _ in range(20):
-                await asyncio.sleep(0)
+            await engine.wait_until_idle()  # the loop saw the late requests and runs nothing
             assert engine.num_steps == steps and not any(s.outputs for s in late)
             await engine.resume_generation()
             assert [len((await s.final()).outputs[0].token_ids) for s in late] == [4, 4]
@@ -85,8 +84,7 @@ def test_keep_freezes_requests_and_continues_them_after_resume(clear_cache):
                 )
             late = start_streams(engine, 2, 4)  # queued while paused
             steps = engine.num_steps
-            for _ in range(20):
-                await asyncio.sleep(0)
+            await engine.wait_until_idle()  # the loop saw the late requests and runs nothing
             assert engine.num_steps == steps
             assert [len(s.token_ids) for s in streams] == frozen and not any(
                 s.outputs for s in late
@@ -137,14 +135,33 @@ def test_abort_after_keep_aborts_the_frozen_requests():
     asyncio.run(main())
 
 
+async def start_draining(engine):
+    """Starts `pause_generation(mode="wait")` in a task; returns it once the pause has begun.
+
+    The pause begins after the step in flight, when it takes the engine's lock: observed here by
+    wrapping `LLMEngine.start_pause`, which it calls (on the event loop) at that moment.
+    """
+    begun = asyncio.Event()
+    start_pause = engine.engine.start_pause
+
+    def observed(**kwargs):
+        start_pause(**kwargs)
+        begun.set()
+
+    engine.engine.start_pause = observed
+    pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+    await asyncio.wait_for(begun.wait(), timeout=30)
+    engine.engine.start_pause = start_pause
+    assert engine.engine.pause_state is PauseState.DRAINING
+    return pause
+
+
 def test_resume_cancels_a_draining_wait_pause():
     async def main():
         async with make_async_engine() as engine:
             streams = start_streams(engine, 4, MAX_TOKENS)
             await asyncio.gather(*(s.wait_tokens(1) for s in streams))
-            pause = asyncio.create_task(engine.pause_generation(mode="wait"))
-            while engine.engine.pause_state is not PauseState.DRAINING:
-                await asyncio.sleep(0)  # the pause takes effect after the step in flight
+            pause = await start_draining(engine)
             await engine.resume_generation()
             await pause
             assert not await engine.is_paused()
@@ -160,9 +177,7 @@ def test_aborting_the_last_running_request_completes_a_wait_pause():
         async with make_async_engine() as engine:
             streams = start_streams(engine, 2, 200)
             await asyncio.gather(*(s.wait_tokens(1) for s in streams))
-            pause = asyncio.create_task(engine.pause_generation(mode="wait"))
-            while engine.engine.pause_state is not PauseState.DRAINING:
-                await asyncio.sleep(0)
+            pause = await start_draining(engine)
             for stream in streams:
                 await engine.abort(stream.request_id)
             await pause

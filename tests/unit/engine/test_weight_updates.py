@@ -1,6 +1,7 @@
 """Weight updates through a transfer backend: when they are accepted, versions, torn weights."""
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -26,6 +27,19 @@ from weightsync.transfer.base import WeightTransferError, WeightValidationError
 
 N = 16
 MAX_TOKENS = 24
+
+
+class _OnMessage(logging.Handler):
+    """Calls `callback` when a record's message contains `text` (records are handled in the
+    thread that logs them: here, the event loop's)."""
+
+    def __init__(self, text, callback):
+        super().__init__()
+        self.text, self.callback = text, callback
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.callback()
 
 
 def prompt_ids(engine, stream):
@@ -142,13 +156,23 @@ def test_a_cancelled_update_still_blocks_steps_until_the_transfer_ends(local_sou
             engine.engine.runner.execute = watched
             await engine.init_weight_transfer_engine(local_source.init_request)
             update = asyncio.create_task(engine.update_weights(local_source.update_info()))
-            for _ in range(5):
-                await asyncio.sleep(0)  # the update takes the lock and starts receiving
+            # The update holds the engine's lock and is receiving (blocked at the gate).
+            assert await asyncio.to_thread(local_source.at_gate.wait, 30)
             stream = start_streams(engine, 1, 4)[0]
-            update.cancel()
-            # Proving that nothing happens needs a bounded wait: a step would take milliseconds.
-            await asyncio.wait([stream.task], timeout=0.3)
-            assert engine.num_steps == 0 and not stream.outputs
+            cancelled = asyncio.Event()
+            handler = _OnMessage("cancelled during", cancelled.set)
+            logger = logging.getLogger("weightsync.engine.async_engine")
+            logger.addHandler(handler)
+            level = logger.level
+            logger.setLevel(logging.INFO)
+            try:
+                update.cancel()
+                await asyncio.wait_for(cancelled.wait(), timeout=30)  # the update took the cancel
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            # ...and keeps the lock until the transfer ends: `watched` records any step before.
+            assert not update.done() and engine.num_steps == 0 and not stream.outputs
             local_source.gate.set()
             with pytest.raises(asyncio.CancelledError):
                 await update
@@ -212,12 +236,15 @@ def test_a_failed_update_pauses_an_idle_engine_but_a_clean_failure_does_not(
     local_source, new_weights
 ):
     engine = make_engine()
+    prompt = "A prompt long enough to fill a few KV-cache blocks"
+    engine.generate([prompt], greedy(4))
     local_source.tensors = new_weights
     engine.init_weight_transfer_engine(local_source.init_request)
     local_source.fail_after = 0  # fails before writing anything
     with pytest.raises(WeightTransferError):
         engine.update_weights(local_source.update_info())
     assert not engine.is_paused() and not engine.weights.is_torn
+    assert engine.generate([prompt], greedy(4))[0].num_cached_tokens > 0  # nothing was written
     local_source.fail_after = 3
     with pytest.raises(WeightTransferError):
         engine.update_weights(local_source.update_info())
@@ -228,6 +255,8 @@ def test_a_failed_update_pauses_an_idle_engine_but_a_clean_failure_does_not(
 
 def test_rejected_updates_change_nothing(local_source, new_weights):
     engine = make_engine()
+    prompt = "A prompt long enough to fill a few KV-cache blocks"
+    engine.generate([prompt], greedy(4))
     before = {n: t.clone() for n, t in engine.model.named_weights()}
     local_source.tensors = {**new_weights, "model.norm.weight": torch.ones(3)}
     engine.init_weight_transfer_engine(local_source.init_request)
@@ -238,6 +267,8 @@ def test_rejected_updates_change_nothing(local_source, new_weights):
         engine.update_weights(local_source.update_info())
     assert engine.weight_version == 0 and not engine.is_paused()
     assert all(torch.equal(t, before[n]) for n, t in engine.model.named_weights())
+    # The prefix cache stands too: the weights it was computed with are still the weights.
+    assert engine.generate([prompt], greedy(4))[0].num_cached_tokens > 0
 
 
 def test_update_entry_points_check_their_arguments():

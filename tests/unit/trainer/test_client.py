@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer.client import call_each
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
 
 
 def test_results_come_back_in_the_engines_order():

@@ -8,6 +8,7 @@ import pytest
 from weightsync import (
     EngineBusyError,
     EngineStateError,
+    EngineTimeoutError,
     InvalidRequestError,
     SamplingParams,
     TornWeightsError,
@@ -88,7 +89,7 @@ def test_transport_failures_are_weightsync_errors():
     def refused(request):
         raise httpx.ConnectError("refused", request=request)
 
-    with pytest.raises(WeightTransferTimeout, match="no answer"):
+    with pytest.raises(EngineTimeoutError, match="did not answer within"):
         client_with(timeout).resume_generation()
     with pytest.raises(EngineStateError, match="cannot reach"):
         client_with(refused).resume_generation()

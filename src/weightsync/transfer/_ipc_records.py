@@ -10,7 +10,7 @@ A record locates one tensor inside a memory region the trainer exported:
 On CPUs the region is a POSIX shared-memory segment, named by `segment`. On GPUs it is a CUDA
 allocation, described by a `cuda` object instead: the CUDA IPC handle bytes in base64, the
 allocation's size and the physical GPU's UUID (see
-[`CUDAStorageHandle`][weightsync.transfer.ipc_handles.CUDAStorageHandle]). A tensor without
+`CUDAStorageHandle`). A tensor without
 bytes has neither. Records hold strings, ints, bools and lists only: they survive
 `json.dumps`/`json.loads` unchanged, and reading one never unpickles, evaluates or imports
 anything. Everything a record claims is checked before memory is touched.
@@ -27,15 +27,10 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.base import TensorSpec, WeightValidationError, dtype_from_name, dtype_name
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
 
-__all__ = [
-    "CUDAStorageHandle",
-    "IPCHandle",
-    "cuda_device_uuids",
-    "export_cuda_storage",
-    "import_cuda_storage",
-]
+__all__ = ["CUDAStorageHandle", "IPCHandle", "decode_b64", "encode_b64"]
 
 _RECORD_KEYS = frozenset({"segment", "cuda", "offset", "nbytes", "dtype", "shape"})
 
@@ -44,7 +39,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _decode_b64(value: object, *, what: str) -> bytes:
+def decode_b64(value: object, *, what: str) -> bytes:
+    """Decodes a base64 string from a record, naming the field `what` when it is not one."""
     if not isinstance(value, str):
         raise WeightValidationError(f"{what} must be a base64 string, got {type(value).__name__}")
     try:
@@ -53,7 +49,8 @@ def _decode_b64(value: object, *, what: str) -> bytes:
         raise WeightValidationError(f"{what} is not valid base64") from None
 
 
-def _encode_b64(data: bytes) -> str:
+def encode_b64(data: bytes) -> str:
+    """Encodes bytes as base64 text for a record."""
     return base64.b64encode(data).decode("ascii")
 
 
@@ -61,7 +58,7 @@ def _encode_b64(data: bytes) -> str:
 class CUDAStorageHandle:
     """A CUDA allocation exported with CUDA IPC, as JSON-safe fields.
 
-    Mirrors what `torch.UntypedStorage._share_cuda_()` returns, minus the device index: a device
+    Mirrors what torch's CUDA IPC export of a storage returns, minus the device index: a device
     index means nothing in another process (`CUDA_VISIBLE_DEVICES` may differ), so the physical
     GPU is named by its UUID.
 
@@ -106,9 +103,9 @@ class CUDAStorageHandle:
         if not isinstance(data["device_uuid"], str) or not data["device_uuid"]:
             raise WeightValidationError(f"{where}.cuda.device_uuid must be a non-empty string")
         for key in ("handle", "ref_counter_handle"):
-            _decode_b64(data[key], what=f"{where}.cuda.{key}")
+            decode_b64(data[key], what=f"{where}.cuda.{key}")
         if data["event_handle"] is not None:
-            _decode_b64(data["event_handle"], what=f"{where}.cuda.event_handle")
+            decode_b64(data["event_handle"], what=f"{where}.cuda.event_handle")
         for key in ("storage_nbytes", "storage_offset", "ref_counter_offset"):
             if not _is_int(data[key]) or data[key] < 0:
                 raise WeightValidationError(
@@ -132,7 +129,7 @@ class CUDAStorageHandle:
 class IPCHandle:
     """Where one tensor's bytes are: a region, a byte offset in it, and what the bytes are.
 
-    Build it with [`from_dict`][weightsync.transfer.ipc_handles.IPCHandle.from_dict], which
+    Build it with `from_dict`, which
     checks everything that can be checked without touching memory.
 
     Attributes:
@@ -267,77 +264,3 @@ class IPCHandle:
             )
         dtype = dtype_from_name(self.dtype)
         return region[self.offset : self.offset + self.nbytes].view(dtype).view(self.shape)
-
-
-def cuda_device_uuids() -> dict[str, int]:
-    """The CUDA devices this process sees, by physical UUID -> local device index."""
-    if not torch.cuda.is_available():
-        return {}
-    return {
-        str(torch.cuda.get_device_properties(index).uuid): index
-        for index in range(torch.cuda.device_count())
-    }
-
-
-def export_cuda_storage(storage: torch.UntypedStorage) -> CUDAStorageHandle:
-    """Exports a CUDA storage with CUDA IPC (trainer side).
-
-    Each export takes a reference on the producer side that the consumer releases; export once
-    per delivery and keep the storage alive until the receivers acknowledged it.
-    """
-    (device, handle, nbytes, offset, counter, counter_offset, event, event_sync) = (
-        storage._share_cuda_()  # type: ignore[no-untyped-call]
-    )
-    return CUDAStorageHandle(
-        device_uuid=str(torch.cuda.get_device_properties(device).uuid),
-        handle=_encode_b64(handle),
-        storage_nbytes=int(nbytes),
-        storage_offset=int(offset),
-        ref_counter_handle=_encode_b64(counter),
-        ref_counter_offset=int(counter_offset),
-        event_handle=_encode_b64(event) if event is not None else None,
-        event_sync_required=bool(event_sync),
-    )
-
-
-def import_cuda_storage(handle: CUDAStorageHandle, *, where: str) -> torch.Tensor:
-    """Opens an exported CUDA storage on the local device with the same UUID (receiver side).
-
-    Returns:
-        The whole storage as a uint8 CUDA tensor.
-
-    Raises:
-        WeightValidationError: No visible device has the handle's UUID; the message lists the
-            UUIDs this process has.
-    """
-    devices = cuda_device_uuids()
-    index = devices.get(handle.device_uuid)
-    if index is None:
-        available = ", ".join(sorted(devices)) or "none: this process sees no CUDA device"
-        raise WeightValidationError(
-            f"{where}.cuda.device_uuid {handle.device_uuid!r} is not a GPU this receiver sees "
-            f"(available UUIDs: {available}); CUDA IPC needs trainer and receiver on the same "
-            "GPU: check CUDA_VISIBLE_DEVICES"
-        )
-    # Imported lazily: CPU-only use never loads the CUDA rebuild path. The classes and dtype
-    # passed here are ours, never taken from the payload.
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
-        torch.Tensor,
-        (handle.storage_nbytes,),
-        (1,),
-        0,
-        torch.UntypedStorage,
-        torch.uint8,
-        index,
-        base64.b64decode(handle.handle),
-        handle.storage_nbytes,
-        handle.storage_offset,
-        False,
-        base64.b64decode(handle.ref_counter_handle),
-        handle.ref_counter_offset,
-        base64.b64decode(handle.event_handle) if handle.event_handle is not None else None,
-        handle.event_sync_required,
-    )
-    return tensor

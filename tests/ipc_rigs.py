@@ -1,12 +1,10 @@
-"""Trainer and receiver processes for IPC transfers, driven over JSON pipes.
+"""Test rig: trainer and receiver processes for IPC transfers, driven over JSON pipes.
 
-Spawn-safe entry points used by the benchmarks and the multi-process tests, built on the
-machinery of [`CommandProcess`][weightsync.transfer.worker.CommandProcess]. The parent process plays
-the control channel (what HTTP or Ray is in production): an
-[`IPCTrainerProcess`][weightsync.transfer.ipc_worker.IPCTrainerProcess] hands it each update info
-dict, the parent gives the dict to every
-[`IPCReceiverProcess`][weightsync.transfer.ipc_worker.IPCReceiverProcess] and sends the trainer
-their acknowledgement. Only JSON crosses the pipes.
+Spawn-safe entry points used by the multi-process tests and the benchmarks, built on
+`process_rigs.CommandProcess`. The parent process plays the control channel (what HTTP or Ray is
+in production): an `IPCTrainerProcess` hands it each update info dict, the parent gives the dict
+to every `IPCReceiverProcess` and sends the trainer their acknowledgement. Only JSON crosses the
+pipes.
 """
 
 from __future__ import annotations
@@ -18,26 +16,21 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightTransferUpdateInfo,
-    WeightValidationError,
-)
-from weightsync.transfer.ipc import IPCWeightTransferEngine
-from weightsync.transfer.ipc_trainer import (
-    IPCTrainerSendWeightsArgs,
-    IPCTrainerSession,
-    ipc_trainer_send_weights,
-)
-from weightsync.transfer.worker import (
+from process_rigs import (
     CommandProcess,
     WorkerProcessError,
     allocate_tensors,
     fill_tensors,
     serve_commands,
-    tensor_digests,
+)
+from weightsync import weight_checksums
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
+from weightsync.transfer.ipc import IPCWeightTransferEngine
+from weightsync.transfer.ipc_trainer import (
+    IPCTrainerSendWeightsArgs,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
 )
 
 __all__ = ["IPCReceiverProcess", "IPCTrainerProcess", "deliver_to_processes"]
@@ -77,7 +70,7 @@ def _receiver_main(
             "init": lambda init_info: engine.init_transfer_engine(init_info),
             "update": update,
             "fill": fill,
-            "digests": lambda: {"digests": tensor_digests(params)},
+            "digests": lambda: {"digests": weight_checksums(params)},
             "state": lambda: {
                 "initialized": engine.is_initialized,
                 "update_in_progress": engine.update_in_progress,
@@ -98,16 +91,13 @@ def _trainer_main(
     def init(layout: str = "plain", **session_kwargs: Any) -> dict[str, Any]:
         if "session" in state:
             state["session"].close()
-        if layout not in ("plain", "shared", "torch_shared"):
-            raise ValueError(f"layout must be 'plain', 'shared' or 'torch_shared', got {layout!r}")
-        session = state["session"] = IPCTrainerSession(**session_kwargs)
+        if layout not in ("plain", "shared"):
+            raise ValueError(f"layout must be 'plain' or 'shared', got {layout!r}")
+        session = state["session"] = ipc_trainer_init(**session_kwargs)
         if layout == "shared":  # weightsync's own shared memory: exported in place
             state["tensors"] = session.shared_tensors(specs)
         else:
             state["tensors"] = allocate_tensors(specs, flat=False, device=device)
-            if layout == "torch_shared":  # what `model.share_memory()` does
-                for tensor in state["tensors"].values():
-                    tensor.share_memory_()
         return {"init_info": session.init_info, "janitor_pid": session.janitor_pid}
 
     def deliver(info: dict[str, Any]) -> None:
@@ -147,7 +137,7 @@ def _trainer_main(
         {
             "init": init,
             "send": send,
-            "digests": lambda: {"digests": tensor_digests(state["tensors"])},
+            "digests": lambda: {"digests": weight_checksums(state["tensors"])},
             "segments": lambda: {"segments": state["session"].segment_names()},
             "close": close,
         },
@@ -231,9 +221,9 @@ class IPCReceiverProcess(CommandProcess):
 class IPCTrainerProcess(CommandProcess):
     """A process holding tensors for `update_info` that it fills from a seed and sends by IPC.
 
-    Commands: `init` (`layout` = `"plain"`, `"shared"` (the session's shared memory) or
-    `"torch_shared"` (`share_memory_()`), plus the keyword arguments of `ipc_trainer_init`),
-    `send` through [`send`][weightsync.transfer.ipc_worker.IPCTrainerProcess.send], `digests`,
+    Commands: `init` (`layout` = `"plain"` or `"shared"` (the session's shared memory), plus the
+    keyword arguments of `ipc_trainer_init`),
+    `send` (see `IPCTrainerProcess.send`), `digests`,
     `segments`, `close`, `exit`.
 
     Args:

@@ -16,13 +16,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from weightsync.transfer.base import (
-    WeightTransferError,
-    WeightTransferTimeout,
-    WeightValidationError,
-)
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.wire import WireParams
 
-__all__ = ["BroadcastGroup", "BroadcastWork", "check_backend"]
+__all__ = ["check_port", "BroadcastGroup", "BroadcastWork", "check_backend"]
 
 _BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 _T = TypeVar("_T")
@@ -46,6 +43,19 @@ def check_backend(backend: str) -> torch.device:
             )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def check_port(port: object, *, allow_zero: bool = True) -> int:
+    """Returns `port` after checking it is a TCP port (0 lets the trainer pick a free one).
+
+    Raises:
+        WeightValidationError: Not an int (a bool is not), or outside 0-65535 (1-65535 when 0 is
+            not allowed).
+    """
+    low = 0 if allow_zero else 1
+    if not isinstance(port, int) or isinstance(port, bool) or not low <= port <= 65535:
+        raise WeightValidationError(f"master_port must be an int in {low}-65535, got {port!r}")
+    return port
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -122,8 +132,8 @@ class BroadcastGroup:
                 f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
                 "the trainer (rank 0) plus every worker (rank_offset + worker index)"
             )
-        if not isinstance(timeout_s, int | float) or timeout_s <= 0:
-            raise WeightValidationError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        check_port(master_port)
+        WireParams(timeout_s=timeout_s)  # the one check of a timeout
         self.backend = backend
         self.device = check_backend(backend)
         self.rank = rank

@@ -5,7 +5,7 @@ bits, so a receiver attaches only to segments of the session it was initialized 
 cannot be guessed. Names stay under 31 characters, the limit some systems put on them.
 
 Leaks are ruled out in two ways. The owner unlinks its segments when it closes them, and every
-session also starts a [`SegmentJanitor`][weightsync.transfer.shm.SegmentJanitor]: a tiny process
+session also starts a `SegmentJanitor`: a tiny process
 told each segment name *before* the segment exists, which unlinks whatever is left once the
 owning process is gone, even after SIGKILL.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
 
 __all__ = [
     "SESSION_PREFIX",
@@ -41,7 +41,6 @@ __all__ = [
     "new_session_name",
     "segment_belongs_to",
     "segment_identity",
-    "segment_size",
     "unlink_segment",
 ]
 
@@ -52,8 +51,6 @@ SESSION_PREFIX = "weightsync-"
 
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
-# Segments torch creates for `share_memory_()` under the `file_system` strategy (or on demand).
-_TORCH_SEGMENT_RE = re.compile(r"torch_[0-9]+_[0-9]+_[0-9]+")
 # The janitor runs in a fresh interpreter (`-I`: no site packages, no environment), so it starts
 # in milliseconds and shares nothing with the trainer but this pipe.
 _JANITOR_SOURCE = """
@@ -83,14 +80,8 @@ def is_session_name(name: object) -> bool:
 
 
 def segment_belongs_to(name: str, session: str) -> bool:
-    """Whether a receiver of `session` may attach segment `name`.
-
-    Allowed are the session's own segments and torch's shared-memory segments (what
-    `tensor.share_memory_()` creates), which a trainer exports in place.
-    """
-    if _SEGMENT_RE.fullmatch(name) is not None:
-        return name.startswith(session + "-")
-    return _TORCH_SEGMENT_RE.fullmatch(name) is not None
+    """Whether a receiver of `session` may attach segment `name`: only the session's own."""
+    return _SEGMENT_RE.fullmatch(name) is not None and name.startswith(session + "-")
 
 
 def unlink_segment(name: str) -> bool:
@@ -129,7 +120,12 @@ class SharedSegment:
             raise WeightValidationError(f"a segment needs nbytes >= 1, got {nbytes}")
         self.name = name
         self.nbytes = nbytes
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except OSError as exc:  # the name is taken, or /dev/shm is missing or not writable
+            raise WeightTransferError(
+                f"cannot create shared-memory segment {name!r}: {exc}{_free_space_hint()}"
+            ) from exc
         try:
             if hasattr(os, "posix_fallocate"):
                 # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
@@ -209,19 +205,6 @@ def _open_existing(name: str) -> int:
     except OSError as exc:
         raise WeightValidationError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
     return fd
-
-
-def segment_size(name: str) -> int:
-    """Returns the size in bytes of segment `name`.
-
-    Raises:
-        WeightValidationError: The segment does not exist or cannot be opened.
-    """
-    fd = _open_existing(name)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
 
 
 def segment_identity(name: str) -> tuple[int, int]:

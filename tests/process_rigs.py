@@ -1,16 +1,14 @@
-"""Trainer and receiver processes for broadcast transfers, driven over a JSON pipe.
+"""Test rig: trainer and receiver processes for broadcast transfers, driven over a JSON pipe.
 
-Spawn-safe entry points used by the demo, the benchmarks and the multi-process tests: a
-[`ReceiverProcess`][weightsync.transfer.worker.ReceiverProcess] holds a set of tensors and
-receives updates into them; a [`TrainerProcess`][weightsync.transfer.worker.TrainerProcess] holds
-tensors filled from a seed and sends them. Commands and replies are JSON objects (no pickle of
+Spawn-safe entry points used by the multi-process tests and the benchmarks: a `ReceiverProcess`
+holds a set of tensors and receives updates into them; a `TrainerProcess` holds tensors filled
+from a seed and sends them. Commands and replies are JSON objects (no pickle of
 tensors or code crosses the pipe), and every wait for a reply has a timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import multiprocessing as mp
 import traceback
@@ -20,6 +18,7 @@ from typing import Any
 
 import torch
 
+from weightsync import weight_checksums
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.flat import flat_tensors
 
@@ -31,7 +30,6 @@ __all__ = [
     "allocate_tensors",
     "fill_tensors",
     "serve_commands",
-    "tensor_digests",
 ]
 
 
@@ -74,16 +72,6 @@ def fill_tensors(tensors: dict[str, torch.Tensor], seed: int) -> None:
                 max(info.min, -100), min(info.max, 100), tensor.shape, generator=generator
             ).to(tensor.dtype)
         tensor.copy_(values)
-
-
-def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """SHA-256 of each tensor's bytes, by name: equal digests mean bitwise-equal tensors."""
-    return {
-        name: hashlib.sha256(
-            t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        ).hexdigest()
-        for name, t in tensors.items()
-    }
 
 
 def _use_device(device: str) -> None:
@@ -171,7 +159,7 @@ def _receiver_main(
         {
             "init": init,
             "update": update,
-            "digests": lambda: {"digests": tensor_digests(params)},
+            "digests": lambda: {"digests": weight_checksums(params)},
             "reset_peak": _reset_peak_rss,
             "peak": lambda: {"peak_rss": _peak_rss_bytes()},
             "shutdown": engine.shutdown,
@@ -187,7 +175,7 @@ def _trainer_main(
     init_default_group: bool,
     device: str,
 ) -> None:
-    from weightsync.transfer.nccl import (
+    from weightsync.transfer.nccl_trainer import (
         NCCLTrainerSendWeightsArgs,
         TrainerGroup,
         trainer_init,
@@ -234,7 +222,7 @@ def _trainer_main(
             "init": init,
             "connect": lambda: groups[0].connect(),
             "send": send,
-            "digests": lambda: {"digests": tensor_digests(tensors)},
+            "digests": lambda: {"digests": weight_checksums(tensors)},
         },
     )
 

@@ -8,15 +8,19 @@ import pytest
 
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import EngineBusyError
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
+from weightsync.errors import EngineBusyError, WeightValidationError
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender
 from weightsync.trainer.sync import sync_weights
-from weightsync.transfer.base import WeightTransferUpdateInfo, WeightValidationError
-from weightsync.transfer.nccl import NCCLTrainerSendWeightsArgs, trainer_init, trainer_send_weights
+from weightsync.transfer.base import WeightTransferUpdateInfo
+from weightsync.transfer.nccl_trainer import (
+    NCCLTrainerSendWeightsArgs,
+    trainer_init,
+    trainer_send_weights,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 TIMEOUT_S = 60.0

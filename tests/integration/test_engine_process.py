@@ -5,15 +5,15 @@ import torch
 
 from weightsync import weight_checksums
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import (
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.outputs import RequestOutput
+from weightsync.engine.sampling import SamplingParams
+from weightsync.errors import (
     EngineBusyError,
     EngineConfigError,
     EngineStateError,
     InvalidRequestError,
 )
-from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.outputs import RequestOutput
-from weightsync.engine.sampling import SamplingParams
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender
 from weightsync.transfer.base import WeightTransferUpdateInfo

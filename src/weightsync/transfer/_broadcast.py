@@ -24,149 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.base import (
-    TensorSpec,
-    WeightTransferError,
-    WeightTransferInitInfo,
-    WeightValidationError,
-    dtype_name,
-)
-from weightsync.transfer.group import BroadcastGroup, BroadcastWork
-from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer._bucket_io import DirectRegion
+from weightsync.transfer._group import BroadcastGroup, BroadcastWork
+from weightsync.transfer.base import TensorSpec, dtype_name
+from weightsync.transfer.packing import Bucket, Slot, plan_buckets
+from weightsync.transfer.wire import WireParams
 
 __all__ = [
-    "DEFAULT_BUCKET_SIZE_BYTES",
-    "BufferPool",
     "InFlight",
-    "DEFAULT_NUM_BUFFERS",
-    "DEFAULT_TIMEOUT_S",
-    "NCCLWeightTransferInitInfo",
     "abort",
-    "check_wire_params",
     "handshake",
     "metadata_digest",
     "peer_reasons",
     "plan",
     "transfer_failed",
 ]
-
-DEFAULT_BUCKET_SIZE_BYTES = 1 << 30
-"""Default bucket size of packed transfers: 1 GiB."""
-DEFAULT_NUM_BUFFERS = 2
-"""Default number of buckets in flight (and of reusable bucket buffers) per side."""
-DEFAULT_TIMEOUT_S = 300.0
-"""Default limit, in seconds, for the rendezvous and for each collective."""
-
-_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
-
-
-@dataclass
-class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
-    """How a worker joins a trainer's broadcast group; built by the trainer, never by hand.
-
-    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl.TrainerGroup.init_info]:
-    the wire parameters (`packed` to `timeout_s`) are decided by the trainer and checked again
-    against the trainer's own copy when the worker joins.
-
-    Attributes:
-        master_address: Host of the trainer (it runs the group's store).
-        master_port: Port of the trainer's store.
-        world_size: 1 (the trainer) + the number of workers.
-        rank_offset: Rank of the first worker; worker `i` is rank `rank_offset + i`.
-        backend: `"nccl"` (CUDA tensors) or `"gloo"` (CPU tensors).
-        packed: Whether tensors travel packed into buckets (True) or one broadcast each.
-        bucket_size_bytes: Bucket size in bytes (packed mode).
-        num_buffers: Buckets in flight at once; also the number of reusable bucket buffers.
-        timeout_s: Limit for the rendezvous and each collective, in seconds.
-    """
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    backend: str = "nccl"
-    packed: bool = True
-    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
-    num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise WeightValidationError(
-                f"master_address must be a non-empty host name, got {self.master_address!r}"
-            )
-        for key, low in (("master_port", 1), ("world_size", 2), ("rank_offset", 1)):
-            value = getattr(self, key)
-            if not _is_int(value) or value < low:
-                raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
-        check_wire_params(
-            packed=self.packed,
-            bucket_size_bytes=self.bucket_size_bytes,
-            num_buffers=self.num_buffers,
-            timeout_s=self.timeout_s,
-        )
-
-    def wire_params(self) -> dict[str, object]:
-        """Returns the parameters both sides must agree on."""
-        return {key: getattr(self, key) for key in _WIRE_KEYS}
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_wire_params(
-    *, packed: bool, bucket_size_bytes: int, num_buffers: int, timeout_s: float
-) -> None:
-    """Validates the trainer-chosen wire parameters.
-
-    Raises:
-        WeightValidationError: Naming the first bad parameter.
-    """
-    if not isinstance(packed, bool):
-        raise WeightValidationError(f"packed must be a bool, got {packed!r}")
-    if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0:
-        raise WeightValidationError(
-            f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
-        )
-    if not _is_int(num_buffers) or num_buffers < 1:
-        raise WeightValidationError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
-    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise WeightValidationError(
-            f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-        )
-
-
-class BufferPool:
-    """`count` byte buffers, grown on demand and reused across updates (no page faults).
-
-    Args:
-        count: Number of buffers (the `num_buffers` wire parameter).
-        device: Where they live.
-    """
-
-    def __init__(self, count: int, device: torch.device) -> None:
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._device = device
-        self.free: list[int] = list(range(count))
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """Takes a free buffer of at least `nbytes`; returns its index and a view of `nbytes`."""
-        index = self.free.pop()
-        buffer = self._buffers[index]
-        if buffer is None or buffer.numel() < nbytes:
-            self._buffers[index] = buffer = None  # free the old one before allocating
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._buffers[index] = buffer
-        return index, buffer[:nbytes]
-
-    def give_back(self, index: int) -> None:
-        """Returns buffer `index` to the free list."""
-        self.free.append(index)
-
-    def reset(self) -> None:
-        """Marks every buffer free (at the start of an update)."""
-        self.free = list(range(len(self._buffers)))
 
 
 @dataclass
@@ -192,10 +65,10 @@ class InFlight:
     keepalive: Sequence[torch.Tensor] = ()
 
 
-def plan(specs: Sequence[TensorSpec], info: NCCLWeightTransferInitInfo) -> list[Bucket]:
+def plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
     """The buckets of one update: packed per `bucket_size_bytes`, or one per tensor."""
-    if info.packed:
-        return plan_buckets(specs, info.bucket_size_bytes)
+    if wire.packed:
+        return plan_buckets(specs, wire.bucket_size_bytes)
     return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
 
 

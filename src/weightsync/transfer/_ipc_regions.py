@@ -1,0 +1,78 @@
+"""The receiver's open regions: shared-memory mappings and imported CUDA storages, kept across updates."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.errors import WeightValidationError
+from weightsync.transfer import _shm as shm
+from weightsync.transfer._cuda_ipc import import_cuda_storage
+from weightsync.transfer._ipc_records import IPCHandle
+from weightsync.transfer.base import TensorSpec
+
+
+class RegionCache:
+    """The memory a receiver of `session` has opened, reused while current, dropped once unused.
+
+    A packed buffer is thus mapped (or imported) once and read by every later update.
+
+    Args:
+        session: The trainer's session; only its segments may be attached (None: none may).
+    """
+
+    def __init__(self, session: str | None = None) -> None:
+        self._session = session
+        self._segments: dict[str, shm.AttachedSegment] = {}
+        self._cuda: dict[tuple[str, int], torch.Tensor] = {}
+        self._used: set[object] = set()
+
+    def resolve(
+        self, handle: IPCHandle, spec: TensorSpec, regions: dict[object, torch.Tensor], where: str
+    ) -> torch.Tensor:
+        """Checks a record against the live memory and returns the tensor it locates.
+
+        `regions` holds the regions already opened for this delivery: each is checked and, for
+        CUDA, imported once per delivery, matching the trainer's one export per delivery.
+        """
+        if handle.nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        key: object = handle.cuda.cache_key if handle.cuda is not None else handle.segment
+        region = regions.get(key)
+        if region is None:
+            if handle.cuda is not None:
+                region = import_cuda_storage(handle.cuda, where=where)
+                # Kept open across updates: importing a handle whose storage was freed would
+                # open it anew, and the producer's reference count would be released twice.
+                self._cuda[handle.cuda.cache_key] = region
+                self._used.add(key)
+            else:
+                assert handle.segment is not None
+                region = self._attach(handle.segment, where)
+            regions[key] = region
+        try:
+            return handle.view(region)
+        except WeightValidationError as exc:
+            raise WeightValidationError(f"{where}: {exc}") from None
+
+    def _attach(self, name: str, where: str) -> torch.Tensor:
+        """Returns the mapping of segment `name`, reusing a cached one while it is still current."""
+        if self._session is None or not shm.segment_belongs_to(name, self._session):
+            raise WeightValidationError(
+                f"{where}.segment {name!r} is not a segment of session {self._session}: "
+                "initialize this worker with the trainer's current init_info"
+            )
+        try:
+            identity = shm.segment_identity(name)
+            cached = self._segments.get(name)
+            if cached is None or cached.identity != identity:
+                cached = self._segments[name] = shm.attach_segment(name)
+        except WeightValidationError as exc:
+            raise WeightValidationError(f"{where}: {exc}") from None
+        self._used.add(name)
+        return cached.tensor
+
+    def drop_unused(self) -> None:
+        """Unmaps what the update that just completed did not use."""
+        self._segments = {k: v for k, v in self._segments.items() if k in self._used}
+        self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
+        self._used = set()

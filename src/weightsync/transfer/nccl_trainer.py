@@ -1,0 +1,290 @@
+"""Trainer-rooted broadcast, trainer side: rank 0 of an `nccl` or `gloo` weight-transfer group.
+
+[`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init] creates the group and decides the
+wire parameters; [`trainer_send_weights`][weightsync.transfer.nccl_trainer.trainer_send_weights]
+sends one update to every worker's
+[`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine] (or
+[`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine]).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer import _broadcast as broadcast
+from weightsync.transfer._broadcast import InFlight
+from weightsync.transfer._bucket_io import direct_region, pack_bucket
+from weightsync.transfer._checks import parse_info
+from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
+from weightsync.transfer._sender import AnnouncedTensors
+from weightsync.transfer.base import (
+    TensorSpec,
+    TransferStats,
+    WeightTransferUpdateInfo,
+)
+from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
+from weightsync.transfer.packing import Bucket
+from weightsync.transfer.wire import WireKeywords, WireParams
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
+
+__all__ = [
+    "NCCLTrainerSendWeightsArgs",
+    "TrainerGroup",
+    "trainer_init",
+    "trainer_send_weights",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerGroup:
+    """The trainer's end of a broadcast group, from [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
+
+    The store is bound at creation; the group itself forms on
+    [`connect`][weightsync.transfer.nccl_trainer.TrainerGroup.connect] (or the first send), once every
+    worker was given [`init_info`][weightsync.transfer.nccl_trainer.TrainerGroup.init_info].
+    """
+
+    def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
+        self._group = group
+        self._info = info
+        self._pool = byte_buffers(info.num_buffers, group.device)
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def init_info(self) -> dict[str, Any]:
+        """The JSON-safe init info every worker passes to `init_transfer_engine`."""
+        return dict(vars(self._info))
+
+    @property
+    def world_size(self) -> int:
+        """1 + the number of workers."""
+        return self._info.world_size
+
+    def connect(self) -> None:
+        """Blocks until every worker joined (idempotent).
+
+        Raises:
+            WeightTransferTimeout: Some worker did not join within `timeout_s`; the message
+                includes the errors workers reported while joining.
+            WeightTransferError: The group was closed after a failure.
+        """
+        if self._closed:
+            raise WeightTransferError(
+                "this trainer group was closed after a failure: call trainer_init again"
+            )
+        try:
+            self._group.connect()
+        except WeightTransferError as exc:
+            errors = [
+                f"rank {r}: {e}"
+                for r in range(1, self._info.world_size)
+                if (e := self._group.try_get(f"init_error/{r}")) is not None
+            ]
+            if errors:
+                raise type(exc)(f"{exc}; workers reported: {'; '.join(errors)}") from exc
+            raise
+
+    def close(self) -> None:
+        """Closes the group; workers blocked on it fail at once. Safe to call twice."""
+        self._closed = True
+        self._group.close()
+
+    def __enter__(self) -> TrainerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def trainer_init(
+    *,
+    world_size: int,
+    backend: str = "nccl",
+    master_address: str = "127.0.0.1",
+    master_port: int = 0,
+    wire: WireParams | None = None,
+    **wire_fields: Unpack[WireKeywords],
+) -> TrainerGroup:
+    """Creates the trainer's end (rank 0) of a weight-transfer group and decides the wire parameters.
+
+    Binds the group's store and returns at once; pass `group.init_info` to every worker's
+    `init_transfer_engine`, then send. It never touches torch.distributed's default group.
+
+    Args:
+        world_size: 1 (this trainer) + the number of workers.
+        backend: `"nccl"` for CUDA tensors, `"gloo"` for CPU tensors.
+        master_address: Address workers reach this process at (loopback by default).
+        master_port: Port for the store; 0 picks a free one.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]:
+            packed or not, bucket size, buffers, timeout); the defaults when None.
+        **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
+
+    Raises:
+        WeightValidationError: A bad argument, or `nccl` without CUDA.
+
+    >>> group = trainer_init(world_size=2, backend="gloo")
+    >>> sorted(group.init_info)[:3]
+    ['backend', 'bucket_size_bytes', 'master_address']
+    >>> group.close()
+    """
+    params = WireParams.build(wire, **wire_fields)
+    group = BroadcastGroup(
+        backend=backend,
+        master_address=master_address,
+        master_port=master_port,
+        rank=0,
+        world_size=world_size,
+        timeout_s=params.timeout_s,
+    )
+    info = NCCLWeightTransferInitInfo.create(
+        master_address=master_address,
+        master_port=group.port,
+        world_size=world_size,
+        backend=backend,
+        wire=params,
+    )
+    group.set("wire", info.wire_params())
+    group.claim_rank()
+    return TrainerGroup(group, info)
+
+
+@dataclass
+class NCCLTrainerSendWeightsArgs:
+    """Arguments of [`trainer_send_weights`][weightsync.transfer.nccl_trainer.trainer_send_weights].
+
+    Attributes:
+        group: The trainer's group from `trainer_init`.
+        update_info: The update info the workers were given (a dict or the dataclass); every
+            tensor the iterator yields is checked against it, in order.
+        post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to send
+            (e.g. to gather a sharded parameter); by default the pair's tensor.
+    """
+
+    group: TrainerGroup
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+
+
+def trainer_send_weights(
+    iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs
+) -> TransferStats:
+    """Broadcasts one update to every worker of the group.
+
+    The workers must be inside `receive_weights` with the same update info. Packed mode packs
+    bucket k+1 while bucket k is on the wire; a bucket whose tensors already sit in one storage at
+    the plan's offsets (see [`flatten_module`][weightsync.transfer.flat.flatten_module]) is sent
+    from that memory without a copy.
+
+    Args:
+        iterator: `(name, tensor)` pairs in the announced order, e.g. `model.named_parameters()`.
+        trainer_args: The group and the announced update info.
+
+    Returns:
+        What was sent and how fast.
+
+    Raises:
+        WeightValidationError: A worker rejected the update (nothing moved), or a yielded tensor
+            differs from what was announced (the group is then closed and the workers fail too).
+        WeightTransferError: The transfer failed; the group is closed.
+    """
+    trainer = trainer_args.group
+    trainer.connect()
+    group, info = trainer._group, trainer._info
+    start = time.perf_counter()
+    specs = _handshake(trainer, trainer_args.update_info)
+    buckets = broadcast.plan(specs, info.wire)
+    tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
+    stats = TransferStats(
+        num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs), num_buckets=len(buckets)
+    )
+    pool = trainer._pool
+    pool.reset()
+
+    def land(item: InFlight) -> None:
+        assert item.work is not None
+        item.work.wait()
+        if item.buffer_index is not None:
+            pool.give_back(item.buffer_index)
+
+    window: Window[InFlight] = Window(info.num_buffers, land)
+    sent = 0  # tensors taken from the iterator: after the first, workers may hold new bytes
+    try:
+        for first, bucket, bucket_tensors in announced_buckets(buckets, tensors, len(specs)):
+            sent = first + len(bucket.slots)
+            if bucket.nbytes == 0:
+                continue
+            window.make_room()
+            window.push(_post_send(group, pool, bucket, bucket_tensors, stats))
+        window.drain()
+    except Exception as exc:
+        window.clear()  # in-flight work pins the group's connections open
+        trainer._closed = True
+        error = broadcast.transfer_failed(group, exc, partially_applied=sent > 0)
+        if isinstance(exc, WeightValidationError):
+            raise WeightValidationError(str(error)) from exc
+        raise error from exc
+    stats.seconds = time.perf_counter() - start
+    logger.info(
+        "sent %d tensors, %.1f MB to %d workers in %.3f s (%.2f GB/s, %d of %d buckets in place)",
+        stats.num_tensors,
+        stats.num_bytes / 1e6,
+        info.world_size - 1,
+        stats.seconds,
+        stats.gbps,
+        stats.direct_buckets,
+        stats.num_buckets,
+    )
+    return stats
+
+
+def _handshake(
+    trainer: TrainerGroup, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+) -> list[TensorSpec]:
+    """Announces the update to every worker; returns its specs once all of them accepted it."""
+    specs: list[TensorSpec] | None = None
+    problem: WeightValidationError | None = None
+    try:
+        specs = parse_info(WeightTransferUpdateInfo, update_info, what="update_info").specs()
+    except WeightValidationError as exc:
+        problem = exc  # told to the workers in the handshake, then raised
+    trainer._seq += 1
+    try:
+        broadcast.handshake(trainer._group, trainer._seq, specs, problem)
+    except WeightValidationError:
+        raise
+    except WeightTransferError as exc:
+        trainer._closed = True
+        raise broadcast.transfer_failed(trainer._group, exc, partially_applied=False) from exc
+    assert specs is not None
+    return specs
+
+
+def _post_send(
+    group: BroadcastGroup,
+    pool: BufferPool[torch.Tensor],
+    bucket: Bucket,
+    tensors: list[torch.Tensor],
+    stats: TransferStats,
+) -> InFlight:
+    what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
+    region = direct_region(bucket, tensors) if tensors[0].device == group.device else None
+    if region is not None:
+        stats.direct_buckets += 1
+        return InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)
+    index, buffer = pool.take(bucket.nbytes)
+    buffer = buffer[: bucket.nbytes]
+    with torch.no_grad():  # parameters that require grad are copied as plain bytes
+        data = pack_bucket(bucket, tensors, buffer)
+    return InFlight(group.broadcast(data, what), bucket, data, index)

@@ -1,0 +1,97 @@
+"""The broadcast group's own checks and its store, in one process (rank 0 only: no peer)."""
+
+import pytest
+import torch
+
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer._group import BroadcastGroup, _translate, check_backend, check_port
+
+
+def _group(**overrides):
+    kwargs = {
+        "backend": "gloo",
+        "master_address": "127.0.0.1",
+        "master_port": 0,
+        "rank": 0,
+        "world_size": 2,
+        "timeout_s": 5.0,
+        **overrides,
+    }
+    return BroadcastGroup(**kwargs)
+
+
+@pytest.mark.parametrize("port", [-1, 65536, True, 1.0, "80"])
+def test_check_port_refuses_what_is_not_a_tcp_port(port):
+    with pytest.raises(WeightValidationError, match="master_port must be an int in 0-65535"):
+        check_port(port)
+
+
+def test_check_port_takes_zero_only_where_a_free_port_may_be_picked():
+    assert check_port(0) == 0 and check_port(65535) == 65535
+    with pytest.raises(WeightValidationError, match="in 1-65535, got 0"):
+        check_port(0, allow_zero=False)
+
+
+def test_check_backend():
+    assert check_backend("gloo") == torch.device("cpu")
+    with pytest.raises(WeightValidationError, match="backend must be one of"):
+        check_backend("mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(WeightValidationError, match="backend 'nccl' needs CUDA"):
+            check_backend("nccl")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"world_size": 1}, "world_size must be an int >= 2"),
+        ({"rank": 2}, r"rank must be in \[0, world_size=2\)"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a finite number"),
+        ({"master_port": 70000}, "master_port must be an int in 0-65535"),
+    ],
+)
+def test_group_checks_its_arguments_before_opening_a_store(overrides, message):
+    with pytest.raises(WeightValidationError, match=message):
+        _group(**overrides)
+
+
+def test_store_round_trips_json_and_a_rank_is_claimed_once():
+    group = _group()
+    try:
+        assert group.port > 0
+        group.set("wire", {"packed": True, "n": [1, 2]})
+        assert group.get("wire") == {"packed": True, "n": [1, 2]}
+        assert group.try_get("missing") is None
+        group.claim_rank()
+        with pytest.raises(WeightValidationError, match="rank 0 was claimed by another process"):
+            group.claim_rank()
+        assert not group.is_connected
+    finally:
+        group.close()
+
+
+def test_reading_a_key_nobody_writes_times_out_as_a_weightsync_error():
+    group = _group()
+    try:
+        with pytest.raises(WeightTransferTimeout, match=r"reading 'never' .* timed out"):
+            group.get("never", timeout_s=0.05)
+    finally:
+        group.close()
+
+
+def test_collectives_need_a_connected_group():
+    group = _group()
+    try:
+        with pytest.raises(WeightTransferError, match="not connected"):
+            group.broadcast(torch.zeros(1), "a test")
+    finally:
+        group.close()
+
+
+def test_torch_failures_become_weightsync_errors():
+    timeout = _translate("receiving bucket", RuntimeError("Socket Timeout"), 3.0)
+    assert isinstance(timeout, WeightTransferTimeout)
+    assert "receiving bucket timed out after 3 s (timeout_s)" in str(timeout)
+    failed = _translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
+    assert type(failed) is WeightTransferError
+    assert "a peer process died or closed the group" in str(failed)
