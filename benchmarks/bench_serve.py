@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import torch
 
+from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync import AsyncEngine, EngineConfig, SamplingParams
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -181,6 +182,7 @@ def main() -> None:
         "keep_pause_median_steps": statistics.median(steps),
         "keep_pause_max_steps": max(steps),
         "keep_pauses": len(steps),
+        "machine": describe_machine(),
     }
     print(json.dumps(result))
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -164,4 +165,5 @@ def run(*, size_mb: int, repeats: int, verbose: bool) -> dict[str, Any]:
         "http_gbps": num_bytes / medians["http"] / 1e9,
         "bare_gbps": num_bytes / medians["bare"] / 1e9,
         "http_overhead_ratio": (medians["http"] - medians["bare"]) / medians["bare"],
+        "machine": describe_machine(),
     }
