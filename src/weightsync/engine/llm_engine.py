@@ -10,17 +10,17 @@ paused or idle, torn weights) is described on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
@@ -28,36 +28,18 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import PRESETS
 from weightsync.engine.model_runner import ModelRunner
 from weightsync.engine.outputs import RequestOutput, WeightVersion
-from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt
+from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt, pair_prompts
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
-from weightsync.engine.weights import LiveWeights, _Transaction
-from weightsync.errors import (
-    EngineBusyError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-    WeightUpdateStateError,
-)
+from weightsync.engine.weights import LiveWeights
+from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
 __all__ = ["LLMEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-def _unwrap(request: Any, key: str, method: str) -> Any:
-    """Takes `key` out of a vLLM-style request envelope (`{"update_info": {...}}`)."""
-    if isinstance(request, Mapping) and key in request:
-        return request[key]
-    if not isinstance(request, Mapping) and hasattr(request, key):
-        return getattr(request, key)
-    got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
-    raise InvalidRequestError(
-        f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}"
-    )
 
 
 class LLMEngine:
@@ -131,6 +113,7 @@ class LLMEngine:
             worker_index=worker_index,
             staging=config.weight_update_staging,
         )
+        self._gate = UpdateGate(self.scheduler, self.weights, self.block_manager)
         self.num_steps = 0
         # add_request / abort_request may come from another thread while a step runs: they
         # only touch these inboxes, which each step drains first.
@@ -242,19 +225,8 @@ class LLMEngine:
                 are torn: it would wait forever.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
-        self._check_can_generate("generate()")
-        batch: list[Prompt] = (
-            [prompts]  # type: ignore[list-item]
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)  # type: ignore[arg-type]
-        )
-        params = (
-            list(sampling_params)
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params or SamplingParams()] * len(batch)
-        )
-        if len(params) != len(batch):
-            raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
+        self._gate.check_can_generate("generate()")
+        batch, params = pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
             self.add_request(request_id, prompt, sp)
@@ -262,7 +234,7 @@ class LLMEngine:
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             if not self.has_work():
-                self._check_can_generate("generate()")
+                self._gate.check_can_generate("generate()")
                 raise EngineStateError("generate() cannot make progress: the engine was paused")
             for output in self.step():
                 if output.request_id not in ids:
@@ -327,28 +299,9 @@ class LLMEngine:
             TornWeightsError: A failed update left torn weights; land a complete update first.
             WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
-        self._check_can_generate("resume_generation()")
+        self._gate.check_can_generate("resume_generation()")
         self._clear_cache_after_drain = False
         self.scheduler.resume()
-
-    def _check_can_generate(self, call: str) -> None:
-        if self.weights.is_torn:
-            names = sorted(self.weights.torn_names)
-            raise TornWeightsError(
-                f"{call}: a failed weight update left {len(names)} weights torn (e.g. "
-                f"{names[:3]}), so the engine does not generate: land an update that covers them "
-                "with update_weights(...) first"
-            )
-        if self.weights.transaction is not None:
-            raise WeightUpdateStateError(
-                f"{call}: a weight update is in progress: finish_weight_update(...) or "
-                "abort_weight_update() first"
-            )
-        if call == "generate()" and self.is_paused():
-            raise EngineStateError(
-                "the engine is paused, so generate() would wait forever: call "
-                "resume_generation() first"
-            )
 
     def is_paused(self) -> bool:
         """Whether generation is paused (a draining `wait` pause is not paused yet)."""
@@ -372,7 +325,7 @@ class LLMEngine:
         Blocks until the group forms (the trainer's first send) or its timeout passes.
         """
         self.weights.init_transfer_engine(
-            _unwrap(request, "init_info", "init_weight_transfer_engine")
+            unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
 
     def start_weight_update(self) -> None:
@@ -387,11 +340,7 @@ class LLMEngine:
             EngineStateError: No transfer engine was initialized.
             WeightUpdateStateError: A transaction is already open.
         """
-        self._check_idle("start_weight_update")
-        running = self.scheduler.state is PauseState.UNPAUSED
-        self.weights.start(resume_after=running)
-        if running:
-            self.scheduler.pause("keep")
+        self._gate.start()
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -414,15 +363,7 @@ class LLMEngine:
             WeightValidationError: The message was refused; nothing changed.
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
-        update_info = _unwrap(request, "update_info", "update_weights")
-        try:
-            self._check_idle("update_weights")
-        except EngineBusyError as exc:
-            self.weights.refuse(update_info, exc)
-            raise
-        running = self.scheduler.state is PauseState.UNPAUSED
-        with self._weight_call(running):
-            return self.weights.update(update_info)
+        return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Ends the open transaction and moves the weight version, as vLLM's call of that name.
@@ -437,8 +378,7 @@ class LLMEngine:
                 open (send them, or `abort_weight_update()`).
             TornWeightsError: Weights torn by an earlier failure remain; the version stays.
         """
-        with self._weight_call(running=False):
-            self.weights.finish(weight_version)
+        self._gate.finish(weight_version)
 
     def abort_weight_update(self) -> bool:
         """Ends the open transaction on purpose (a weightsync extension). Harmless without one.
@@ -450,52 +390,7 @@ class LLMEngine:
         Returns:
             Whether a transaction was open.
         """
-        with self._weight_call(running=False):
-            return self.weights.abort()
-
-    @contextlib.contextmanager
-    def _weight_call(self, running: bool) -> Iterator[None]:
-        """Settles the pause state and the prefix cache after a transaction call, however it ends.
-
-        Args:
-            running: The engine was unpaused before the call (a transaction it opens then
-                resumes the engine when it ends).
-        """
-        before: _Transaction | None = self.weights.transaction
-        writes = self.weights.num_writes
-        try:
-            yield
-        finally:
-            after = self.weights.transaction
-            if after is not None and after is not before and before is None:
-                after.resume_after = running  # opened by this bare update and still open
-            if self.weights.num_writes != writes:
-                self.block_manager.bump_epoch()  # KV of the old weights must not be reused
-            if self.weights.holds_generation:
-                if self.scheduler.state is not PauseState.PAUSED:
-                    self.scheduler.pause("keep")  # queued and frozen requests wait for the update
-                if self.weights.is_torn:
-                    logger.error("weights are torn: the engine stays paused")
-            elif before is not None and after is None and before.resume_after:
-                self.scheduler.resume()
-
-    def _check_idle(self, call: str) -> None:
-        """Raises `EngineBusyError` when requests run on an engine that is not paused."""
-        # Requests still in the inbox have not started: they will simply run on the new weights.
-        # While the weights hold generation (an open update, torn weights) nothing computes.
-        state = self.scheduler.state
-        busy = state is not PauseState.PAUSED and not self.weights.holds_generation
-        if busy and self.scheduler.num_unfinished:
-            what = (
-                "a wait-mode pause is still draining"
-                if state is PauseState.DRAINING
-                else "it is not paused"
-            )
-            raise EngineBusyError(
-                f"{call} needs a paused or idle engine, but {self.scheduler.num_unfinished} "
-                f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
-                f"'abort') first, then {call}, then resume_generation()"
-            )
+        return self._gate.abort()
 
     def shutdown(self) -> None:
         """Releases the transfer engine. Safe to call twice."""
