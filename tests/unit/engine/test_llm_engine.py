@@ -129,3 +129,23 @@ def test_abort_request_returns_the_partial_output(debug_model):
     assert len(outputs["a"].outputs[0].token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_steps_mixing_decodes_and_prefills_equal_the_reference(debug_model):
+    # Requests arriving while others decode make steps whose decodes and prefill chunks are
+    # attended in two padded groups; prompts of different lengths pad both.
+    engine = LLMEngine(
+        debug_model, engine_config=small_config(max_num_batched_tokens=24, max_num_seqs=8)
+    )
+    params = greedy(12)
+    engine.add_request("first", PROMPTS[0], params)
+    for _ in range(3):
+        engine.step()
+    for index, prompt in enumerate(PROMPTS[1:4]):
+        engine.add_request(f"late-{index}", prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for request_id, prompt in zip(["first", "late-0", "late-1", "late-2"], PROMPTS, strict=False):
+        expected = reference_greedy(debug_model, engine.tokenizer.encode(prompt), 12)
+        assert finals[request_id].outputs[0].token_ids == expected, request_id
