@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from weightsync.engine.errors import EngineConfigError
 
 __all__ = ["EngineConfig"]
@@ -25,6 +27,9 @@ class EngineConfig:
         max_model_len: Longest sequence (prompt + output) in tokens; defaults to the model's
             `max_position_embeddings`.
         seed: Seeds the sampling of requests that set no seed of their own.
+        device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
+            `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
+            device's memory (the transfer backend receives into the model's parameters).
 
     Raises:
         EngineConfigError: A value is out of range; the message names the field.
@@ -40,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
@@ -60,6 +66,40 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+        try:
+            if not isinstance(self.device, str | torch.device):
+                raise TypeError(type(self.device).__name__)
+            self.device = str(torch.device(self.device))  # a torch.device is taken as its name
+        except (RuntimeError, TypeError) as exc:
+            raise EngineConfigError(
+                f"EngineConfig.device must name a torch device such as 'cpu' or 'cuda:0', "
+                f"got {self.device!r}"
+            ) from exc
+
+    def resolve_device(self) -> torch.device:
+        """Returns `device` as a `torch.device`, checked against this machine.
+
+        Raises:
+            EngineConfigError: A CUDA device on a machine without CUDA, or a device index that
+                does not exist.
+
+        >>> EngineConfig().resolve_device()
+        device(type='cpu')
+        """
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise EngineConfigError(
+                    f"EngineConfig.device is {self.device!r} but torch sees no CUDA device here: "
+                    "use device='cpu', or install a CUDA build of torch on a machine with a GPU"
+                )
+            if device.index is not None and device.index >= count:
+                raise EngineConfigError(
+                    f"EngineConfig.device is {self.device!r} but this machine has {count} CUDA "
+                    f"device(s), cuda:0 to cuda:{count - 1}"
+                )
+        return device
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """Returns the longest sequence for a model with `max_position_embeddings` positions.
