@@ -353,7 +353,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         # Load average of the machine over the run's last minute, at its end: the committed
         # runs share their cores with other work, which the wall-clock figures feel.
-        "load_average_1min": os.getloadavg()[0],
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers"),
         "hf_static_ratio": hf["static"]["hf_ratio"],

@@ -1,10 +1,12 @@
 """Plots the benchmark results committed in `benchmarks/results/*.json` onto the performance page.
 
-Each results file is the JSON object a benchmark prints (`benchmarks/bench_transfer.py --json`).
-Every `*_gbps` figure becomes a bar: top-level figures form one group, each nested object holding
-`*_gbps` figures (e.g. `two_receivers`) another. For each file this appends to `performance.md` a
-section with the chart (an SVG written here, no plotting library needed), the figures as a table,
-and the run's recorded settings. Adding a results file adds its section.
+Each results file is the JSON object a benchmark prints (`benchmarks/bench_transfer.py --json`,
+`benchmarks/bench_engine.py --json`). Every `*_gbps` figure becomes a bar: top-level figures form
+one group, each nested object holding `*_gbps` figures (e.g. `two_receivers`) another. A
+`tokens_per_s_by_concurrency` object (concurrent requests -> output tokens/s) becomes a line. For
+each file this appends to `performance.md` a section with the charts (SVGs written here, no
+plotting library needed), the figures as tables, and the run's recorded settings. Adding a results
+file adds its section.
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ SETTINGS = {
     "num_buffers": "buffers in flight",
     "num_buckets": "buckets per update",
     "repeats": "timed repetitions",
+    "model": "model preset",
+    "parameters": "parameters",
+    "threads": "torch intra-op threads",
+    "mixed_repeats": "timed repetitions of the mixed figure",
     "cpu_count": "CPU cores",
+    "load_average_1min": "load average at the end (1 min)",
     "torch": "torch",
+    "transformers": "transformers",
 }
 
 Groups = dict[str, dict[str, float]]
@@ -101,32 +109,99 @@ def bar_chart(groups: Groups, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def line_chart(points: dict[str, float], title: str) -> str:
+    """Output tokens/s against concurrent requests, as a standalone SVG document.
+
+    The x axis is logarithmic in the request counts (evenly spaced 1, 2, 4, ...).
+    """
+    counts = list(points)
+    peak = max(points.values(), default=1.0) or 1.0
+    left, top, plot_w, plot_h = 70, 40, 460, 240
+    width, height = left + plot_w + 40, top + plot_h + 60
+
+    def xy(index: int, value: float) -> tuple[float, float]:
+        x = left + plot_w * index / max(1, len(counts) - 1)
+        return x, top + plot_h * (1 - value / peak)
+
+    coords = [xy(i, points[c]) for i, c in enumerate(counts)]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="13">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
+        'stroke="#555555"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#555555"/>',
+        f'<text x="{left - 8}" y="{top + 4}" text-anchor="end">{peak:.0f}</text>',
+        f'<text x="{left - 8}" y="{top + plot_h + 4}" text-anchor="end">0</text>',
+        '<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
+            COLORS[0], " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+        ),
+    ]
+    for count, (x, y) in zip(counts, coords, strict=True):
+        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{COLORS[0]}"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle">{points[count]:.0f}</text>'
+        )
+        out.append(
+            f'<text x="{x:.1f}" y="{top + plot_h + 18}" text-anchor="middle">{escape(count)}</text>'
+        )
+    out.append(
+        f'<text x="{left}" y="{height - 12}" fill="#555555">concurrent requests (x) against '
+        "output tokens/s (y), higher is better</text>"
+    )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def concurrency_lines(path: Path, points: dict[str, float], image: str) -> list[str]:
+    """The tokens/s-by-concurrency chart (written to `image`) and table of one results file."""
+    with mkdocs_gen_files.open(image, "w") as svg:
+        svg.write(line_chart(points, f"{path.stem}: output tokens/s by concurrent requests"))
+    lines = [f"![{path.stem}: output tokens/s by concurrent requests]({image})", ""]
+    lines += ["| Concurrent requests | Output tokens/s |", "| ---: | ---: |"]
+    lines += [f"| {count} | {value:.0f} |" for count, value in points.items()]
+    return [*lines, ""]
+
+
 def section(path: Path) -> str:
     """The performance page's section for one results file (writes its chart too)."""
     result = json.loads(path.read_text(encoding="utf-8"))
-    groups = figure_groups(result)
-    image = f"assets/benchmarks/{path.stem}.svg"
-    with mkdocs_gen_files.open(image, "w") as svg:
-        svg.write(bar_chart(groups, f"{path.stem}: throughput per figure"))
     relative = path.relative_to(ROOT).as_posix()
-    lines = [
-        f"### `{path.stem}`",
-        "",
-        f"From `{relative}`.",
-        "",
-        f"![{path.stem}: GB/s per figure]({image})",
-        "",
-        "| Figure | " + " | ".join(f"{group} (GB/s)" for group in groups) + " |",
-        "| --- |" + " ---: |" * len(groups),
-    ]
-    names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
-    for name in names:
-        cells = [f"{figures[name]:.2f}" if name in figures else "" for figures in groups.values()]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += ["", "| Setting | Value |", "| --- | --- |"]
+    lines = [f"### `{path.stem}`", "", f"From `{relative}`.", ""]
+    groups = figure_groups(result)
+    if groups:
+        image = f"assets/benchmarks/{path.stem}.svg"
+        with mkdocs_gen_files.open(image, "w") as svg:
+            svg.write(bar_chart(groups, f"{path.stem}: throughput per figure"))
+        lines += [
+            f"![{path.stem}: GB/s per figure]({image})",
+            "",
+            "| Figure | " + " | ".join(f"{group} (GB/s)" for group in groups) + " |",
+            "| --- |" + " ---: |" * len(groups),
+        ]
+        names = list(dict.fromkeys(name for figures in groups.values() for name in figures))
+        for name in names:
+            cells = [
+                f"{figures[name]:.2f}" if name in figures else "" for figures in groups.values()
+            ]
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    if isinstance(result.get("tokens_per_s_by_concurrency"), dict):
+        # The file's chart, or a second one beside its GB/s chart.
+        image = f"assets/benchmarks/{path.stem}{'_concurrency' if groups else ''}.svg"
+        lines += concurrency_lines(path, result["tokens_per_s_by_concurrency"], image)
+    lines += ["| Setting | Value |", "| --- | --- |"]
     lines += [f"| {label} | `{result[key]}` |" for key, label in SETTINGS.items() if key in result]
     ratios = {k: v for k, v in result.items() if "ratio" in k and isinstance(v, int | float)}
     lines += [f"| {k.replace('_', ' ')} | `{v:.2f}` |" for k, v in ratios.items()]
+    for part, figures in result.items():  # ratios inside nested objects, e.g. `hf_mixed`
+        if isinstance(figures, dict):
+            lines += [
+                f"| {part.replace('_', ' ')}: {k.replace('_', ' ')} | `{v:.2f}` |"
+                for k, v in figures.items()
+                if "ratio" in k and isinstance(v, int | float) and not isinstance(v, bool)
+            ]
     lines.append("")
     return "\n".join(lines)
 

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["The quick brown fox", "Hello, world", "pause, update, resume", "a", "1 2 3 4 5"]
 
 
-def config(device: str, **overrides: object) -> EngineConfig:
-    return EngineConfig(**{"num_kv_blocks": 256, "block_size": 8, "device": device, **overrides})  # type: ignore[arg-type]
+def config(device: str) -> EngineConfig:
+    return EngineConfig(num_kv_blocks=256, block_size=8, device=device)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

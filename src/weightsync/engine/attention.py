@@ -1,9 +1,9 @@
 """Attention over a paged KV cache, and the plain causal attention of the no-cache path.
 
 The KV cache of one layer is a tensor (2, num_kv_heads, num_slots, head_dim): keys then values,
-one slot per token and head, `num_slots = num_blocks * block_size`. A sequence's token at position `p` lives
-in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its new keys
-and values into their slots, then each query attends over its sequence's slots.
+one slot per token, `num_slots = num_blocks * block_size`. A sequence's token at position `p`
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its
+new keys and values into their slots, then each query attends over its sequence's slots.
 
 The step's sequences are attended in groups, one `scaled_dot_product_attention` call per group and
 layer, with no Python loop over sequences: a group pads its sequences' queries and contexts to a
@@ -39,8 +39,9 @@ class AttentionGroup:
             padding query still sees key 0, so no row of the softmax is empty.
         sources: (num_queries,) flat index into `rows * max_queries` of each real query.
         targets: (num_queries,) index among the step's tokens of the same queries.
-        gathered: (2, kv_heads, rows * max_blocks, block_size * head_dim) scratch space that each layer
-            gathers the group's keys and values into, overwriting the previous layer's.
+        gathered: (2, kv_heads, rows * max_blocks, block_size * head_dim) scratch space that
+            each layer gathers the group's keys and values into, overwriting the previous
+            layer's.
     """
 
     query_index: torch.Tensor
