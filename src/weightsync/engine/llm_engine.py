@@ -49,8 +49,8 @@ class LLMEngine:
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
-            Hugging Face directory.
-        engine_config: Scheduler and KV-cache limits.
+            Hugging Face directory. A given model is moved to `engine_config.device`.
+        engine_config: Scheduler and KV-cache limits, and the device the engine computes on.
         tokenizer: Turns text prompts into ids and output ids into text.
         weight_transfer_config: Transfer backend for `update_weights`; None takes the backend
             named in the init info.
@@ -60,7 +60,8 @@ class LLMEngine:
         worker_index: This engine's index among a transfer group's workers.
 
     Raises:
-        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence).
+        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence), or
+            a device this machine does not have.
 
     >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
     >>> out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -80,14 +81,17 @@ class LLMEngine:
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
     ) -> None:
+        self.config = config = engine_config or EngineConfig()
+        self.device = config.resolve_device()
         if isinstance(model, str):
             model = (
                 LlamaForCausalLM.from_preset(model, seed=seed, dtype=dtype)
                 if model in PRESETS
                 else load_hf_directory(model, dtype=dtype)
             )
-        self.model = model.eval()
-        self.config = config = engine_config or EngineConfig()
+        # Before LiveWeights exists: the transfer backend receives into these parameters, so
+        # updates land in the device's memory, never through the host.
+        self.model = model.to(self.device).eval()
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
         self.input_processor = InputProcessor(
@@ -95,6 +99,7 @@ class LLMEngine:
             vocab_size=model.config.vocab_size,
             max_model_len=self.max_model_len,
             seed=config.seed,
+            device=self.device,
         )
         self.output_processor = OutputProcessor(tokenizer, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(

@@ -27,12 +27,20 @@ class InputProcessor:
         vocab_size: The model's vocabulary size (token-id prompts must fit in it).
         max_model_len: Longest sequence in tokens.
         seed: Seeds the sampling of requests that set no seed of their own.
+        device: Where sampling runs: each sequence's generator lives there.
     """
 
     def __init__(
-        self, tokenizer: ByteTokenizer, *, vocab_size: int, max_model_len: int, seed: int
+        self,
+        tokenizer: ByteTokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        seed: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.tokenizer = tokenizer
+        self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.seed = seed
@@ -74,7 +82,7 @@ class InputProcessor:
             request_id,
             token_ids,
             params,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(self.device).manual_seed(seed),
             decoder=self.tokenizer.incremental_decoder(),
             prompt=text,
         )
