@@ -2,15 +2,15 @@
 
 import pytest
 import torch
+from ipc_rigs import IPCTrainerProcess
 
+from weightsync import weight_checksums
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
 from weightsync.transfer.base import WeightTransferUpdateInfo
-from weightsync.transfer.ipc_worker import IPCTrainerProcess
-from weightsync.transfer.worker import tensor_digests
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +71,7 @@ def test_cuda_ipc_update_lands_in_the_engines_device_memory():
         trainer.close()
         engine.shutdown()
     weights = dict(engine.model.named_weights())
-    assert tensor_digests(weights) == want
+    assert weight_checksums(weights) == want
     # In place, on the device: the same CUDA memory holds the new bytes.
     assert all(t.is_cuda for t in weights.values())
     assert {name: t.data_ptr() for name, t in weights.items()} == before
