@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from ipc_rigs import IPCTrainerProcess
 
+from ipc_rigs import IPCTrainerProcess
 from weightsync import weight_checksums
 from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
