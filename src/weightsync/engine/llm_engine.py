@@ -28,7 +28,7 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import PRESETS
 from weightsync.engine.model_runner import ModelRunner
 from weightsync.engine.outputs import RequestOutput, WeightVersion
-from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt, pair_prompts
+from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
@@ -120,8 +120,7 @@ class LLMEngine:
         )
         self._gate = UpdateGate(self.scheduler, self.weights, self.block_manager)
         self.num_steps = 0
-        # add_request / abort_request may come from another thread while a step runs: they
-        # only touch these inboxes, which each step drains first.
+        # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
         self._inbox: deque[Seq] = deque()
         self._abort_inbox: set[str] = set()
@@ -130,7 +129,6 @@ class LLMEngine:
         self._clear_cache_after_drain = False
 
     # --- requests -----------------------------------------------------------------------------
-
     def add_request(
         self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> None:
@@ -231,7 +229,7 @@ class LLMEngine:
             InvalidRequestError: A bad prompt or sampling parameters.
         """
         self._gate.check_can_generate("generate()")
-        batch, params = pair_prompts(prompts, sampling_params)
+        batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
             self.add_request(request_id, prompt, sp)

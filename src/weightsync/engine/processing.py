@@ -13,7 +13,7 @@ from weightsync.engine.sequence import Sequence
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.errors import InvalidRequestError
 
-__all__ = ["InputProcessor", "OutputProcessor", "Prompt", "pair_prompts"]
+__all__ = ["InputProcessor", "OutputProcessor", "Prompt"]
 
 Prompt = str | list[int]
 """A prompt: text (tokenized by the engine's tokenizer) or token ids."""
@@ -87,6 +87,37 @@ class InputProcessor:
             prompt=text,
         )
 
+    @staticmethod
+    def pair_prompts(
+        prompts: Prompt | abc.Sequence[Prompt],
+        sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None,
+    ) -> tuple[list[Prompt], list[SamplingParams]]:
+        """Pairs each prompt with its sampling parameters, as `LLMEngine.generate` takes them.
+
+        One prompt (a string or a list of token ids) or a list of prompts; one `SamplingParams` for
+        all of them (None: the defaults) or a list with one per prompt.
+
+        Raises:
+            InvalidRequestError: The two lists differ in length.
+
+        >>> batch, params = InputProcessor.pair_prompts("hi", None)
+        >>> batch, len(params)
+        (['hi'], 1)
+        """
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, abc.Sequence)
+            else [sampling_params or SamplingParams()] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
+        return batch, params
+
 
 class OutputProcessor:
     """Applies a step's sampled tokens to their sequences and ends those that should stop.
@@ -145,34 +176,3 @@ class OutputProcessor:
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish("length")
-
-
-def pair_prompts(
-    prompts: Prompt | abc.Sequence[Prompt],
-    sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None,
-) -> tuple[list[Prompt], list[SamplingParams]]:
-    """Pairs each prompt with its sampling parameters, as `LLMEngine.generate` takes them.
-
-    One prompt (a string or a list of token ids) or a list of prompts; one `SamplingParams` for
-    all of them (None: the defaults) or a list with one per prompt.
-
-    Raises:
-        InvalidRequestError: The two lists differ in length.
-
-    >>> batch, params = pair_prompts("hi", None)
-    >>> batch, len(params)
-    (['hi'], 1)
-    """
-    batch: list[Prompt] = (
-        [prompts]  # type: ignore[list-item]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        else list(prompts)  # type: ignore[arg-type]
-    )
-    params = (
-        list(sampling_params)
-        if isinstance(sampling_params, abc.Sequence)
-        else [sampling_params or SamplingParams()] * len(batch)
-    )
-    if len(params) != len(batch):
-        raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
-    return batch, params
