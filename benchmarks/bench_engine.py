@@ -1,9 +1,20 @@
-"""Engine benchmark: continuous batching, pause latency and resume, measured in one run.
+"""Engine benchmark: against `transformers`' `generate`, by concurrency, and pause latency.
 
     python benchmarks/bench_engine.py --json
 
 Measures, on one model in one process:
 
+- the engine against Hugging Face `transformers`' `generate` on the same weights (loaded into
+  `transformers.LlamaForCausalLM` through the engine's Hugging Face names) and the same greedy
+  requests, checking that the outputs are token-for-token identical:
+  - `hf_static_ratio`: 32 prompts of equal length, 64 tokens each, one batch for `generate` (its
+    best case);
+  - `hf_mixed_ratio`: 64 prompts of 16 to 64 tokens, `max_tokens` spread from 8 to 256 (as
+    rollouts are); `generate` runs them as one left-padded batch until the longest is done, as a
+    user would call it (`hf_sorted_ratio`: sorted by `max_tokens` into groups of 16);
+  each round runs every contender once, so that a busy moment of the machine hits all alike, and
+  each time is the median over the rounds (wall clock; process CPU time beside it);
+- output tokens/s against the number of concurrent requests (1 to 64), each request 64 tokens;
 - decode throughput (output tokens/s) of 32 requests with continuous batching against the same
   requests one at a time (`batching_speedup`);
 - how long `pause_generation` takes under 64 concurrent streams, for each mode, in engine steps
@@ -18,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
+import os
+import statistics
 import time
 from typing import Any
 
@@ -69,6 +83,155 @@ def bench_batching(model: LlamaForCausalLM, requests: int, max_tokens: int) -> d
         "outputs_identical": same,
         "speedup": alone_s / batched_s,
     }
+
+
+def hf_twin(model: LlamaForCausalLM) -> Any:
+    """`transformers.LlamaForCausalLM` with `model`'s config and weights (by Hugging Face name)."""
+    import transformers  # the dev extra; only this benchmark needs it
+
+    config = transformers.LlamaConfig(**model.config.to_hf_dict())
+    # The byte tokenizer's ids mean nothing to `generate`: no early end, pad with id 0.
+    config.bos_token_id = config.eos_token_id = None
+    config.pad_token_id = 0
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.load_state_dict(dict(model.named_weights()), strict=not model.config.tie_word_embeddings)
+    hf.generation_config.pad_token_id = 0
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def hf_generate(hf: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy `generate` on one left-padded batch until the longest request is done.
+
+    Each request's output is cut to its own `max_tokens`: what `generate` computed past it is
+    the padded batch's waste.
+    """
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max(max_tokens),
+            min_new_tokens=max(max_tokens),
+        )
+    return [row[longest : longest + n] for row, n in zip(out.tolist(), max_tokens, strict=True)]
+
+
+def hf_generate_sorted(
+    hf: Any, prompts: list[list[int]], max_tokens: list[int], group_size: int
+) -> list[list[int]]:
+    """`hf_generate` on groups of `group_size` requests of similar `max_tokens`, in turn."""
+    order = sorted(range(len(prompts)), key=lambda i: max_tokens[i])
+    outputs: dict[int, list[int]] = {}
+    for start in range(0, len(order), group_size):
+        group = order[start : start + group_size]
+        tokens = hf_generate(hf, [prompts[i] for i in group], [max_tokens[i] for i in group])
+        outputs.update(zip(group, tokens, strict=True))
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def engine_generate(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]
+) -> list[list[int]]:
+    """Greedy outputs of the engine, each request with its own `max_tokens`."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+def timed_rounds(
+    contenders: dict[str, Any], rounds: int, *, warm_up: bool = True
+) -> dict[str, Any]:
+    """Runs each contender once per round (after one warm-up run if asked); medians and outputs.
+
+    Returns:
+        Per contender: `seconds` and `cpu_seconds` (medians of wall clock and process CPU
+        time) and `outputs` (of its last run).
+    """
+    results: dict[str, Any] = {}
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    for name, run in contenders.items():
+        results[name] = {"outputs": run() if warm_up else None}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            results[name]["outputs"] = run()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    for name in contenders:
+        results[name]["seconds"] = statistics.median(wall[name])
+        results[name]["cpu_seconds"] = statistics.median(cpu[name])
+    return results
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts of byte token ids, one per length."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+def bench_hf(model: LlamaForCausalLM, rounds: int, mixed_rounds: int) -> dict[str, Any]:
+    """The engine against `generate`: a static batch, then requests of mixed lengths."""
+    hf = hf_twin(model)
+    engine = LLMEngine(model, engine_config=EngineConfig(max_num_seqs=64))
+    static_prompts, static_tokens = random_prompts([32] * 32, seed=1), [64] * 32
+    static = timed_rounds(
+        {
+            "engine": lambda: engine_generate(engine, static_prompts, static_tokens),
+            "hf": lambda: hf_generate(hf, static_prompts, static_tokens),
+        },
+        rounds,
+    )
+    count = 64
+    spread = torch.Generator().manual_seed(2)
+    mixed_tokens = [8 + round(i * 248 / (count - 1)) for i in range(count)]  # 8 .. 256
+    mixed_tokens = [mixed_tokens[i] for i in torch.randperm(count, generator=spread).tolist()]
+    lengths = [16 + round(i * 48 / (count - 1)) for i in range(count)]  # 16 .. 64
+    lengths = [lengths[i] for i in torch.randperm(count, generator=spread).tolist()]
+    mixed_prompts = random_prompts(lengths, seed=3)
+    mixed = timed_rounds(
+        {
+            "engine": lambda: engine_generate(engine, mixed_prompts, mixed_tokens),
+            "hf": lambda: hf_generate(hf, mixed_prompts, mixed_tokens),
+            "hf_sorted": lambda: hf_generate_sorted(hf, mixed_prompts, mixed_tokens, 16),
+        },
+        mixed_rounds,
+        warm_up=False,  # the static figure warmed both up
+    )
+
+    def figures(results: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+        ours = results["engine"]
+        row: dict[str, Any] = {
+            "requests": len(tokens),
+            "output_tokens": sum(tokens),
+            "engine_tokens_per_s": sum(tokens) / ours["seconds"],
+        }
+        for name, result in results.items():
+            row[f"{name}_seconds"] = result["seconds"]
+            row[f"{name}_cpu_seconds"] = result["cpu_seconds"]
+            if name != "engine":
+                row[f"{name}_outputs_identical"] = result["outputs"] == ours["outputs"]
+                row[f"{name}_ratio"] = result["seconds"] / ours["seconds"]
+                row[f"{name}_cpu_ratio"] = result["cpu_seconds"] / ours["cpu_seconds"]
+        return row
+
+    return {"static": figures(static, static_tokens), "mixed": figures(mixed, mixed_tokens)}
+
+
+def bench_concurrency(
+    model: LlamaForCausalLM, rounds: int, max_tokens: int, levels: list[int]
+) -> dict[str, float]:
+    """Output tokens/s with `n` requests in flight at once, for each `n` in `levels`."""
+    engine = LLMEngine(model, engine_config=EngineConfig(max_num_seqs=max(levels)))
+    prompts = random_prompts([32] * max(levels), seed=4)
+    runs = {
+        str(n): (lambda n=n: engine_generate(engine, prompts[:n], [max_tokens] * n)) for n in levels
+    }
+    results = timed_rounds(runs, rounds)
+    return {name: int(name) * max_tokens / r["seconds"] for name, r in results.items()}
 
 
 class _Stream:
@@ -154,9 +317,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--model", default="small", help="model preset (default small)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each figure")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1 suits tiny models)"
+        "--mixed-rounds", type=int, default=None, help="rounds of the mixed figure (--rounds)"
     )
     parser.add_argument("--requests", type=int, default=32, help="requests for the batching figure")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
@@ -166,6 +331,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = LlamaForCausalLM.from_preset(args.model, seed=0)
+    started = time.perf_counter()
+    hf = bench_hf(model, args.rounds, args.mixed_rounds or args.rounds)
+    if not args.json:
+        print(f"transformers: {hf}")
+    levels = [1, 2, 4, 8, 16, 32, 64]
+    concurrency = bench_concurrency(model, args.rounds, 64, levels)
+    if not args.json:
+        print(f"tokens/s by concurrency: {concurrency}")
     batching = bench_batching(model, args.requests, args.max_tokens)
     if not args.json:
         print(f"batching: {batching}")
@@ -176,6 +349,23 @@ def main() -> None:
         "model": args.model,
         "parameters": sum(p.numel() for p in model.parameters()),
         "threads": args.threads,
+        "repeats": args.rounds,
+        "mixed_repeats": args.mixed_rounds or args.rounds,
+        "cpu_count": os.cpu_count(),
+        # Load average of the machine over the run's last minute, at its end: the committed
+        # runs share their cores with other work, which the wall-clock figures feel.
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+        "hf_static_ratio": hf["static"]["hf_ratio"],
+        "hf_mixed_ratio": hf["mixed"]["hf_ratio"],
+        "hf_sorted_ratio": hf["mixed"]["hf_sorted_ratio"],
+        "outputs_identical": all(
+            v for part in hf.values() for k, v in part.items() if k.endswith("_identical")
+        ),
+        "hf_static": hf["static"],
+        "hf_mixed": hf["mixed"],
+        "tokens_per_s_by_concurrency": concurrency,
         "batching": batching,
         "batching_speedup": batching["speedup"],
         "pause_streams": args.streams,
@@ -183,6 +373,7 @@ def main() -> None:
         **pause,
         "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
         "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
+        "total_seconds": time.perf_counter() - started,
     }
     result["machine"] = describe_machine()
     print(json.dumps(result))

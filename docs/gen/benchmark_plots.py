@@ -14,6 +14,7 @@ it. The kinds of figure, found by name at any nesting depth:
 The machine is the file's `machine` object (`benchmarks/machine.py`), or, for files written before
 benchmarks recorded it, the file's row in `benchmarks/results/README.md`. Adding a results file adds
 its section; a file with no figure of a known kind is listed with its settings and no chart.
+A `tokens_per_s_by_concurrency` object (concurrent requests -> output tokens/s) becomes a line.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ SETTINGS = {
     "pause_trials": "pauses per mode",
     "batching_speedup": "continuous batching speed-up",
     "resume_to_token_steps": "steps from resume to the next token (p99)",
+    "mixed_repeats": "timed repetitions of the mixed figure",
     "cpu_count": "CPU cores",
+    "load_average_1min": "load average at the end (1 min)",
     "torch": "torch",
+    "transformers": "transformers",
 }
 PERCENTILES = ("p50", "p99")
 
@@ -187,6 +191,61 @@ def bar_chart(groups: Groups, title: str, axis: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def line_chart(points: dict[str, float], title: str) -> str:
+    """Output tokens/s against concurrent requests, as a standalone SVG document.
+
+    The x axis is logarithmic in the request counts (evenly spaced 1, 2, 4, ...).
+    """
+    counts = list(points)
+    peak = max(points.values(), default=1.0) or 1.0
+    left, top, plot_w, plot_h = 70, 40, 460, 240
+    width, height = left + plot_w + 40, top + plot_h + 60
+
+    def xy(index: int, value: float) -> tuple[float, float]:
+        x = left + plot_w * index / max(1, len(counts) - 1)
+        return x, top + plot_h * (1 - value / peak)
+
+    coords = [xy(i, points[c]) for i, c in enumerate(counts)]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="13">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
+        'stroke="#555555"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#555555"/>',
+        f'<text x="{left - 8}" y="{top + 4}" text-anchor="end">{peak:.0f}</text>',
+        f'<text x="{left - 8}" y="{top + plot_h + 4}" text-anchor="end">0</text>',
+        '<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
+            COLORS[0], " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+        ),
+    ]
+    for count, (x, y) in zip(counts, coords, strict=True):
+        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{COLORS[0]}"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle">{points[count]:.0f}</text>'
+        )
+        out.append(
+            f'<text x="{x:.1f}" y="{top + plot_h + 18}" text-anchor="middle">{escape(count)}</text>'
+        )
+    out.append(
+        f'<text x="{left}" y="{height - 12}" fill="#555555">concurrent requests (x) against '
+        "output tokens/s (y), higher is better</text>"
+    )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def concurrency_lines(path: Path, points: dict[str, float], image: str) -> list[str]:
+    """The tokens/s-by-concurrency chart (written to `image`) and table of one results file."""
+    with mkdocs_gen_files.open(image, "w") as svg:
+        svg.write(line_chart(points, f"{path.stem}: output tokens/s by concurrent requests"))
+    lines = [f"![{path.stem}: output tokens/s by concurrent requests]({image})", ""]
+    lines += ["| Concurrent requests | Output tokens/s |", "| ---: | ---: |"]
+    lines += [f"| {count} | {value:.0f} |" for count, value in points.items()]
+    return [*lines, ""]
+
+
 def recorded_machines() -> dict[str, str]:
     """`{file name: machine}` from the table in `benchmarks/results/README.md`."""
     machines: dict[str, str] = {}
@@ -249,10 +308,20 @@ def section(path: Path) -> str:
         with mkdocs_gen_files.open(image, "w") as svg:
             svg.write(bar_chart(chart.groups, f"{path.stem}: {chart.title}", chart.axis))
         lines += [f"![{path.stem}: {chart.title}]({image})", "", *_table(chart), ""]
+    if isinstance(result.get("tokens_per_s_by_concurrency"), dict):
+        image = f"assets/benchmarks/{path.stem}-concurrency.svg"
+        lines += concurrency_lines(path, result["tokens_per_s_by_concurrency"], image)
     lines += ["| Setting | Value |", "| --- | --- |"]
     lines += [f"| {label} | `{result[key]}` |" for key, label in SETTINGS.items() if key in result]
     ratios = {k: v for k, v in result.items() if "ratio" in k and isinstance(v, int | float)}
     lines += [f"| {k.replace('_', ' ')} | `{v:.2f}` |" for k, v in ratios.items()]
+    for part, figures in result.items():  # ratios inside nested objects, e.g. `hf_mixed`
+        if isinstance(figures, dict):
+            lines += [
+                f"| {part.replace('_', ' ')}: {k.replace('_', ' ')} | `{v:.2f}` |"
+                for k, v in figures.items()
+                if "ratio" in k and isinstance(v, int | float) and not isinstance(v, bool)
+            ]
     lines.append("")
     return "\n".join(lines)
 

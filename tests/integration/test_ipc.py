@@ -12,7 +12,7 @@ from ipc_rigs import (
     deliver_to_processes,
 )
 from process_rigs import WorkerProcessError
-from weightsync.errors import WeightTransferError
+from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 
 TIMEOUT_S = 30.0
@@ -181,14 +181,13 @@ def test_a_trainer_killed_mid_transfer_leaves_no_segment(procs):
     trainer.kill()
     wait_for_exit(reply["janitor_pid"], TIMEOUT_S)
     assert shm_names(session) == []
-    # The receivers notice when the next part arrives: its segment is gone.
-    with pytest.raises(
-        WeightTransferError, match=r"does not exist.*earlier parts of the update were loaded"
-    ):
+    # The receivers refuse the next part, whose segment is gone, without loading a byte; the
+    # update stays in progress (an engine's transaction then waits for an abort or a new update).
+    with pytest.raises(WeightValidationError, match=r"no byte moved.*does not exist"):
         deliver(pending)
     for receiver in receivers:
         assert receiver.call("state") == {
             "ok": True,
-            "initialized": False,
-            "update_in_progress": False,
+            "initialized": True,
+            "update_in_progress": True,
         }

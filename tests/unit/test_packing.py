@@ -4,7 +4,8 @@ import torch
 from process_rigs import allocate_tensors, fill_tensors
 from weightsync.errors import WeightValidationError
 from weightsync.transfer._bucket_io import direct_region, pack_bucket, unpack_bucket
-from weightsync.transfer.base import _DTYPES, TensorSpec
+from weightsync.transfer._dtypes import WIRE_DTYPES
+from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flat_tensors
 from weightsync.transfer.packing import ALIGN_BYTES, plan_buckets
 
@@ -19,10 +20,10 @@ def specs_of(tensors):
     return [TensorSpec.of(name, t) for name, t in tensors.items()]
 
 
-@pytest.mark.parametrize("dtype_name", sorted(_DTYPES))
+@pytest.mark.parametrize("dtype_name", sorted(WIRE_DTYPES))
 @pytest.mark.parametrize("shape_kind", sorted(SHAPES))
 def test_round_trip_every_dtype_and_shape_kind(dtype_name, shape_kind):
-    dtype = _DTYPES[dtype_name]
+    dtype = WIRE_DTYPES[dtype_name]
     tensors = allocate_tensors(
         [TensorSpec("x", dtype, SHAPES[shape_kind]), TensorSpec("y", dtype, (3,))], flat=False
     )

@@ -1,10 +1,14 @@
 """Attention over a paged KV cache, and the plain causal attention of the no-cache path.
 
-The KV cache of one layer is a tensor (2, num_slots, num_kv_heads, head_dim): keys then values,
-one slot per token, `num_slots = num_blocks * block_size`. A sequence's token at position `p` lives
-in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its new keys
-and values into their slots, then each query attends over its sequence's slots: decode queries (one
-per sequence) together in one padded batch, prefill chunks one sequence at a time.
+The KV cache of one layer is a tensor (2, num_kv_heads, num_slots, head_dim): keys then values,
+one slot per token, `num_slots = num_blocks * block_size`. A sequence's token at position `p`
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its
+new keys and values into their slots, then each query attends over its sequence's slots.
+
+The step's sequences are attended in groups, one `scaled_dot_product_attention` call per group and
+layer, with no Python loop over sequences: a group pads its sequences' queries and contexts to a
+rectangle and masks the padding. The runner puts decodes (one query each) in one group and prefill
+chunks in another, so that one long prefill never pads every decode to its length.
 """
 
 from __future__ import annotations
@@ -14,23 +18,38 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-__all__ = ["AttentionMetadata", "PrefillSpan", "causal_attention", "paged_attention"]
+__all__ = ["AttentionGroup", "AttentionMetadata", "causal_attention", "paged_attention"]
 
 
 @dataclass
-class PrefillSpan:
-    """One sequence's prefill chunk in a step.
+class AttentionGroup:
+    """Sequences whose queries attend together, padded to `rows x max_queries` queries.
+
+    Row `r` holds one sequence: its queries sit at positions `start_r .. end_r - 1` of the
+    sequence and see its keys `0 .. position` (causal), all of which are in the cache once this
+    step's keys are written.
 
     Attributes:
-        query_start: Index of its first token among the step's tokens.
-        num_queries: Tokens of the chunk.
-        context_slots: (context_len,) cache slots of the sequence's tokens 0..context_len-1,
-            the chunk being the last `num_queries` of them.
+        query_index: (rows, max_queries) index among the step's tokens of each query; padding
+            repeats a real token (its result is dropped).
+        block_tables: (rows, max_blocks) KV block ids of each row's positions, block by block;
+            past a row's table, padding names a real block (masked out). Keys are attended up
+            to `max_context = max_blocks * block_size`.
+        mask: (rows, max_queries, max_context) True where the query may see the key. Every
+            padding query still sees key 0, so no row of the softmax is empty.
+        sources: (num_queries,) flat index into `rows * max_queries` of each real query.
+        targets: (num_queries,) index among the step's tokens of the same queries.
+        gathered: (2, kv_heads, rows * max_blocks, block_size * head_dim) scratch space that
+            each layer gathers the group's keys and values into, overwriting the previous
+            layer's.
     """
 
-    query_start: int
-    num_queries: int
-    context_slots: torch.Tensor
+    query_index: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    sources: torch.Tensor
+    targets: torch.Tensor
+    gathered: torch.Tensor
 
 
 @dataclass
@@ -38,21 +57,15 @@ class AttentionMetadata:
     """Where one step's tokens go in the KV cache and what each of them attends to.
 
     Attributes:
-        kv_caches: One (2, num_slots, num_kv_heads, head_dim) tensor per layer.
+        kv_caches: One (2, num_kv_heads, num_slots, head_dim) tensor per layer.
         slot_mapping: (num_tokens,) slot of each of the step's tokens.
-        decode_token_index: (num_decodes,) index, among the step's tokens, of each decode query.
-        decode_slots: (num_decodes, max_context_len) slots of each decode sequence's context,
-            padded with slot 0.
-        decode_mask: (num_decodes, 1, 1, max_context_len) True where a slot is real context.
-        prefills: The prefill chunks of the step.
+        groups: Groups of sequences attended together; every token of the step is a real query
+            of exactly one group.
     """
 
     kv_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
-    decode_token_index: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    groups: list[AttentionGroup] = field(default_factory=list)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -81,6 +94,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(0, 1)
 
 
+def _attend_group(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """One group's attention: (num_tokens, heads, head_dim) queries -> (rows * max_queries, ...)."""
+    rows, max_queries = group.query_index.shape
+    _, kv_heads, _, head_dim = cache.shape
+    max_context = group.mask.shape[2]
+    num_blocks = cache.shape[2] * head_dim // group.gathered.shape[3]
+    heads = q.shape[1]
+    groups = heads // kv_heads
+    # Copy each row's blocks, keys and values of every head in one index_select (whole blocks
+    # of one head are contiguous: block_size * head_dim values), into scratch space rather
+    # than a new tensor: a fresh tensor of many megabytes per layer costs page faults that can
+    # exceed the copy itself. Heads outermost, so that each row's keys of one head come out as
+    # one contiguous (max_context, head_dim) matrix, as attention reads them.
+    blocks = cache.view(2, kv_heads, num_blocks, -1)  # (2, kv_heads, num_blocks, block values)
+    kv = torch.index_select(blocks, 2, group.block_tables.flatten(), out=group.gathered)
+    kv = kv.view(2, kv_heads, rows, max_context, head_dim).transpose(1, 2)  # (2, rows, kv, ctx, d)
+    # Grouped-query attention without copying keys and values per query head: the `groups`
+    # query heads that share a KV head (heads h = kv_head * groups + g) become `groups` times
+    # as many query rows of that KV head, each row keeping its query's mask.
+    queries = q.index_select(0, group.query_index.flatten())
+    queries = queries.view(rows, max_queries, kv_heads, groups, head_dim)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups * max_queries, head_dim)
+    mask = group.mask[:, None, None].expand(rows, 1, groups, max_queries, max_context)
+    mask = mask.reshape(rows, 1, groups * max_queries, max_context)
+    out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask)
+    out = out.view(rows, kv_heads, groups, max_queries, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(rows * max_queries, heads, head_dim)
+
+
 def paged_attention(
     layer_index: int,
     q: torch.Tensor,
@@ -95,44 +137,20 @@ def paged_attention(
         q: (num_tokens, heads, head_dim) queries of the step's tokens.
         k: (num_tokens, kv_heads, head_dim) their keys.
         v: (num_tokens, kv_heads, head_dim) their values.
-        meta: Slots and masks of the step.
+        meta: Slots and groups of the step.
 
     Returns:
         (num_tokens, heads, head_dim) attention output.
     """
-    cache = meta.kv_caches[layer_index]  # (2, num_slots, kv_heads, head_dim)
-    cache[0].index_copy_(0, meta.slot_mapping, k)
-    cache[1].index_copy_(0, meta.slot_mapping, v)
-    groups = q.shape[1] // k.shape[1]
+    cache = meta.kv_caches[layer_index]  # (2, kv_heads, num_slots, head_dim)
+    cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if len(meta.groups) == 1 and meta.groups[0].query_index.numel() == q.shape[0]:
+        # One group without padding holds every token, row by row in batch order, which is the
+        # token order: its output needs no reordering (the usual all-decode step).
+        return _attend_group(q, cache, meta.groups[0])
     out = torch.empty_like(q)
-    if meta.decode_token_index is not None:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        keys = cache[0][meta.decode_slots].transpose(1, 2)  # (decodes, kv_heads, ctx, head_dim)
-        values = cache[1][meta.decode_slots].transpose(1, 2)
-        decodes = meta.decode_token_index.shape[0]
-        # The query heads sharing a KV head become that head's query rows: grouped-query
-        # attention without copying keys and values per query head.
-        queries = q[meta.decode_token_index].view(decodes, k.shape[1], groups, q.shape[2])
-        decoded = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
-        out[meta.decode_token_index] = decoded.reshape(decodes, q.shape[1], q.shape[2])
-    for span in meta.prefills:
-        end = span.query_start + span.num_queries
-        context_len = span.context_slots.shape[0]
-        if context_len == span.num_queries:  # no cached prefix: the chunk is the whole context
-            out[span.query_start : end] = causal_attention(
-                q[span.query_start : end], k[span.query_start : end], v[span.query_start : end]
-            )
-            continue
-        keys = cache[0][span.context_slots].transpose(0, 1)  # (kv_heads, ctx, head_dim)
-        values = cache[1][span.context_slots].transpose(0, 1)
-        # Query i sits at position context_len - num_queries + i and sees keys up to it.
-        query_pos = torch.arange(context_len - span.num_queries, context_len)
-        mask = torch.arange(context_len)[None, :] <= query_pos[:, None]  # (queries, ctx)
-        chunk = F.scaled_dot_product_attention(
-            q[span.query_start : end].transpose(0, 1),  # (heads, queries, head_dim)
-            _expand_kv(keys, groups),
-            _expand_kv(values, groups),
-            attn_mask=mask,
-        )
-        out[span.query_start : end] = chunk.transpose(0, 1)
+    for group in meta.groups:  # at most two: decodes, then prefill chunks
+        attended = _attend_group(q, cache, group).index_select(0, group.sources)
+        out.index_copy_(0, group.targets, attended)
     return out

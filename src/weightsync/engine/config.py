@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from weightsync.errors import EngineConfigError
 
 __all__ = ["EngineConfig"]
@@ -29,6 +31,9 @@ class EngineConfig:
             that a failed or aborted update restores the previous weights and version instead
             of leaving them torn. Costs one copy of the updated weights in memory, kept between
             updates, and one copy per update (`python benchmarks/bench_transfer.py --staging`).
+        device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
+            `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
+            device's memory (the transfer backend receives into the model's parameters).
 
     Raises:
         EngineConfigError: A value is out of range; the message names the field.
@@ -45,6 +50,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     weight_update_staging: bool = False
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
@@ -70,6 +76,40 @@ class EngineConfig:
                 "EngineConfig.weight_update_staging must be a bool, got "
                 f"{self.weight_update_staging!r}"
             )
+        try:
+            if not isinstance(self.device, str | torch.device):
+                raise TypeError(type(self.device).__name__)
+            self.device = str(torch.device(self.device))  # a torch.device is taken as its name
+        except (RuntimeError, TypeError) as exc:
+            raise EngineConfigError(
+                f"EngineConfig.device must name a torch device such as 'cpu' or 'cuda:0', "
+                f"got {self.device!r}"
+            ) from exc
+
+    def resolve_device(self) -> torch.device:
+        """Returns `device` as a `torch.device`, checked against this machine.
+
+        Raises:
+            EngineConfigError: A CUDA device on a machine without CUDA, or a device index that
+                does not exist.
+
+        >>> EngineConfig().resolve_device()
+        device(type='cpu')
+        """
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise EngineConfigError(
+                    f"EngineConfig.device is {self.device!r} but torch sees no CUDA device here: "
+                    "use device='cpu', or install a CUDA build of torch on a machine with a GPU"
+                )
+            if device.index is not None and device.index >= count:
+                raise EngineConfigError(
+                    f"EngineConfig.device is {self.device!r} but this machine has {count} CUDA "
+                    f"device(s), cuda:0 to cuda:{count - 1}"
+                )
+        return device
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """Returns the longest sequence for a model with `max_position_embeddings` positions.

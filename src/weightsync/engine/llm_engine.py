@@ -10,18 +10,17 @@ paused or idle, torn weights) is described on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
@@ -34,48 +33,13 @@ from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer
-from weightsync.engine.weights import LiveWeights, _Transaction
-from weightsync.errors import (
-    EngineBusyError,
-    EngineStateError,
-    InvalidRequestError,
-    TornWeightsError,
-    WeightUpdateStateError,
-)
+from weightsync.engine.weights import LiveWeights
+from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
-__all__ = ["ArmedPause", "LLMEngine"]
+__all__ = ["LLMEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ArmedPause:
-    """A pause waiting for every unfinished request to reach `after_tokens` output tokens.
-
-    Attributes:
-        after_tokens: Output tokens each unfinished request must have.
-        mode: The pause's mode.
-        clear_cache: Whether the pause drops the KV and prefix caches.
-        on_pause: Called when the pause starts.
-    """
-
-    after_tokens: int
-    mode: PauseMode
-    clear_cache: bool
-    on_pause: Callable[[], None] | None = None
-
-
-def _unwrap(request: Any, key: str, method: str) -> Any:
-    """Takes `key` out of a vLLM-style request envelope (`{"update_info": {...}}`)."""
-    if isinstance(request, Mapping) and key in request:
-        return request[key]
-    if not isinstance(request, Mapping) and hasattr(request, key):
-        return getattr(request, key)
-    got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
-    raise InvalidRequestError(
-        f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}"
-    )
 
 
 class LLMEngine:
@@ -85,8 +49,8 @@ class LLMEngine:
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
-            Hugging Face directory.
-        engine_config: Scheduler and KV-cache limits.
+            Hugging Face directory. A given model is moved to `engine_config.device`.
+        engine_config: Scheduler and KV-cache limits, and the device the engine computes on.
         tokenizer: Turns text prompts into ids and output ids into text.
         weight_transfer_config: Transfer backend for `update_weights`; None takes the backend
             named in the init info.
@@ -96,7 +60,8 @@ class LLMEngine:
         worker_index: This engine's index among a transfer group's workers.
 
     Raises:
-        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence).
+        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence), or
+            a device this machine does not have.
 
     >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
     >>> out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -116,14 +81,17 @@ class LLMEngine:
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
     ) -> None:
+        self.config = config = engine_config or EngineConfig()
+        self.device = config.resolve_device()
         if isinstance(model, str):
             model = (
                 LlamaForCausalLM.from_preset(model, seed=seed, dtype=dtype)
                 if model in PRESETS
                 else load_hf_directory(model, dtype=dtype)
             )
-        self.model = model.eval()
-        self.config = config = engine_config or EngineConfig()
+        # Before LiveWeights exists: the transfer backend receives into these parameters, so
+        # updates land in the device's memory, never through the host.
+        self.model = model.to(self.device).eval()
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
         self.input_processor = InputProcessor(
@@ -131,6 +99,7 @@ class LLMEngine:
             vocab_size=model.config.vocab_size,
             max_model_len=self.max_model_len,
             seed=config.seed,
+            device=self.device,
         )
         self.output_processor = OutputProcessor(tokenizer, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(
@@ -149,19 +118,17 @@ class LLMEngine:
             worker_index=worker_index,
             staging=config.weight_update_staging,
         )
+        self._gate = UpdateGate(self.scheduler, self.weights, self.block_manager)
         self.num_steps = 0
-        # add_request / abort_request may come from another thread while a step runs: they
-        # only touch these inboxes, which each step drains first.
+        # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
         self._inbox: deque[Seq] = deque()
         self._abort_inbox: set[str] = set()
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
-        self.armed_pause: ArmedPause | None = None
 
     # --- requests -----------------------------------------------------------------------------
-
     def add_request(
         self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> None:
@@ -205,24 +172,14 @@ class LLMEngine:
             with self._lock:
                 self._live_ids.discard(seq.request_id)
 
-    def is_unfinished(self, request_id: str) -> bool:
-        """Whether a request was added and has not finished (queued, running or frozen)."""
-        return request_id in self._live_ids
-
     def has_unfinished_requests(self) -> bool:
         """Whether any request is queued, running, paused in flight or has an undelivered output."""
         return bool(self._live_ids or self._pending_outputs)
 
     def has_work(self) -> bool:
         """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
-        armed = self.armed_pause is not None and self.scheduler.state is PauseState.UNPAUSED
-        return bool(
-            self._inbox
-            or self._abort_inbox
-            or self._pending_outputs
-            or self._can_compute()
-            or armed
-        )
+        pending = self._inbox or self._abort_inbox or self._pending_outputs or self._can_compute()
+        return bool(pending or self.scheduler.armed_pause_is_due())
 
     def _can_compute(self) -> bool:
         # The guard of every forward pass: none runs while an update is open or weights are torn,
@@ -238,7 +195,7 @@ class LLMEngine:
         outputs (aborts); new requests stay queued.
         """
         self._drain_inbox()
-        self._fire_armed_pause()
+        self.scheduler.fire_armed_pause(self.start_pause)  # see ArmedPause
         if self._can_compute():
             batch = self.scheduler.schedule()
             if batch:
@@ -271,19 +228,8 @@ class LLMEngine:
                 are torn: it would wait forever.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
-        self._check_can_generate("generate()")
-        batch: list[Prompt] = (
-            [prompts]  # type: ignore[list-item]
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)  # type: ignore[arg-type]
-        )
-        params = (
-            list(sampling_params)
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params or SamplingParams()] * len(batch)
-        )
-        if len(params) != len(batch):
-            raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
+        self._gate.check_can_generate("generate()")
+        batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
             self.add_request(request_id, prompt, sp)
@@ -291,7 +237,7 @@ class LLMEngine:
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             if not self.has_work():
-                self._check_can_generate("generate()")
+                self._gate.check_can_generate("generate()")
                 raise EngineStateError("generate() cannot make progress: the engine was paused")
             for output in self.step():
                 if output.request_id not in ids:
@@ -345,53 +291,9 @@ class LLMEngine:
         >>> engine.is_paused()
         True
         """
-        self.armed_pause = None
         self.start_pause(mode=mode, clear_cache=clear_cache)
         while self.scheduler.state is PauseState.DRAINING:
             self._pending_outputs[:0] = self.step()
-
-    def arm_pause(
-        self,
-        after_tokens: int,
-        *,
-        mode: PauseMode = "keep",
-        clear_cache: bool = True,
-        on_pause: Callable[[], None] | None = None,
-    ) -> None:
-        """Arms a pause for when every unfinished request has `after_tokens` output tokens.
-
-        A weightsync extension. The pause starts at the first step boundary, while generation
-        runs, where every unfinished request has at least that many output tokens: exactly
-        there, however fast the caller is. Checked only while generation runs, so a caller may
-        add its requests to a paused engine, arm, then resume. Arming again replaces the armed
-        pause; `pause_generation` consumes it.
-
-        Args:
-            after_tokens: Output tokens each unfinished request must have.
-            mode: The pause's mode (`abort`, `wait` or `keep`).
-            clear_cache: Whether the pause drops the KV and prefix caches.
-            on_pause: Called (from the stepping thread) when the pause starts.
-
-        Raises:
-            InvalidRequestError: A negative `after_tokens` or an unknown `mode`.
-        """
-        if not isinstance(after_tokens, int) or isinstance(after_tokens, bool) or after_tokens < 0:
-            raise InvalidRequestError(f"after_tokens must be an int >= 0, got {after_tokens!r}")
-        if mode not in ("abort", "wait", "keep"):
-            raise InvalidRequestError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self.armed_pause = ArmedPause(after_tokens, mode, clear_cache, on_pause)
-
-    def _fire_armed_pause(self) -> None:
-        armed = self.armed_pause
-        if armed is None or self.scheduler.state is not PauseState.UNPAUSED:
-            return
-        sequences = [*self.scheduler.running, *self.scheduler.waiting]
-        if any(seq.num_output_tokens < armed.after_tokens for seq in sequences):
-            return
-        self.armed_pause = None
-        self.start_pause(mode=armed.mode, clear_cache=armed.clear_cache)
-        if armed.on_pause is not None:
-            armed.on_pause()
 
     def resume_generation(self) -> None:
         """Resumes generation (harmless when not paused; cancels a draining `wait` pause).
@@ -400,28 +302,9 @@ class LLMEngine:
             TornWeightsError: A failed update left torn weights; land a complete update first.
             WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
-        self._check_can_generate("resume_generation()")
+        self._gate.check_can_generate("resume_generation()")
         self._clear_cache_after_drain = False
         self.scheduler.resume()
-
-    def _check_can_generate(self, call: str) -> None:
-        if self.weights.is_torn:
-            names = sorted(self.weights.torn_names)
-            raise TornWeightsError(
-                f"{call}: a failed weight update left {len(names)} weights torn (e.g. "
-                f"{names[:3]}), so the engine does not generate: land an update that covers them "
-                "with update_weights(...) first"
-            )
-        if self.weights.transaction is not None:
-            raise WeightUpdateStateError(
-                f"{call}: a weight update is in progress: finish_weight_update(...) or "
-                "abort_weight_update() first"
-            )
-        if call == "generate()" and self.is_paused():
-            raise EngineStateError(
-                "the engine is paused, so generate() would wait forever: call "
-                "resume_generation() first"
-            )
 
     def is_paused(self) -> bool:
         """Whether generation is paused (a draining `wait` pause is not paused yet)."""
@@ -439,33 +322,13 @@ class LLMEngine:
         """Version of the current weights: the trainer's label, or the count of updates."""
         return self.weights.weight_version
 
-    def update_weight_version(self, new_version: WeightVersion) -> None:
-        """Relabels the current weights, as vLLM's `/update_weight_version`; no byte changes.
-
-        Tokens generated from now on carry `new_version`.
-
-        Raises:
-            InvalidRequestError: `new_version` is not a string or an int.
-            WeightUpdateStateError: A weight update is in progress (its finish sets the version).
-        """
-        if not isinstance(new_version, str | int) or isinstance(new_version, bool):
-            raise InvalidRequestError(
-                f"new_version must be a string or an int, got {new_version!r}"
-            )
-        if self.weights.transaction is not None:
-            raise WeightUpdateStateError(
-                "update_weight_version: a weight update is in progress; its "
-                "finish_weight_update(weight_version) sets the version"
-            )
-        self.weights.weight_version = new_version
-
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer group: `{"init_info": {...}}`, as vLLM's `LLM` takes it.
 
         Blocks until the group forms (the trainer's first send) or its timeout passes.
         """
         self.weights.init_transfer_engine(
-            _unwrap(request, "init_info", "init_weight_transfer_engine")
+            unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
 
     def start_weight_update(self) -> None:
@@ -480,11 +343,7 @@ class LLMEngine:
             EngineStateError: No transfer engine was initialized.
             WeightUpdateStateError: A transaction is already open.
         """
-        self._check_idle("start_weight_update")
-        running = self.scheduler.state is PauseState.UNPAUSED
-        self.weights.start(resume_after=running)
-        if running:
-            self.scheduler.pause("keep")
+        self._gate.start()
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -507,15 +366,7 @@ class LLMEngine:
             WeightValidationError: The message was refused; nothing changed.
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
-        update_info = _unwrap(request, "update_info", "update_weights")
-        try:
-            self._check_idle("update_weights")
-        except EngineBusyError as exc:
-            self.weights.refuse(update_info, exc)
-            raise
-        running = self.scheduler.state is PauseState.UNPAUSED
-        with self._weight_call(running):
-            return self.weights.update(update_info)
+        return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Ends the open transaction and moves the weight version, as vLLM's call of that name.
@@ -530,8 +381,7 @@ class LLMEngine:
                 open (send them, or `abort_weight_update()`).
             TornWeightsError: Weights torn by an earlier failure remain; the version stays.
         """
-        with self._weight_call(running=False):
-            self.weights.finish(weight_version)
+        self._gate.finish(weight_version)
 
     def abort_weight_update(self) -> bool:
         """Ends the open transaction on purpose (a weightsync extension). Harmless without one.
@@ -543,52 +393,7 @@ class LLMEngine:
         Returns:
             Whether a transaction was open.
         """
-        with self._weight_call(running=False):
-            return self.weights.abort()
-
-    @contextlib.contextmanager
-    def _weight_call(self, running: bool) -> Iterator[None]:
-        """Settles the pause state and the prefix cache after a transaction call, however it ends.
-
-        Args:
-            running: The engine was unpaused before the call (a transaction it opens then
-                resumes the engine when it ends).
-        """
-        before: _Transaction | None = self.weights.transaction
-        writes = self.weights.num_writes
-        try:
-            yield
-        finally:
-            after = self.weights.transaction
-            if after is not None and after is not before and before is None:
-                after.resume_after = running  # opened by this bare update and still open
-            if self.weights.num_writes != writes:
-                self.block_manager.bump_epoch()  # KV of the old weights must not be reused
-            if self.weights.holds_generation:
-                if self.scheduler.state is not PauseState.PAUSED:
-                    self.scheduler.pause("keep")  # queued and frozen requests wait for the update
-                if self.weights.is_torn:
-                    logger.error("weights are torn: the engine stays paused")
-            elif before is not None and after is None and before.resume_after:
-                self.scheduler.resume()
-
-    def _check_idle(self, call: str) -> None:
-        """Raises `EngineBusyError` when requests run on an engine that is not paused."""
-        # Requests still in the inbox have not started: they will simply run on the new weights.
-        # While the weights hold generation (an open update, torn weights) nothing computes.
-        state = self.scheduler.state
-        busy = state is not PauseState.PAUSED and not self.weights.holds_generation
-        if busy and self.scheduler.num_unfinished:
-            what = (
-                "a wait-mode pause is still draining"
-                if state is PauseState.DRAINING
-                else "it is not paused"
-            )
-            raise EngineBusyError(
-                f"{call} needs a paused or idle engine, but {self.scheduler.num_unfinished} "
-                f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
-                f"'abort') first, then {call}, then resume_generation()"
-            )
+        return self._gate.abort()
 
     def shutdown(self) -> None:
         """Releases the transfer engine. Safe to call twice."""

@@ -189,6 +189,11 @@ class LlamaForCausalLM(nn.Module):
         """The parameters' dtype."""
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """The device the parameters live on."""
+        return self.model.embed_tokens.weight.device
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fills the weights from `seed`: matrices N(0, 1/fan_in), norms 1.
@@ -223,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
             (tokens, hidden_size) final hidden states; see `compute_logits`.
         """
         if positions is None:
-            positions = torch.arange(input_ids.shape[0])
+            positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (tokens, head_dim)
         x = self.model.embed_tokens(input_ids)  # (tokens, hidden)
         for layer in self.model.layers:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from weightsync.engine.attention import AttentionMetadata, PrefillSpan
+from weightsync.engine.attention import AttentionGroup, AttentionMetadata
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import TokenLogprobs, sample, token_logprobs
 from weightsync.engine.scheduler import ScheduledSequence
 
 __all__ = ["ModelRunner"]
+
+
+class _Row(NamedTuple):
+    """One sequence of a step, as attention sees it."""
+
+    first_query: int  # index among the step's tokens of its first query
+    start: int  # position of its first query in the sequence
+    end: int  # one past the position of its last query: the context attended
+    block_table: list[int]
 
 
 class ModelRunner:
@@ -24,24 +35,70 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = model.device
         config = model.config
         slots = num_blocks * block_size
-        # One (2, slots, kv_heads, head_dim) tensor per layer: keys, then values.
+        # One (2, kv_heads, slots, head_dim) tensor per layer: keys, then values.
+        shape = (2, config.num_key_value_heads, slots, config.kv_head_dim)
         self.kv_caches = [
-            torch.zeros(2, slots, config.num_key_value_heads, config.kv_head_dim, dtype=model.dtype)
+            torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
+        # Scratch space that attention gathers each context into; it grows to the largest step
+        # seen and is reused by every layer of every step (see `AttentionGroup.gathered`).
+        self._gather_space = torch.empty(0, dtype=model.dtype, device=self.device)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """(end - start,) cache slots of token positions start..end-1 of a sequence."""
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+    def _gather_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Disjoint (2, kv_heads, size, block_size * head_dim) scratch views, one per size."""
+        _, kv_heads, _, head_dim = self.kv_caches[0].shape
+        block_numel = 2 * kv_heads * self.block_size * head_dim
+        if self._gather_space.numel() < sum(sizes) * block_numel:
+            self._gather_space = torch.empty(
+                sum(sizes) * block_numel, dtype=self._gather_space.dtype, device=self.device
+            )
+        buffers, offset = [], 0
+        for size in sizes:
+            flat = self._gather_space[offset : offset + size * block_numel]
+            buffers.append(flat.view(2, kv_heads, size, self.block_size * head_dim))
+            offset += size * block_numel
+        return buffers
+
+    def _group(self, rows: list[_Row], gathered: torch.Tensor) -> AttentionGroup:
+        """Pads sequences into one `AttentionGroup`.
+
+        Args:
+            rows: The sequences, in batch order.
+            gathered: The group's scratch space, (2, kv_heads, rows * longest table, block values).
+        """
+        first = torch.tensor([row.first_query for row in rows])
+        starts = torch.tensor([row.start for row in rows])
+        ends = torch.tensor([row.end for row in rows])
+        max_queries = int((ends - starts).max())
+        longest_table = max(len(row.block_table) for row in rows)
+        # Past a row's table the padded entries name block 0: a real block, masked out below.
+        tables = torch.tensor(
+            [r.block_table + [0] * (longest_table - len(r.block_table)) for r in rows]
+        )
+        key_pos = torch.arange(longest_table * self.block_size)  # (max_context,)
+        query_pos = starts[:, None] + torch.arange(max_queries)  # (rows, max_queries)
+        is_query = query_pos < ends[:, None]
+        # Causal within the row's context; a padding query (past `end`) sees the whole context.
+        mask = (key_pos <= query_pos[..., None]) & (key_pos < ends[:, None, None])
+        query_index = torch.where(is_query, first[:, None] + query_pos - starts[:, None], 0)
+        sources = is_query.flatten().nonzero().squeeze(1)
+        return AttentionGroup(
+            query_index=query_index.to(self.device),
+            block_tables=tables.to(self.device),
+            mask=mask.to(self.device),
+            sources=sources.to(self.device),
+            targets=query_index[is_query].to(self.device),
+            gathered=gathered,
+        )
 
     def prepare(
         self, batch: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Builds the flat inputs of a step.
+        """Builds the flat inputs of a step, on the model's device.
 
         Returns:
             (tokens,) input ids, (tokens,) positions, the attention metadata, and the index
@@ -49,39 +106,34 @@ class ModelRunner:
             sequence, in batch order).
         """
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
-        decode_index: list[int] = []
-        decode_contexts: list[torch.Tensor] = []
-        prefills: list[PrefillSpan] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        decodes: list[_Row] = []
+        prefills: list[_Row] = []
         sample_rows: list[int] = []
+        size = self.block_size
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             query_start = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            context = self._slots(seq.block_table, 0, end)  # (end,)
-            slot_mapping.append(context[start:end])
-            if item.num_tokens == 1:
-                decode_index.append(query_start)
-                decode_contexts.append(context)
-            else:
-                prefills.append(PrefillSpan(query_start, item.num_tokens, context))
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
+            (decodes if item.num_tokens == 1 else prefills).append(
+                _Row(query_start, start, end, table)
+            )
             if item.samples:
                 sample_rows.append(query_start + item.num_tokens - 1)
-        meta = AttentionMetadata(self.kv_caches, torch.cat(slot_mapping), prefills=prefills)
-        if decode_index:
-            longest = max(c.shape[0] for c in decode_contexts)
-            lengths = torch.tensor([c.shape[0] for c in decode_contexts])
-            padded = torch.zeros(len(decode_contexts), longest, dtype=torch.long)
-            for row, context in enumerate(decode_contexts):
-                padded[row, : context.shape[0]] = context
-            meta.decode_token_index = torch.tensor(decode_index, dtype=torch.long)
-            meta.decode_slots = padded  # (decodes, longest)
-            mask = torch.arange(longest)[None, :] < lengths[:, None]  # (decodes, longest)
-            meta.decode_mask = mask[:, None, None, :]
-        return torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), meta, sample_rows
+        parts = [rows for rows in (decodes, prefills) if rows]
+        sizes = [len(rows) * max(len(row.block_table) for row in rows) for rows in parts]
+        groups = list(map(self._group, parts, self._gather_buffers(sizes)))
+        meta = AttentionMetadata(self.kv_caches, self._to_device(slot_mapping), groups)
+        return self._to_device(input_ids), self._to_device(positions), meta, sample_rows
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        # Built on the CPU from Python ints, then copied once: no per-element device writes.
+        return torch.tensor(values, dtype=torch.long).to(self.device)
 
     @torch.inference_mode()
     def execute(
@@ -97,7 +149,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)  # (tokens, hidden)
         if not sample_rows:
             return [], []
-        logits = self.model.compute_logits(hidden[sample_rows])  # (sampling seqs, vocab)
+        logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])  # (seqs, vocab)
         sampling = [item.seq for item in batch if item.samples]
         params = [s.sampling_params for s in sampling]
         tokens = sample(logits, params, [s.generator for s in sampling])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import abc
+
 import torch
 
 from weightsync.engine.outputs import WeightVersion
@@ -25,12 +27,20 @@ class InputProcessor:
         vocab_size: The model's vocabulary size (token-id prompts must fit in it).
         max_model_len: Longest sequence in tokens.
         seed: Seeds the sampling of requests that set no seed of their own.
+        device: Where sampling runs: each sequence's generator lives there.
     """
 
     def __init__(
-        self, tokenizer: ByteTokenizer, *, vocab_size: int, max_model_len: int, seed: int
+        self,
+        tokenizer: ByteTokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        seed: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.tokenizer = tokenizer
+        self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.seed = seed
@@ -84,10 +94,41 @@ class InputProcessor:
             request_id,
             token_ids,
             params,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(self.device).manual_seed(seed),
             decoder=self.tokenizer.incremental_decoder(),
             prompt=text,
         )
+
+    @staticmethod
+    def pair_prompts(
+        prompts: Prompt | abc.Sequence[Prompt],
+        sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None,
+    ) -> tuple[list[Prompt], list[SamplingParams]]:
+        """Pairs each prompt with its sampling parameters, as `LLMEngine.generate` takes them.
+
+        One prompt (a string or a list of token ids) or a list of prompts; one `SamplingParams` for
+        all of them (None: the defaults) or a list with one per prompt.
+
+        Raises:
+            InvalidRequestError: The two lists differ in length.
+
+        >>> batch, params = InputProcessor.pair_prompts("hi", None)
+        >>> batch, len(params)
+        (['hi'], 1)
+        """
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, abc.Sequence)
+            else [sampling_params or SamplingParams()] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise InvalidRequestError(f"got {len(batch)} prompts but {len(params)} sampling params")
+        return batch, params
 
 
 class OutputProcessor:

@@ -166,7 +166,8 @@ def token_logprobs(
     if not rows:
         return result
     logp = torch.log_softmax(logits[rows].float(), dim=-1)  # (asking rows, vocab)
-    chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in rows])).squeeze(1).tolist()
+    index = torch.tensor([[tokens[r]] for r in rows], device=logp.device)  # (asking rows, 1)
+    chosen = logp.gather(1, index).squeeze(1).tolist()
     k = max(params[r].logprobs or 0 for r in rows)
     top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     for i, row in enumerate(rows):

@@ -21,9 +21,11 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.sequence import Sequence, SequenceStatus
@@ -83,6 +85,28 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.state = PauseState.UNPAUSED
         self.num_preemptions = 0
+        self.armed_pause: ArmedPause | None = None
+
+    def armed_pause_is_due(self) -> bool:
+        """Whether the armed pause is due: generation runs and every request has its tokens.
+
+        Checked only while running, so a caller may arm on a paused engine, then resume.
+        """
+        armed = self.armed_pause
+        if armed is None or self.state is not PauseState.UNPAUSED:
+            return False
+        return all(
+            s.num_output_tokens >= armed.after_tokens for s in [*self.running, *self.waiting]
+        )
+
+    def fire_armed_pause(self, start_pause: Callable[..., None]) -> None:
+        """Starts the armed pause through `start_pause(mode=, clear_cache=)` if it is due."""
+        armed = self.armed_pause
+        if armed is not None and self.armed_pause_is_due():
+            self.armed_pause = None
+            start_pause(mode=armed.mode, clear_cache=armed.clear_cache)
+            if armed.on_pause is not None:
+                armed.on_pause()
 
     @property
     def num_unfinished(self) -> int:

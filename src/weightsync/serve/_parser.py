@@ -48,6 +48,11 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                      help="the model id of /v1/models (default: MODEL)")  # fmt: skip
     net.add_argument("--log-level", default="info",
                      choices=["debug", "info", "warning", "error"])  # fmt: skip
+    _add_model_arguments(serve)
+    _add_scheduler_arguments(serve)
+
+
+def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
     model = serve.add_argument_group("model and weights")
     model.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAMES),
                        help="parameter dtype (default: %(default)s)")  # fmt: skip
@@ -72,6 +77,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument("--weight-update-staging", action="store_true",
                        help="copy weights before an update touches them, so a failed update "
                        "restores them instead of leaving them torn")  # fmt: skip
+
+
+def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
     sched = serve.add_argument_group("scheduler and KV cache")
     sched.add_argument("--max-num-seqs", type=_positive_int, default=64,
                        help="most requests running at once (default: %(default)s)")  # fmt: skip

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from weightsync import AsyncEngine, EngineStateError, weight_checksums
+from weightsync import AsyncEngine, EngineStateError, WeightUpdateStateError, weight_checksums
+from weightsync.engine._armed_pause import ArmedPause
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import _RequestRefused
 from weightsync.serve.app import ServerState
@@ -124,13 +125,13 @@ async def _pause(
         mode = "wait"
     state = _state(request)
     llm = state.engine.engine
-    armed, started = llm.armed_pause, state.armed_pause_started
+    armed, started = llm.scheduler.armed_pause, state.armed_pause_started
     # It can land only while requests run; on an idle or paused engine, pause now instead.
     if armed is not None and started is not None and llm.has_unfinished_requests():
         if not llm.is_paused():
             await started.wait()  # a pause armed by /arm_pause lands where it was armed to
         mode, clear_cache = armed.mode, armed.clear_cache
-    llm.armed_pause = None
+    llm.scheduler.armed_pause = None
     # Pausing again is harmless; it also waits for a `wait` pause to finish draining.
     await state.engine.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
     return {"status": "paused"}
@@ -158,11 +159,12 @@ async def _arm_pause(
     def on_pause() -> None:  # called on the stepping thread
         loop.call_soon_threadsafe(started.set)
 
-    state.engine.engine.arm_pause(
+    # The stepping thread reads it at its next step: one assignment, nothing half-set.
+    state.engine.engine.scheduler.armed_pause = ArmedPause(
         after_tokens,
-        mode=mode,  # type: ignore[arg-type]
-        clear_cache=clear_cache,
-        on_pause=on_pause,
+        mode,  # type: ignore[arg-type]  # checked above
+        clear_cache,
+        on_pause,
     )
     return {"status": "armed"}
 
@@ -204,10 +206,11 @@ async def _unfinished_requests(request: Request, body: AbortRequestsRequest) -> 
     """
     state = _state(request)
     llm = state.engine.engine
+    running = {seq.request_id for seq in [*llm.scheduler.running, *llm.scheduler.waiting]}
     unfinished = [
         completion_id
         for completion_id in body.request_ids or []
-        if any(llm.is_unfinished(rid) for rid in state.live.get(completion_id, []))
+        if any(rid in running for rid in state.live.get(completion_id, []))
     ]
     return {"unfinished": unfinished}
 
@@ -271,7 +274,13 @@ async def _update_weight_version(
     request: Request, body: UpdateWeightVersionRequest
 ) -> dict[str, Any]:
     """Relabels the current weights; no byte changes."""
-    _engine(request).engine.update_weight_version(body.new_version)
+    weights = _engine(request).engine.weights
+    if weights.transaction is not None:
+        raise WeightUpdateStateError(
+            "update_weight_version: a weight update is in progress; its "
+            "finish_weight_update(weight_version) sets the version"
+        )
+    weights.weight_version = body.new_version
     return {"success": True, "new_version": body.new_version}
 
 

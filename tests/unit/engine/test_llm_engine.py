@@ -129,3 +129,38 @@ def test_abort_request_returns_the_partial_output(debug_model):
     assert len(outputs["a"].outputs[0].token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_steps_mixing_decodes_and_prefills_equal_the_reference(debug_model):
+    # Requests arriving while others decode make steps whose decodes and prefill chunks are
+    # attended in two padded groups; prompts of different lengths pad both.
+    engine = LLMEngine(
+        debug_model, engine_config=small_config(max_num_batched_tokens=24, max_num_seqs=8)
+    )
+    params = greedy(12)
+    engine.add_request("first", PROMPTS[0], params)
+    for _ in range(3):
+        engine.step()
+    for index, prompt in enumerate(PROMPTS[1:4]):
+        engine.add_request(f"late-{index}", prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for request_id, prompt in zip(["first", "late-0", "late-1", "late-2"], PROMPTS, strict=False):
+        expected = reference_greedy(debug_model, engine.tokenizer.encode(prompt), 12)
+        assert finals[request_id].outputs[0].token_ids == expected, request_id
+
+
+def test_device_option_is_checked_and_places_the_engine(debug_model):
+    with pytest.raises(EngineConfigError, match=r"EngineConfig\.device must name a torch device"):
+        EngineConfig(device="gpu0")
+    with pytest.raises(EngineConfigError, match=r"EngineConfig\.device must name a torch device"):
+        EngineConfig(device=0)  # type: ignore[arg-type]
+    assert EngineConfig(device=torch.device("cpu")).device == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineConfigError, match="torch sees no CUDA device here"):
+            LLMEngine(debug_model, engine_config=small_config(device="cuda"))
+    engine = LLMEngine(debug_model, engine_config=small_config(device="cpu"))
+    assert engine.device == torch.device("cpu")
+    assert all(cache.device.type == "cpu" for cache in engine.runner.kv_caches)
+    assert engine.generate(PROMPTS[:1], greedy(3))[0].outputs[0].token_ids

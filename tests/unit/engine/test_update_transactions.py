@@ -216,9 +216,9 @@ def test_an_abandoned_part_then_a_partial_update_keeps_the_engine_torn(session, 
 def test_a_bare_update_on_an_idle_engine_holds_requests_until_its_last_part(session, policy):
     engine = ipc_engine(session)
     messages = record(session, policy.items(), weight_version=1)
-    for message in messages[:-1]:
+    for index, message in enumerate(messages[:-1]):
         engine.update_weights(message)
-        engine.add_request(f"r{len(engine._live_ids)}", "hello", greedy(2))
+        engine.add_request(f"r{index}", "hello", greedy(2))
         assert engine.step() == [] and engine.num_steps == 0
     engine.update_weights(messages[-1])
     assert not engine.is_paused() and engine.weight_version == 1

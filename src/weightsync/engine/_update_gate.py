@@ -1,0 +1,146 @@
+"""Where weight updates meet the scheduler: who may update, who may generate, what pause follows.
+
+[`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]'s weight-update calls go through one
+`UpdateGate`. It refuses an update on a busy, unpaused engine (and tells a broadcast's trainer
+why), holds the scheduler paused while a transaction is open or weights are torn, resumes an
+engine that a transaction paused once it ends, and forgets cached prefixes whenever weight bytes
+change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from weightsync.engine.kv_cache import BlockManager
+from weightsync.engine.outputs import WeightVersion
+from weightsync.engine.scheduler import PauseState, Scheduler
+from weightsync.engine.weights import LiveWeights, _Transaction
+from weightsync.errors import (
+    EngineBusyError,
+    EngineStateError,
+    InvalidRequestError,
+    TornWeightsError,
+    WeightUpdateStateError,
+)
+from weightsync.transfer.base import TransferStats
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_request(request: Any, key: str, method: str) -> Any:
+    """Takes `key` out of a vLLM-style request envelope (`{"update_info": {...}}`)."""
+    if isinstance(request, Mapping) and key in request:
+        return request[key]
+    if not isinstance(request, Mapping) and hasattr(request, key):
+        return getattr(request, key)
+    got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
+    raise InvalidRequestError(
+        f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}"
+    )
+
+
+class UpdateGate:
+    """Couples the update transaction of `weights` to the pause state of `scheduler`."""
+
+    def __init__(
+        self, scheduler: Scheduler, weights: LiveWeights, block_manager: BlockManager
+    ) -> None:
+        self.scheduler = scheduler
+        self.weights = weights
+        self.block_manager = block_manager
+
+    def start(self) -> None:
+        """Opens a transaction; an idle, unpaused engine pauses for it and resumes after it."""
+        self.check_idle("start_weight_update")
+        running = self.scheduler.state is PauseState.UNPAUSED
+        self.weights.start(resume_after=running)
+        if running:
+            self.scheduler.pause("keep")
+
+    def update(self, update_info: Mapping[str, Any]) -> TransferStats:
+        """Receives one update message; a busy engine refuses it, and the trainer learns why."""
+        try:
+            self.check_idle("update_weights")
+        except EngineBusyError as exc:
+            self.weights.refuse(update_info, exc)
+            raise
+        running = self.scheduler.state is PauseState.UNPAUSED
+        with self.settle(running):
+            return self.weights.update(update_info)
+
+    def finish(self, weight_version: WeightVersion | None) -> None:
+        """Ends the transaction; the engine returns to the pause state it had before it."""
+        with self.settle(running=False):
+            self.weights.finish(weight_version)
+
+    def abort(self) -> bool:
+        """Ends the transaction on purpose; returns whether one was open."""
+        with self.settle(running=False):
+            return self.weights.abort()
+
+    @contextlib.contextmanager
+    def settle(self, running: bool) -> Iterator[None]:
+        """Settles the pause state and the prefix cache after a transaction call, however it ends.
+
+        Args:
+            running: The engine was unpaused before the call (a transaction it opens then
+                resumes the engine when it ends).
+        """
+        before: _Transaction | None = self.weights.transaction
+        writes = self.weights.num_writes
+        try:
+            yield
+        finally:
+            after = self.weights.transaction
+            if after is not None and before is None:
+                after.resume_after = running  # opened by this bare update and still open
+            if self.weights.num_writes != writes:
+                self.block_manager.bump_epoch()  # KV of the old weights must not be reused
+            if self.weights.holds_generation:
+                if self.scheduler.state is not PauseState.PAUSED:
+                    self.scheduler.pause("keep")  # queued and frozen requests wait for the update
+                if self.weights.is_torn:
+                    logger.error("weights are torn: the engine stays paused")
+            elif before is not None and after is None and before.resume_after:
+                self.scheduler.resume()
+
+    def check_idle(self, call: str) -> None:
+        """Raises `EngineBusyError` when requests run on an engine that is not paused."""
+        # Requests still in the inbox have not started: they will simply run on the new weights.
+        # While the weights hold generation (an open update, torn weights) nothing computes.
+        state = self.scheduler.state
+        busy = state is not PauseState.PAUSED and not self.weights.holds_generation
+        if busy and self.scheduler.num_unfinished:
+            what = (
+                "a wait-mode pause is still draining"
+                if state is PauseState.DRAINING
+                else "it is not paused"
+            )
+            raise EngineBusyError(
+                f"{call} needs a paused or idle engine, but {self.scheduler.num_unfinished} "
+                f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
+                f"'abort') first, then {call}, then resume_generation()"
+            )
+
+    def check_can_generate(self, call: str) -> None:
+        """Raises when `call` (`generate()` or `resume_generation()`) could not generate."""
+        if self.weights.is_torn:
+            names = sorted(self.weights.torn_names)
+            raise TornWeightsError(
+                f"{call}: a failed weight update left {len(names)} weights torn (e.g. "
+                f"{names[:3]}), so the engine does not generate: land an update that covers them "
+                "with update_weights(...) first"
+            )
+        if self.weights.transaction is not None:
+            raise WeightUpdateStateError(
+                f"{call}: a weight update is in progress: finish_weight_update(...) or "
+                "abort_weight_update() first"
+            )
+        if call == "generate()" and self.scheduler.state is PauseState.PAUSED:
+            raise EngineStateError(
+                "the engine is paused, so generate() would wait forever: call "
+                "resume_generation() first"
+            )
