@@ -210,6 +210,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._session: str | None = None
         self._mappings = RegionCache()
         self._progress: _Progress | None = None
+        self._last_update_id: str | None = None  # a send's update_id is new: a repeat is stale
 
     @property
     def is_initialized(self) -> bool:
@@ -286,7 +287,13 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     def _announce(self, info: IPCWeightTransferUpdateInfo) -> None:
         """Validates an announced update against the model and starts tracking it."""
+        if info.update_id == self._last_update_id:
+            raise self._reject(
+                f"update {info.update_id} was already announced to this worker: deliver each "
+                "announcement once (a new send has a new update_id)"
+            )
         specs = self.check_update(info)
+        self._last_update_id = info.update_id
         progress = self._progress
         if progress is not None and progress.touched:
             logger.warning(
@@ -373,5 +380,5 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     def shutdown(self) -> None:
         """Drops every mapping and the session. Safe to call twice."""
-        self._session, self._progress = None, None
+        self._session, self._progress, self._last_update_id = None, None, None
         self._mappings = RegionCache()

@@ -274,3 +274,26 @@ def test_staging_restores_the_weights_after_a_failed_transfer(local_source, poli
     assert_weights(engine, before)
     assert engine.weight_version == 0 and not engine.weights.holds_generation
     assert not engine.is_paused()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_duplicated_announcement_is_refused_without_restarting_the_update(
+    session, policy, explicit
+):
+    engine = ipc_engine(session)
+    messages = record(session, policy.items(), weight_version="new")
+    if explicit:
+        engine.start_weight_update()
+    engine.update_weights(messages[0])
+    engine.update_weights(messages[1])
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(messages[0])  # delivered twice
+    for part in messages[2:]:
+        engine.update_weights(part)
+    if explicit:
+        engine.finish_weight_update()
+    assert engine.weight_version == "new" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(messages[0])  # late: it must not hold the engine for parts
+    assert not engine.weights.holds_generation and not engine.is_paused()
