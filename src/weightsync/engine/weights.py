@@ -194,7 +194,11 @@ class LiveWeights:
                 over, its weights torn (or restored, with staging).
         """
         transfer = self._require_transfer("update_weights")
-        info = transfer.parse_update_info(update_info)
+        try:
+            info = transfer.parse_update_info(update_info)
+        except WeightValidationError as exc:
+            transfer.refuse_update(update_info, exc)  # a broadcast's trainer waits for our answer
+            raise
         update_id = getattr(info, "update_id", None)
         txn = self.transaction
         if txn is not None and txn.update_id is not None and update_id != txn.update_id:
