@@ -184,6 +184,23 @@ def test_a_message_of_another_update_is_refused_without_touching_the_current_one
     assert_weights(engine, policy2)
 
 
+def test_a_refused_announcement_leaves_the_bare_update_in_progress_going_on(
+    session, policy, policy2
+):
+    engine = ipc_engine(session)
+    late = record(session, policy2.items(), weight_version="late")
+    current = record(session, policy.items(), weight_version="current")  # recorded last: intact
+    engine.update_weights(current[0])
+    engine.update_weights(current[1])
+    bad = {"update_info": {**late[0]["update_info"], "shapes": [[3]] * len(policy2)}}
+    with pytest.raises(WeightValidationError, match=r"model has"):
+        engine.update_weights(bad)  # an announcement the model refuses
+    for part in current[2:]:
+        engine.update_weights(part)
+    assert engine.weight_version == "current" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+
+
 # --- torn weights never compute -----------------------------------------------------------------
 
 
