@@ -201,6 +201,22 @@ def test_a_refused_announcement_leaves_the_bare_update_in_progress_going_on(
     assert_weights(engine, policy)
 
 
+def test_a_late_announcement_of_an_earlier_update_is_refused(session, policy, policy2):
+    engine = ipc_engine(session)
+    earlier = record(session, policy2.items(), weight_version="earlier")
+    for message in earlier:
+        engine.update_weights(message)
+    current = record(session, policy.items(), weight_version="current")
+    engine.update_weights(current[0])
+    engine.update_weights(current[1])
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(earlier[0])  # late: it must not replace the update in progress
+    for part in current[2:]:
+        engine.update_weights(part)
+    assert engine.weight_version == "current" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+
+
 # --- torn weights never compute -----------------------------------------------------------------
 
 
