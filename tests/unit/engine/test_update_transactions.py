@@ -4,10 +4,13 @@ The IPC cases record an update's messages (announcement, then parts) without del
 each test can deliver them in whatever order, late, twice or never, as a faulty trainer would.
 """
 
+import asyncio
+
 import pytest
 import torch
 from engine_helpers import debug_model, greedy, make_engine
 
+from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
@@ -259,6 +262,22 @@ def test_a_bare_update_on_an_idle_engine_holds_requests_until_its_last_part(sess
         for output in engine.step():
             if output.finished:
                 assert output.outputs[0].weight_versions == [1, 1]
+
+
+def test_a_request_queued_during_a_bare_async_update_runs_once_its_last_part_lands(session, policy):
+    async def main():
+        async with AsyncEngine.from_engine(ipc_engine(session)) as engine:
+            messages = record(session, policy.items(), weight_version=1)
+            await engine.update_weights(messages[0])
+            first = asyncio.ensure_future(anext(engine.generate("hello", greedy(2))))
+            await engine.wait_until_idle()  # the loop saw the request, and computes nothing
+            assert engine.num_steps == 0
+            for part in messages[1:]:
+                await engine.update_weights(part)
+            output = await asyncio.wait_for(first, timeout=30)
+            assert output.outputs[0].weight_versions == [1]
+
+    asyncio.run(main())
 
 
 # --- abort and staging --------------------------------------------------------------------------
