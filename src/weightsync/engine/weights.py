@@ -137,7 +137,13 @@ class LiveWeights:
         Raises:
             WeightValidationError: No backend is known, or the init info is malformed.
             WeightTransferTimeout: The trainer did not show up in time.
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
+        if self.transaction is not None:
+            raise WeightUpdateStateError(
+                "init_weight_transfer_engine: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
         if self._transfer is None:
             config = self.transfer_config
             if config is None:
@@ -220,7 +226,17 @@ class LiveWeights:
             txn = self.transaction = _Transaction(explicit=False)
         names = list(info.names)
         if self.staging:
-            self._stage(txn, names)
+            try:
+                self._stage(txn, names)
+            except Exception as exc:  # out of memory, say: refused before any byte moved
+                if not txn.explicit and not txn.announced:
+                    self.transaction = None
+                error = WeightTransferError(
+                    f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
+                    f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
+                )
+                transfer.refuse_update(update_info, error)
+                raise error from exc
         if stats is None:
             stats = self._receive(transfer, txn, info, names)
         loaded = names if stats.loaded_names is None else stats.loaded_names

@@ -349,3 +349,32 @@ def test_a_duplicated_announcement_is_refused_without_restarting_the_update(
     with pytest.raises(WeightValidationError, match=r"already announced"):
         engine.update_weights(messages[0])  # late: it must not hold the engine for parts
     assert not engine.weights.holds_generation and not engine.is_paused()
+
+
+def test_init_during_an_update_is_refused_and_keeps_it(session, policy):
+    engine = ipc_engine(session)
+    announcement, *parts = record(session, policy.items(), weight_version=2)
+    engine.update_weights(announcement)
+    with pytest.raises(WeightUpdateStateError, match=r"update is in progress"):
+        engine.init_weight_transfer_engine({"init_info": session.init_info})
+    for part in parts:
+        engine.update_weights(part)
+    assert engine.weight_version == 2 and not engine.weights.holds_generation
+
+
+def test_a_failed_staging_copy_refuses_the_update_and_leaves_no_transaction(
+    local_source, policy, monkeypatch
+):
+    engine = make_engine(weight_update_staging=True)
+    engine.init_weight_transfer_engine(local_source.init_request)
+    local_source.tensors = policy
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the staged copy")
+
+    monkeypatch.setattr(engine.weights, "_stage", out_of_memory)
+    with pytest.raises(WeightTransferError, match=r"staging a copy .* nothing moved") as failure:
+        engine.update_weights(local_source.update_info(weight_version=1))
+    assert not failure.value.partially_applied
+    assert engine.weights.transaction is None and not engine.weights.holds_generation
+    assert engine.weight_version == 0 and not engine.is_paused()
