@@ -5,7 +5,8 @@ staged and one not, and take the same update from an in-process IPC sender (pack
 buckets) in turns, round after round. Each figure is the median over `repeats` rounds after one
 warm-up round:
 
-- `unstaged_s` / `staged_s`: wall time of `sender.send` (start, update, finish) into that engine;
+- `unstaged_s` / `staged_s`: wall time of `sender.send` (start, update, finish) into that engine,
+  and `unstaged_gbps` / `staged_gbps` the same as throughput (model bytes per second);
 - `staged_bytes`: the bytes a staged update copies and holds until it finishes (every weight it
   touches, here all of them);
 - `unstaged_cold_peak_extra_bytes` / `staged_cold_peak_extra_bytes`: the process's peak resident
@@ -114,6 +115,7 @@ def run(size_mb: int = 512, repeats: int = 7, verbose: bool = True) -> dict[str,
     }
     for staged in (False, True):
         result[f"{names[staged]}_s"] = statistics.median(seconds[staged])
+        result[f"{names[staged]}_gbps"] = model_bytes / statistics.median(seconds[staged]) / 1e9
         result[f"{names[staged]}_cold_peak_extra_bytes"] = cold_peaks[staged]
     result["staging_time_ratio"] = result["staged_s"] / result["unstaged_s"]  # type: ignore[operator]
     return result

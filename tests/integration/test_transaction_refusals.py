@@ -93,3 +93,43 @@ def test_a_busy_engine_refuses_a_broadcast_at_once_and_the_group_stays_usable(po
     finally:
         group.close()
         engine.shutdown()
+
+
+def test_a_malformed_update_info_is_refused_in_the_handshake(policy):
+    engine = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(num_kv_blocks=64),
+        weight_transfer_config=WeightTransferConfig(backend="gloo"),
+    )
+    timeout_s = 20.0
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=timeout_s)
+    joining = threading.Thread(
+        target=engine.init_weight_transfer_engine, args=({"init_info": group.init_info},)
+    )
+    joining.start()
+    group.connect()
+    joining.join(timeout_s)
+    update_info = WeightTransferUpdateInfo.from_named_tensors(
+        policy.named_weights(), weight_version=1
+    ).to_dict()
+    malformed = {**update_info, "shapes": update_info["shapes"][:-1]}  # mangled on its way
+    args = NCCLTrainerSendWeightsArgs(group, update_info)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            receive = pool.submit(engine.update_weights, {"update_info": malformed})
+            start = time.monotonic()
+            with pytest.raises(WeightValidationError, match=r"rank 1: WeightValidationError"):
+                trainer_send_weights(policy.named_weights(), args)
+            waited_s = time.monotonic() - start
+            with pytest.raises(WeightValidationError):
+                receive.result(timeout=timeout_s)
+        assert waited_s < timeout_s / 2  # the engine's reason, not the group's timeout
+        assert engine.weight_version == 0 and not engine.weights.holds_generation
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            receive = pool.submit(engine.update_weights, {"update_info": update_info})
+            trainer_send_weights(policy.named_weights(), args)
+            receive.result(timeout=timeout_s)
+        assert engine.weight_version == 1
+    finally:
+        group.close()
+        engine.shutdown()

@@ -303,8 +303,11 @@ class AsyncEngine:
         what a failure leaves behind.
         """
         self._start()
-        async with self._transfer_lock, self._lock:
-            return await _to_thread_uninterrupted(self.engine.update_weights, request)
+        try:
+            async with self._transfer_lock, self._lock:
+                return await _to_thread_uninterrupted(self.engine.update_weights, request)
+        finally:
+            self._wake.set()  # a bare update that ended resumes the engine it paused
 
     async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""

@@ -137,7 +137,13 @@ class LiveWeights:
         Raises:
             WeightValidationError: No backend is known, or the init info is malformed.
             WeightTransferTimeout: The trainer did not show up in time.
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
+        if self.transaction is not None:
+            raise WeightUpdateStateError(
+                "init_weight_transfer_engine: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
         if self._transfer is None:
             config = self.transfer_config
             if config is None:
@@ -194,8 +200,13 @@ class LiveWeights:
                 over, its weights torn (or restored, with staging).
         """
         transfer = self._require_transfer("update_weights")
-        info = transfer.parse_update_info(update_info)
+        try:
+            info = transfer.parse_update_info(update_info)
+        except WeightValidationError as exc:
+            transfer.refuse_update(update_info, exc)  # a broadcast's trainer waits for our answer
+            raise
         update_id = getattr(info, "update_id", None)
+        stats: TransferStats | None = None
         txn = self.transaction
         if txn is not None and txn.update_id is not None and update_id != txn.update_id:
             if txn.explicit or not info.opens_update:
@@ -204,30 +215,30 @@ class LiveWeights:
                     f"the transaction in progress is for update {txn.update_id!r}; it is left "
                     "untouched (finish or abort it before sending another update)"
                 )
-            # A bare multi-part update was abandoned by its sender, and a new one begins.
+            # A bare multi-part update was abandoned by its sender, and a new one is announced.
+            # An announcement moves no byte, so the receiver checks it first: a refused one
+            # leaves the update in progress going on.
+            stats = transfer.receive_weights(info, self._load)
             logger.warning("update %s was abandoned before it completed", txn.update_id)
-            self._end_failed(txn)
+            self._end_failed(txn, forget_transfer=False)  # the receiver follows the new one
             txn = self.transaction = _Transaction(explicit=False, resume_after=txn.resume_after)
         if txn is None:
             txn = self.transaction = _Transaction(explicit=False)
         names = list(info.names)
         if self.staging:
-            self._stage(txn, names)
-        try:
-            stats = transfer.receive_weights(info, self._load)
-        except WeightValidationError:
-            if not txn.explicit and not txn.announced:
-                self.transaction = None  # an implicit transaction that never began
-            raise
-        except WeightTransferError as exc:
-            if exc.partially_applied:
-                txn.touched.update(names)
-            self._end_failed(txn)
-            raise
-        except BaseException:
-            txn.touched.update(names)  # an unexpected failure: assume the worst
-            self._end_failed(txn)
-            raise
+            try:
+                self._stage(txn, names)
+            except Exception as exc:  # out of memory, say: refused before any byte moved
+                if not txn.explicit and not txn.announced:
+                    self.transaction = None
+                error = WeightTransferError(
+                    f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
+                    f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
+                )
+                transfer.refuse_update(update_info, error)
+                raise error from exc
+        if stats is None:
+            stats = self._receive(transfer, txn, info, names)
         loaded = names if stats.loaded_names is None else stats.loaded_names
         if loaded:
             self.num_writes += 1
@@ -241,6 +252,30 @@ class LiveWeights:
         if not txn.explicit and txn.announced <= txn.landed:
             self.finish(None)
         return stats
+
+    def _receive(
+        self,
+        transfer: WeightTransferEngine,
+        txn: _Transaction,
+        info: WeightTransferUpdateInfo,
+        names: list[str],
+    ) -> TransferStats:
+        """Receives one message into `txn`; a failure after bytes moved ends it."""
+        try:
+            return transfer.receive_weights(info, self._load)
+        except WeightValidationError:
+            if not txn.explicit and not txn.announced:
+                self.transaction = None  # an implicit transaction that never began
+            raise
+        except WeightTransferError as exc:
+            if exc.partially_applied:
+                txn.touched.update(names)
+            self._end_failed(txn)
+            raise
+        except BaseException:
+            txn.touched.update(names)  # an unexpected failure: assume the worst
+            self._end_failed(txn)
+            raise
 
     def finish(self, weight_version: WeightVersion | None) -> None:
         """Ends the open transaction; the version moves (`finish_weight_update`).
@@ -324,10 +359,16 @@ class LiveWeights:
         if self._transfer is not None:
             self._transfer.refuse_update(update_info, reason)
 
-    def _end_failed(self, txn: _Transaction) -> None:
-        """Closes a transaction that will not finish: restores or marks what it touched."""
+    def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
+        """Closes a transaction that will not finish: restores or marks what it touched.
+
+        Args:
+            txn: The transaction.
+            forget_transfer: Tell the transfer engine to forget its update in progress (False
+                when it already follows another one).
+        """
         self.transaction = None
-        if self._transfer is not None:
+        if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
         if not txn.touched:
             return

@@ -106,25 +106,35 @@ class WeightSender(ABC):
 
         Raises:
             EngineBusyError: An engine is running requests and is not paused; nothing moved.
+            WeightUpdateStateError: An engine has a transaction of its own open; nothing moved.
             WeightValidationError: An engine rejected the update; nothing moved, and every
                 engine is as it was.
             WeightTransferError: The transfer failed; see `partially_applied`.
+            TornWeightsError: An engine's finish found weights torn by an earlier failure that
+                this update did not cover: that engine keeps its version while engines that
+                finished move to the new one (send an update covering every weight).
         """
         self._check_connected()
+        started: list[int] = []  # list.append is atomic: call_each's threads may share it
+
+        def start(index: int) -> None:
+            self.engines[index].start_weight_update()
+            started.append(index)
+
         try:
-            call_each(self.engines, lambda engine: engine.start_weight_update())
+            call_each(range(len(self.engines)), start)
             stats = self._transfer(weights, weight_version)
             call_each(self.engines, lambda engine: engine.finish_weight_update(weight_version))
         except BaseException:
-            self._abort_all()
+            self._abort(started)  # only what this send opened: never another caller's update
             raise
         return stats
 
-    def _abort_all(self) -> None:
-        """Ends the transaction on every engine that still has one; never raises."""
-        for index, engine in enumerate(self.engines):
+    def _abort(self, indices: Sequence[int]) -> None:
+        """Ends the transaction on these engines where it is still open; never raises."""
+        for index in indices:
             try:
-                engine.abort_weight_update()
+                self.engines[index].abort_weight_update()
             except Exception:
                 logger.exception("engine %d: abort_weight_update failed", index)
 

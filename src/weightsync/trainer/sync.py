@@ -54,6 +54,8 @@ def sync_weights(
     Raises:
         EngineBusyError: An engine could not pause in a way that stops its requests (a `wait`
             pause still draining); nothing moved.
+        WeightSyncError: An engine failed to pause (unreachable, say); nothing moved, and every
+            engine is resumed.
         WeightValidationError: An engine rejected the update; nothing moved. Every engine is
             resumed on its unchanged weights and version, as before the call.
         WeightTransferError: The transfer failed after bytes moved; every engine whose weights
@@ -71,9 +73,9 @@ def sync_weights(
     'step-1'
     """
     start = time.perf_counter()
-    call_each(sender.engines, lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
-    paused = time.perf_counter()
-    try:
+    try:  # an engine that fails to pause must not leave the others paused for nothing
+        call_each(sender.engines, lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
+        paused = time.perf_counter()
         stats = sender.send(weights, weight_version=weight_version)
     except BaseException:
         _resume_whole(sender.engines)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_ANNOUNCED_IDS_KEPT = 64
 
 
 @dataclass
@@ -210,6 +213,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._session: str | None = None
         self._mappings = RegionCache()
         self._progress: _Progress | None = None
+        # Every send has a new update_id, so an announcement of one seen before is late or
+        # repeated; the most recent ones are enough to tell.
+        self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
 
     @property
     def is_initialized(self) -> bool:
@@ -286,7 +292,13 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     def _announce(self, info: IPCWeightTransferUpdateInfo) -> None:
         """Validates an announced update against the model and starts tracking it."""
+        if info.update_id in self._announced:
+            raise self._reject(
+                f"update {info.update_id} was already announced to this worker: deliver each "
+                "announcement once (a new send has a new update_id)"
+            )
         specs = self.check_update(info)
+        self._announced.append(info.update_id)
         progress = self._progress
         if progress is not None and progress.touched:
             logger.warning(
@@ -374,4 +386,5 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     def shutdown(self) -> None:
         """Drops every mapping and the session. Safe to call twice."""
         self._session, self._progress = None, None
+        self._announced.clear()
         self._mappings = RegionCache()

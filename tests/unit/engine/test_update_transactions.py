@@ -4,10 +4,13 @@ The IPC cases record an update's messages (announcement, then parts) without del
 each test can deliver them in whatever order, late, twice or never, as a faulty trainer would.
 """
 
+import asyncio
+
 import pytest
 import torch
 from engine_helpers import debug_model, greedy, make_engine
 
+from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
@@ -184,6 +187,39 @@ def test_a_message_of_another_update_is_refused_without_touching_the_current_one
     assert_weights(engine, policy2)
 
 
+def test_a_refused_announcement_leaves_the_bare_update_in_progress_going_on(
+    session, policy, policy2
+):
+    engine = ipc_engine(session)
+    late = record(session, policy2.items(), weight_version="late")
+    current = record(session, policy.items(), weight_version="current")  # recorded last: intact
+    engine.update_weights(current[0])
+    engine.update_weights(current[1])
+    bad = {"update_info": {**late[0]["update_info"], "shapes": [[3]] * len(policy2)}}
+    with pytest.raises(WeightValidationError, match=r"model has"):
+        engine.update_weights(bad)  # an announcement the model refuses
+    for part in current[2:]:
+        engine.update_weights(part)
+    assert engine.weight_version == "current" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+
+
+def test_a_late_announcement_of_an_earlier_update_is_refused(session, policy, policy2):
+    engine = ipc_engine(session)
+    earlier = record(session, policy2.items(), weight_version="earlier")
+    for message in earlier:
+        engine.update_weights(message)
+    current = record(session, policy.items(), weight_version="current")
+    engine.update_weights(current[0])
+    engine.update_weights(current[1])
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(earlier[0])  # late: it must not replace the update in progress
+    for part in current[2:]:
+        engine.update_weights(part)
+    assert engine.weight_version == "current" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+
+
 # --- torn weights never compute -----------------------------------------------------------------
 
 
@@ -226,6 +262,22 @@ def test_a_bare_update_on_an_idle_engine_holds_requests_until_its_last_part(sess
         for output in engine.step():
             if output.finished:
                 assert output.outputs[0].weight_versions == [1, 1]
+
+
+def test_a_request_queued_during_a_bare_async_update_runs_once_its_last_part_lands(session, policy):
+    async def main():
+        async with AsyncEngine.from_engine(ipc_engine(session)) as engine:
+            messages = record(session, policy.items(), weight_version=1)
+            await engine.update_weights(messages[0])
+            first = asyncio.ensure_future(anext(engine.generate("hello", greedy(2))))
+            await engine.wait_until_idle()  # the loop saw the request, and computes nothing
+            assert engine.num_steps == 0
+            for part in messages[1:]:
+                await engine.update_weights(part)
+            output = await asyncio.wait_for(first, timeout=30)
+            assert output.outputs[0].weight_versions == [1]
+
+    asyncio.run(main())
 
 
 # --- abort and staging --------------------------------------------------------------------------
@@ -274,3 +326,55 @@ def test_staging_restores_the_weights_after_a_failed_transfer(local_source, poli
     assert_weights(engine, before)
     assert engine.weight_version == 0 and not engine.weights.holds_generation
     assert not engine.is_paused()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_duplicated_announcement_is_refused_without_restarting_the_update(
+    session, policy, explicit
+):
+    engine = ipc_engine(session)
+    messages = record(session, policy.items(), weight_version="new")
+    if explicit:
+        engine.start_weight_update()
+    engine.update_weights(messages[0])
+    engine.update_weights(messages[1])
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(messages[0])  # delivered twice
+    for part in messages[2:]:
+        engine.update_weights(part)
+    if explicit:
+        engine.finish_weight_update()
+    assert engine.weight_version == "new" and not engine.weights.holds_generation
+    assert_weights(engine, policy)
+    with pytest.raises(WeightValidationError, match=r"already announced"):
+        engine.update_weights(messages[0])  # late: it must not hold the engine for parts
+    assert not engine.weights.holds_generation and not engine.is_paused()
+
+
+def test_init_during_an_update_is_refused_and_keeps_it(session, policy):
+    engine = ipc_engine(session)
+    announcement, *parts = record(session, policy.items(), weight_version=2)
+    engine.update_weights(announcement)
+    with pytest.raises(WeightUpdateStateError, match=r"update is in progress"):
+        engine.init_weight_transfer_engine({"init_info": session.init_info})
+    for part in parts:
+        engine.update_weights(part)
+    assert engine.weight_version == 2 and not engine.weights.holds_generation
+
+
+def test_a_failed_staging_copy_refuses_the_update_and_leaves_no_transaction(
+    local_source, policy, monkeypatch
+):
+    engine = make_engine(weight_update_staging=True)
+    engine.init_weight_transfer_engine(local_source.init_request)
+    local_source.tensors = policy
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the staged copy")
+
+    monkeypatch.setattr(engine.weights, "_stage", out_of_memory)
+    with pytest.raises(WeightTransferError, match=r"staging a copy .* nothing moved") as failure:
+        engine.update_weights(local_source.update_info(weight_version=1))
+    assert not failure.value.partially_applied
+    assert engine.weights.transaction is None and not engine.weights.holds_generation
+    assert engine.weight_version == 0 and not engine.is_paused()

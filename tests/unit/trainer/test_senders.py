@@ -6,7 +6,7 @@ import torch
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightUpdateStateError, WeightValidationError
 from weightsync.trainer.senders import (
     BroadcastWeightSender,
     IPCWeightSender,
@@ -101,3 +101,16 @@ def test_an_engine_rejection_reaches_the_trainer_naming_the_tensor(policy):
         pytest.raises(WeightValidationError, match=r"lm_head\.weight"),
     ):
         sender.send(wrong, weight_version=1)
+
+
+def test_a_send_refused_by_an_open_transaction_leaves_that_transaction_alone(policy):
+    busy, free = engine(), engine()
+    with IPCWeightSender([busy, free]) as sender:
+        busy.start_weight_update()  # someone else's update, in progress
+        with pytest.raises(WeightUpdateStateError, match=r"already in progress"):
+            sender.send(policy.named_weights(), weight_version=1)
+        assert busy.weights.transaction is not None  # not aborted by the failed send
+        assert free.weights.transaction is None  # the one this send opened is closed
+        busy.abort_weight_update()
+        sender.send(policy.named_weights(), weight_version=1)
+    assert busy.weight_version == free.weight_version == 1

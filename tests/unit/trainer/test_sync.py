@@ -7,6 +7,7 @@ from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
+from weightsync.errors import WeightTransferError
 from weightsync.trainer.senders import IPCWeightSender, WeightSender
 from weightsync.trainer.sync import sync_weights
 from weightsync.transfer.base import TransferStats, WeightValidationError
@@ -120,3 +121,17 @@ def test_a_rejected_update_resumes_the_engine_on_its_weights(policy):
     for name, tensor in target.model.named_weights():
         assert torch.equal(tensor, before[name]), name
     assert run_to_end(target)["a"].weight_versions == [0] * 8
+
+
+def test_an_engine_that_cannot_pause_leaves_the_others_running():
+    class Unreachable(Recorder):
+        def pause_generation(self, *, mode="abort", clear_cache=True):
+            raise WeightTransferError("engine e1 did not answer")
+
+    calls = []
+    sender = RecordingSender([Recorder("e0", calls), Unreachable("e1", calls)], calls)
+    sender.connect()
+    with pytest.raises(WeightTransferError, match=r"did not answer"):
+        sync_weights(sender, [("w", torch.ones(1))], weight_version=3)
+    assert calls[0] == ("e0", "pause", "keep", True)
+    assert calls[1:] == [("e0", "resume"), ("e1", "resume")]  # nothing sent; serving again
