@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
-    It computes on the CPU (for now): pass a model in CPU memory.
+    It computes on `engine_config.device` (the CPU by default).
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local

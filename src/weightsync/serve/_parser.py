@@ -64,9 +64,9 @@ def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
                        "dummy: zero weights of the preset's or config.json's shapes, for a "
                        "trainer to fill with its first update (default: %(default)s)")  # fmt: skip
     model.add_argument("--device", default="cpu",
-                       help="where transfer buffers live: cpu, or cuda:N, which becomes the "
-                       "process's CUDA device (nccl); the engine computes on the CPU "
-                       "(default: %(default)s)")  # fmt: skip
+                       help="where the engine computes (model, KV cache, sampling) and weight "
+                       "updates land: cpu, cuda or cuda:N, which also becomes the process's CUDA "
+                       "device for nccl (default: %(default)s)")  # fmt: skip
     model.add_argument("--weight-transfer-config", metavar="JSON",
                        help='transfer backend, as JSON (\'{"backend": "gloo"}\') or dotted keys '
                        "(--weight-transfer-config.backend gloo); default: the backend the "

@@ -133,12 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             seed=args.seed if args.sampling_seed is None else args.sampling_seed,
             weight_update_staging=args.weight_update_staging,
+            device=args.device,
         )
         # The event loop that serves HTTP needs a core of its own, or every stream waits on
         # the forward pass.
         torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
-        if torch.device(args.device).type == "cuda":  # nccl receives on the current device
-            torch.cuda.set_device(torch.device(args.device))
+        device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # nccl receives on the process's current device
         engine = LLMEngine(
             _zero_model(args.model, _DTYPES[args.dtype])
             if args.load_format == "dummy"

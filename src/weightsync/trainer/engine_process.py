@@ -49,8 +49,8 @@ class EngineProcess:
             one named in the init info.
         worker_index: Its index among the engines a trainer updates (its broadcast rank is
             `1 + worker_index`).
-        device: Where its transfer buffers live: `"cpu"`, or `"cuda:N"` for `nccl`. The engine
-            itself computes on the CPU.
+        device: Where the engine computes and its updates land (`weightsync serve --device`):
+            `"cpu"`, or `"cuda:N"`, which also serves `nccl` as the process's CUDA device.
         timeout_s: Limit, in seconds, for the server to start and for each answer that does not
             wait for generation.
 

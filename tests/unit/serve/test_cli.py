@@ -72,3 +72,13 @@ def test_the_parsers_defaults_are_the_engines_and_the_servers():
         ._option_string_actions["--dtype"]
         .choices
     )
+
+
+def test_a_cuda_device_without_cuda_is_a_one_line_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the device exists")
+    assert main(["serve", "debug", "--port", "0", "--device", "cuda"]) != 0
+    err = capsys.readouterr().err
+    assert "EngineConfig.device is 'cuda'" in err and err.count("\n") == 1
