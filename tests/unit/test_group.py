@@ -93,5 +93,7 @@ def test_torch_failures_become_weightsync_errors():
     assert isinstance(timeout, WeightTransferTimeout)
     assert "receiving bucket timed out after 3 s (timeout_s)" in str(timeout)
     failed = _translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
+    misnamed = _translate("opening the store", TypeError("unexpected keyword 'timeout'"), 3.0)
+    assert not isinstance(misnamed, WeightTransferTimeout)
     assert type(failed) is WeightTransferError
     assert "a peer process died or closed the group" in str(failed)

@@ -67,9 +67,13 @@ class SamplingParams:
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
         ):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+            raise InvalidRequestError(
+                f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(
@@ -128,7 +132,10 @@ def sample(
     for row, (sp, generator) in enumerate(zip(params, generators, strict=True)):
         if sp.greedy:
             continue
-        probs = torch.softmax(logits[row] / sp.temperature, dim=-1)  # (vocab,)
+        # Shifted so the largest logit is 0: dividing by any temperature > 0 then cannot
+        # overflow (a tiny temperature sends the rest to -inf: greedy, not NaN).
+        shifted = logits[row] - logits[row].max()
+        probs = torch.softmax(shifted / sp.temperature, dim=-1)  # (vocab,)
         if sp.top_p < 1.0:
             probs = _top_p_filter(probs, sp.top_p)
         chosen[row] = int(torch.multinomial(probs, 1, generator=generator).item())

@@ -59,8 +59,13 @@ def check_port(port: object, *, allow_zero: bool = True) -> int:
 
 
 def _is_timeout(exc: BaseException) -> bool:
+    # torch reports a collective's or the store's timeout as a RuntimeError (DistError) saying so;
+    # any other exception type that mentions a timeout (a constructor's TypeError naming its
+    # `timeout` argument, say) is a failure, not a timeout.
+    if isinstance(exc, TimeoutError):
+        return True
     text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 def _translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:

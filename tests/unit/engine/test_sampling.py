@@ -12,6 +12,8 @@ from weightsync.engine.sampling import SamplingParams, sample
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"seed": "1"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": True}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
@@ -40,3 +42,10 @@ def test_seeded_sampling_is_reproducible_and_spreads():
     generator = torch.Generator().manual_seed(7)
     spread = {sample(logits, params, [generator])[0] for _ in range(30)}
     assert len(spread) > 10
+
+
+def test_a_vanishing_temperature_samples_the_argmax_instead_of_nan():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [80.0, 0.0, 79.0]])
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-30)]
+    generators = [torch.Generator().manual_seed(0) for _ in params]
+    assert sample(logits, params, generators) == [1, 0]
