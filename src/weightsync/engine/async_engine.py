@@ -149,10 +149,12 @@ class AsyncEngine:
                 queue.put_nowait(output)
 
     async def _next_step(self) -> None:
-        """Waits until the loop finishes its next step (or dies)."""
+        """Waits until the loop finishes its next step (or dies, or is shut down)."""
         await self._step_done.wait()
         if self._error is not None:
             raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
+        if self._closed:
+            raise EngineStateError("the engine was shut down while this call waited for it")
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -337,6 +339,7 @@ class AsyncEngine:
                 await self._task
         for queue in self._streams.values():
             queue.put_nowait(_Closed())
+        self._step_done.set()  # a draining `wait` pause waits on it: it now fails instead
         self._settle_idle_waiters(EngineStateError("the engine was shut down"))
         await asyncio.to_thread(self._executor.shutdown, wait=True)
         self.engine.shutdown()

@@ -121,3 +121,18 @@ def test_shutdown_ends_open_streams():
             await stream.task
 
     asyncio.run(main())
+
+
+def test_shutdown_during_a_wait_pause_ends_the_pause_call():
+    async def main():
+        engine = make_async_engine()
+        stream = start_streams(engine, 1, 500)[0]
+        await stream.wait_tokens(1)
+        pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+        await engine.shutdown()
+        with pytest.raises(EngineStateError, match="shut down"):
+            await asyncio.wait_for(pause, timeout=60)  # a bound, not a timing: it must end
+        with pytest.raises(EngineStateError, match="shut down"):
+            await stream.task
+
+    asyncio.run(main())
