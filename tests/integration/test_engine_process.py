@@ -99,6 +99,8 @@ def test_abort_ends_a_request(engine):
 def test_errors_keep_their_class_and_message(engine, policy):
     with pytest.raises(InvalidRequestError, match="unknown or already collected"):
         engine.collect(["nobody"])
+    with pytest.raises(InvalidRequestError, match="request ids repeat"):
+        engine.collect(["twice", "twice"])
     with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):
         engine.add_requests([[999]], greedy())
     # Running for sure (not just queued, which an update may overtake): pause at its first token,

@@ -58,6 +58,10 @@ def test_update_info_round_trips_through_json():
             "shape of 'a' must be a list of non-negative ints",
         ),
         ({"names": "a", "dtype_names": ["int8"], "shapes": [[1]]}, "names must be a list"),
+        (
+            {"names": ["a"], "dtype_names": ["int8"], "shapes": [[1]], "weight_version": True},
+            "weight_version must be a string, an int or null, got bool",
+        ),
     ],
 )
 def test_update_info_rejects_malformed_fields(fields, message):

@@ -60,7 +60,10 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            if not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                for t in token_ids
+            ):
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in [0, {self.vocab_size}), got {prompt!r}"
                 )

@@ -10,12 +10,10 @@ idle --start()--> open --update()*--> open --finish(version)--> idle   (version 
                                               bytes moved -> torn, or restored (staging)
 ```
 
-A bare `update()` outside start/finish opens an implicit transaction that finishes itself once
-every weight it announced has landed (one call for a broadcast, an announcement and its parts
-for IPC). The version moves only at finish, and only when every announced weight landed and no
-weight is torn. Weights that a failed transaction may have half-written are *torn* until a
-complete transaction covers them; the engine does not generate meanwhile. With staging, a
-transaction first copies the weights it will touch, and a failure or abort copies them back.
+A bare `update()` opens an implicit transaction that finishes itself once every weight it
+announced landed. The version moves only at finish, when every announced weight landed and none
+is torn. Weights a failed transaction may have half-written are *torn* (no generation) until a
+transaction covers them; with staging, a failure or abort copies back the touched weights.
 """
 
 from __future__ import annotations
@@ -289,7 +287,14 @@ class LiveWeights:
                 stays open.
             TornWeightsError: The transaction landed, but weights torn by an earlier failure
                 remain; the version stays.
+            WeightValidationError: `weight_version` is not a string, an int or None.
         """
+        if weight_version is not None and (
+            not isinstance(weight_version, str | int) or isinstance(weight_version, bool)
+        ):
+            raise WeightValidationError(
+                f"weight_version must be a string, an int or None, got {weight_version!r}"
+            )
         txn = self.transaction
         if txn is None:
             raise WeightUpdateStateError(

@@ -188,9 +188,11 @@ class EngineProcess:
         Raises:
             EngineStateError: The engine is paused with some of them unfinished (it would wait
                 forever): resume it first.
-            InvalidRequestError: An unknown or already collected id.
+            InvalidRequestError: An unknown, repeated or already collected id.
             EngineTimeoutError: They did not finish within the limit.
         """
+        if len(set(request_ids)) != len(request_ids):
+            raise InvalidRequestError(f"collect: request ids repeat in {list(request_ids)[:10]}")
         unknown = [r for r in request_ids if r not in self._results]
         if unknown:
             raise InvalidRequestError(

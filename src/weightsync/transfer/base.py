@@ -193,9 +193,12 @@ class WeightTransferUpdateInfo:
                     f"shape of {name!r} must be a list of non-negative ints, got {shape!r}"
                 )
             specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
-        if self.weight_version is not None and not isinstance(self.weight_version, str | int):
+        version = self.weight_version
+        if version is not None and (
+            not isinstance(version, str | int) or isinstance(version, bool)
+        ):
             raise WeightValidationError(
-                f"weight_version must be a string, an int or null, got {type(self.weight_version).__name__}"
+                f"weight_version must be a string, an int or null, got {type(version).__name__}"
             )
         self._specs = specs
 

@@ -106,8 +106,9 @@ def test_token_id_prompts_and_request_errors(debug_model):
     )
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         engine.add_request("e", [], greedy(4))
-    with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):
-        engine.add_request("e", [999], greedy(4))
+    for bad in ([999], [True, 1]):  # a bool is not a token id
+        with pytest.raises(InvalidRequestError, match=r"token ids must be ints in \[0, 259\)"):
+            engine.add_request("e", bad, greedy(4))
     with pytest.raises(InvalidRequestError, match="max_model_len is 32"):
         engine.add_request("e", "z" * 40, greedy(4))
     engine.add_request("dup", "a", greedy(4))

@@ -378,3 +378,15 @@ def test_a_failed_staging_copy_refuses_the_update_and_leaves_no_transaction(
     assert not failure.value.partially_applied
     assert engine.weights.transaction is None and not engine.weights.holds_generation
     assert engine.weight_version == 0 and not engine.is_paused()
+
+
+@pytest.mark.parametrize("version", [True, 1.5, ["v"]])
+def test_a_weight_version_that_is_not_a_string_or_an_int_is_refused(local_source, version):
+    engine = make_engine()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    engine.start_weight_update()
+    with pytest.raises(WeightValidationError, match=r"weight_version must be a string, an int"):
+        engine.finish_weight_update(version)
+    assert engine.weights.transaction is not None  # still open: finish it properly
+    engine.finish_weight_update("v1")
+    assert engine.weight_version == "v1"
