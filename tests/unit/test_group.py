@@ -55,16 +55,17 @@ def test_group_checks_its_arguments_before_opening_a_store(overrides, message):
         _group(**overrides)
 
 
-def test_store_round_trips_json_and_a_rank_is_claimed_once():
+def test_store_round_trips_json_and_a_rank_is_claimed_by_one_claimant():
     group = _group()
     try:
         assert group.port > 0
         group.set("wire", {"packed": True, "n": [1, 2]})
         assert group.get("wire") == {"packed": True, "n": [1, 2]}
         assert group.try_get("missing") is None
-        group.claim_rank()
+        group.claim_rank("engine-a")
+        group.claim_rank("engine-a")  # the same engine retrying its join
         with pytest.raises(WeightValidationError, match="rank 0 was claimed by another process"):
-            group.claim_rank()
+            group.claim_rank("engine-b")
         assert not group.is_connected
     finally:
         group.close()

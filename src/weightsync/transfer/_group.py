@@ -195,10 +195,14 @@ class BroadcastGroup:
         except Exception:  # a dead trainer takes the store with it; there is nothing to read
             return None
 
-    def claim_rank(self) -> None:
-        """Registers this rank in the store; a second process claiming it is refused."""
-        count = self._call("claiming a rank", lambda: self._store.add(f"rank/{self.rank}", 1))
-        if count > 1:
+    def claim_rank(self, claimant: str) -> None:
+        """Registers this rank in the store for `claimant`; another claimant is refused.
+
+        The same claimant (an engine retrying its own join after a timeout) may claim again.
+        """
+        key = f"rank/{self.rank}"
+        owner = self._call("claiming a rank", lambda: self._store.compare_set(key, "", claimant))
+        if owner.decode() != claimant:
             raise WeightValidationError(
                 f"rank {self.rank} was claimed by another process already: each worker needs a "
                 "distinct worker_index (rank = rank_offset + worker_index)"

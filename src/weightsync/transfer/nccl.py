@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -163,6 +164,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool[torch.Tensor] | None = None
         self._seq = 0
+        # Who claims this worker's rank: the same engine retrying its join may claim it again.
+        self._claimant = uuid.uuid4().hex
 
     @property
     def is_initialized(self) -> bool:
@@ -215,7 +218,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                     f"init_info disagrees with the trainer's group ({details}): pass the worker "
                     "the trainer's TrainerGroup.init_info unchanged"
                 )
-            group.claim_rank()
+            group.claim_rank(self._claimant)
             group.connect()
         except Exception as exc:
             group.set(f"init_error/{rank}", f"{type(exc).__name__}: {exc}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -156,7 +157,7 @@ def trainer_init(
         wire=params,
     )
     group.set("wire", info.wire_params())
-    group.claim_rank()
+    group.claim_rank(uuid.uuid4().hex)  # the trainer's store is new: rank 0 is its own
     return TrainerGroup(group, info)
 
 
