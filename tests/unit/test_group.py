@@ -98,3 +98,33 @@ def test_torch_failures_become_weightsync_errors():
     assert not isinstance(misnamed, WeightTransferTimeout)
     assert type(failed) is WeightTransferError
     assert "a peer process died or closed the group" in str(failed)
+
+
+@pytest.mark.parametrize(
+    ("wire", "message"),
+    [
+        ([1, 2], r"holds no trainer's wire parameters \(got list\)"),
+        ({"packed": False}, r"init_info disagrees with the trainer's group \(.*packed"),
+    ],
+)
+def test_a_worker_checks_the_wire_parameters_it_reads_from_the_store(wire, message):
+    from weightsync import GlooWeightTransferEngine
+    from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
+    from weightsync.transfer.wire import WireParams
+
+    trainer = _group()  # rank 0 hosts the store; a hostile or foreign one writes what it likes
+    trainer.set("wire", wire)
+    info = NCCLWeightTransferInitInfo.create(
+        master_address="127.0.0.1",
+        master_port=trainer.port,
+        world_size=2,
+        backend="gloo",
+        wire=WireParams(timeout_s=5.0),
+    )
+    engine = GlooWeightTransferEngine()
+    try:
+        with pytest.raises(WeightValidationError, match=message):
+            engine.init_transfer_engine(info)
+        assert not engine.is_initialized
+    finally:
+        trainer.close()

@@ -205,6 +205,12 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         )
         try:
             trainer_wire = group.get("wire")
+            if not isinstance(trainer_wire, dict):  # a value from the network: check its type
+                raise WeightValidationError(
+                    f"the store at {info.master_address}:{info.master_port} holds no trainer's "
+                    f"wire parameters (got {type(trainer_wire).__name__}): pass the worker the "
+                    "init_info of a weightsync trainer group"
+                )
             mismatched = {
                 k: (v, trainer_wire.get(k))
                 for k, v in info.wire_params().items()
