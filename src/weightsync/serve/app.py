@@ -123,8 +123,13 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, int(declared))
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._refuse(send, int(declared))
+                return
+            # The HTTP parser delivers no more than the declared length: nothing to count, and
+            # the response (a stream, say) goes out without a wrapper around each message.
+            await self.app(scope, receive, send)
             return
         received = 0
         too_large = False
