@@ -8,10 +8,14 @@
   `AsyncEngine.generate` streams in this process, with the same engine configuration and the
   same torch threads (the server's default: every core but one).
 - `http_throughput_ratio` = http / in-process (target >= 0.8).
-- `keep_pause_p99_steps`: while the streams run, a trainer reads the engine's step counter
-  (`/engine_stats`), sends `/pause?mode=keep` at once, and reads it again once paused; the
-  engine steps between the two reads, p99 over `--pauses` pauses (target <= 1). It counts the
-  step in flight when the pause arrived and any step run while the request was in transit.
+- `keep_pause_p99_steps`: while the streams run, a trainer sends `/pause?mode=keep`; the server
+  records the engine's step counter when it handles the request and again once the pause has
+  landed (`/engine_stats` -> `last_pause`). The figure is landed - requested, p99 over `--pauses`
+  pauses (target <= 1): the step in flight when the request arrived, and nothing else. Network
+  transit is not in it.
+- `keep_pause_client_p99_steps`: the same pauses seen from the client, transit included: the
+  engine steps between a `/engine_stats` read sent just before the `/pause` and one sent just
+  after it returned. It adds the steps run while each request was on its way.
 
 The two throughput modes take turns, one run each per round, after a warm-up of each; figures
 are medians over the rounds. The last line of output is one JSON object.
@@ -99,32 +103,46 @@ async def inprocess_run(engine: AsyncEngine, bodies: list[dict[str, Any]]) -> tu
     return sum(counts), time.perf_counter() - start
 
 
-def keep_pause_steps(url: str, bodies: list[dict[str, Any]], pauses: int) -> list[int]:
-    """Engine steps between a stats read and the keep pause sent right after it, per pause."""
+def keep_pause_steps(
+    url: str, bodies: list[dict[str, Any]], pauses: int
+) -> tuple[list[int], list[int]]:
+    """Engine steps per keep pause: (as the server counts them, as the client sees them)."""
 
-    async def measure() -> list[int]:
+    async def steps_now(client: httpx.AsyncClient) -> int:
+        steps: int = (await client.get("/engine_stats")).json()["num_steps"]
+        return steps
+
+    async def measure() -> tuple[list[int], list[int]]:
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             long = [{**body, "max_tokens": 100_000 // len(bodies)} for body in bodies]
             streams = asyncio.gather(*(
                 client.post("/v1/completions", json=body) for body in long
             ))  # fmt: skip
-            steps = []
-            while (await client.get("/engine_stats")).json()["num_steps"] < 5:
+            server_steps, client_steps = [], []
+            while await steps_now(client) < 5:
                 await asyncio.sleep(0.01)  # the streams are being admitted
             for _ in range(pauses):
-                before = (await client.get("/engine_stats")).json()["num_steps"]
+                before = await steps_now(client)
                 await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-                after = (await client.get("/engine_stats")).json()["num_steps"]
-                steps.append(after - before)
+                stats = (await client.get("/engine_stats")).json()
+                pause = stats["last_pause"]
+                server_steps.append(pause["landed_at_step"] - pause["requested_at_step"])
+                client_steps.append(stats["num_steps"] - before)
                 await client.post("/resume")
-                resumed_at = after
-                while (await client.get("/engine_stats")).json()["num_steps"] < resumed_at + 3:
+                resumed_at = stats["num_steps"]
+                while await steps_now(client) < resumed_at + 3:
                     await asyncio.sleep(0.005)  # let it generate a few steps between pauses
             await client.post("/abort_requests")
             await streams
-            return steps
+            return server_steps, client_steps
 
     return asyncio.run(measure())
+
+
+def p99(values: list[int]) -> int:
+    """The 99th percentile (nearest rank at or above it)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def main() -> None:
@@ -160,14 +178,13 @@ def main() -> None:
             if not args.json:
                 print(f"round {round_index}: " + ", ".join(
                     f"{n} {r[-1]:.0f} tok/s" for n, r in rates.items()), file=sys.stderr)  # fmt: skip
-        steps = keep_pause_steps(url, bodies, args.pauses)
+        steps, client_steps = keep_pause_steps(url, bodies, args.pauses)
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
         server.terminate()
         server.wait(60)
     http, inprocess = statistics.median(rates["http"]), statistics.median(rates["inprocess"])
-    steps_sorted = sorted(steps)
     result = {
         "benchmark": "serve",
         "model": MODEL,
@@ -178,10 +195,14 @@ def main() -> None:
         "http_tokens_per_s": http,
         "inprocess_tokens_per_s": inprocess,
         "http_throughput_ratio": http / inprocess,
-        "keep_pause_p99_steps": steps_sorted[min(len(steps) - 1, int(0.99 * len(steps)))],
+        "keep_pause_p99_steps": p99(steps),
         "keep_pause_median_steps": statistics.median(steps),
         "keep_pause_max_steps": max(steps),
+        "keep_pause_client_p99_steps": p99(client_steps),
+        "keep_pause_client_median_steps": statistics.median(client_steps),
+        "keep_pause_client_max_steps": max(client_steps),
         "keep_pauses": len(steps),
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "machine": describe_machine(),
     }
     print(json.dumps(result))

@@ -19,7 +19,7 @@ RL_ROUTES = [
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"),
     ("POST", "/abort_weight_update"), ("POST", "/update_weight_version"),
     ("GET", "/weight_info"), ("POST", "/weight_checker"), ("GET", "/get_world_size"),
-    ("POST", "/arm_pause"), ("POST", "/unfinished_requests"),
+    ("POST", "/arm_pause"), ("POST", "/unfinished_requests"), ("GET", "/engine_stats"),
 ]  # fmt: skip
 
 
@@ -168,6 +168,35 @@ def test_a_busy_engine_refuses_an_update_and_abort_requests_ends_the_stream(fres
         rest = list(lines)
     assert rest[-1] == "data: [DONE]"
     assert '"finish_reason": "abort"' in rest[-2]
+
+
+def test_engine_stats_records_where_each_pause_fell_in_engine_steps(fresh_server):
+    url = fresh_server.base_url
+    assert httpx.get(url + "/engine_stats").json()["last_pause"] is None
+    httpx.post(url + "/pause?mode=keep")  # idle: nothing in flight, so it lands where asked
+    idle = httpx.get(url + "/engine_stats").json()["last_pause"]
+    assert idle["mode"] == "keep" and idle["landed_at_step"] == idle["requested_at_step"]
+    httpx.post(url + "/resume")
+    body = {"prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True, "n": 8}
+    records = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == ": accepted"
+        for _ in range(5):
+            next(lines)  # read on between pauses, so the server never waits for this reader
+            assert httpx.post(url + "/pause?mode=keep").json() == {"status": "paused"}
+            records.append(httpx.get(url + "/engine_stats").json()["last_pause"])
+            httpx.post(url + "/resume")
+        httpx.post(url + "/abort_requests")
+        assert list(lines)[-1] == "data: [DONE]"
+    for record in records:
+        assert record["mode"] == "keep"
+        # At most the step in flight when the server handled the pause runs before it lands.
+        assert 0 <= record["landed_at_step"] - record["requested_at_step"] <= 1
+    steps = [record["requested_at_step"] for record in records]
+    assert steps == sorted(steps) and steps[0] >= idle["landed_at_step"]
+    httpx.post(url + "/pause?mode=abort")
+    assert httpx.get(url + "/engine_stats").json()["last_pause"]["mode"] == "abort"
 
 
 def test_start_up_refusals_are_one_line():

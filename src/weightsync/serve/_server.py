@@ -18,6 +18,12 @@ logger = logging.getLogger("weightsync.serve")
 # How long a shutdown waits for open responses (a transfer in flight) before closing them.
 _GRACEFUL_SHUTDOWN_S = 30
 
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
+# event loop (a few microseconds of Python per streamed chunk) and the engine's step thread (Python
+# between torch ops) take turns on it all the time; with 5 ms slices each waits out whole slices of
+# the other, which delays both the chunks and the next step. Shorter slices let them interleave.
+_GIL_SWITCH_INTERVAL_S = 0.0005
+
 
 def bind(host: str, port: int) -> socket.socket:
     """Binds a listening socket, so a port in use is an `OSError` here, not a traceback later.
@@ -77,6 +83,7 @@ def serve_forever(app: FastAPI, sock: socket.socket, *, log_level: str = "info")
         lifespan="on",
     )
     server = _Server(config, app.state.serve)
+    sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)  # this process only serves: see above
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     # Tests and scripts wait for this line; with --port 0 it is where the port is announced.

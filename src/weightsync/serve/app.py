@@ -25,7 +25,7 @@ import weightsync
 from weightsync import AsyncEngine, EngineConfigError
 from weightsync.serve._errors import error_body, install_error_handlers
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServerConfig", "ServerState", "create_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "PauseRecord", "ServerConfig", "ServerState", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,26 @@ class ServerConfig:
                 raise EngineConfigError(f"{name} must not be empty: give a key, or None for none")
 
 
+@dataclass(frozen=True)
+class PauseRecord:
+    """Where the last `/pause` fell in the engine's steps, as the server saw it.
+
+    Both counts are the engine's step counter (`num_steps`, forward passes run) read on the
+    event loop: network transit is not counted. For a `keep` or `abort` pause the difference is
+    at most 1, the step in flight when the request arrived; a `wait` pause lands once its
+    requests finished, and a pause armed by `/arm_pause` where it was armed to.
+
+    Attributes:
+        mode: The pause's mode, as applied (an armed pause's own mode).
+        requested_at_step: Steps run when the server began handling the request.
+        landed_at_step: Steps run when the pause had landed (the route about to answer).
+    """
+
+    mode: str
+    requested_at_step: int
+    landed_at_step: int
+
+
 @dataclass
 class ServerState:
     """The app's state: the engine, its config, and the requests streaming now.
@@ -74,12 +94,14 @@ class ServerState:
         config: The HTTP layer's settings.
         live: Each running completion's id -> the engine request ids of its choices.
         armed_pause_started: Set when the pause armed by `/arm_pause` starts.
+        last_pause: Where the last `/pause` fell in the engine's steps (`/engine_stats`).
     """
 
     engine: AsyncEngine
     config: ServerConfig
     live: dict[str, list[str]] = field(default_factory=dict)
     armed_pause_started: asyncio.Event | None = None
+    last_pause: PauseRecord | None = None
 
     async def abort_all(self) -> int:
         """Aborts every running request (their streams end with `finish_reason="abort"`)."""
@@ -101,8 +123,13 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, int(declared))
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._refuse(send, int(declared))
+                return
+            # The HTTP parser delivers no more than the declared length: nothing to count, and
+            # the response (a stream, say) goes out without a wrapper around each message.
+            await self.app(scope, receive, send)
             return
         received = 0
         too_large = False

@@ -86,17 +86,22 @@ class _Run:
             for j in range(body.n)
         ]
 
-    async def outputs(
+    def outputs(
         self, on_accepted: tuple[int, RequestOutput] | None = None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yields `(choice index, cumulative output)` as the engine produces them.
 
         `on_accepted`, if given, is yielded first, once every choice is in the engine.
         """
-        if len(self.choices) == 1:  # the common case, without a task and a queue per output
-            async for pair in self._one_output(on_accepted):
-                yield pair
-            return
+        # One choice is the common case: its stream is the engine's, without a task and a queue
+        # per output, and without a generator in between that would only pass items on.
+        if len(self.choices) == 1:
+            return self._one_output(on_accepted)
+        return self._many_outputs(on_accepted)
+
+    async def _many_outputs(
+        self, on_accepted: tuple[int, RequestOutput] | None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         engine = self.state.engine
 
@@ -183,8 +188,12 @@ def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None)
     return fields
 
 
+# One encoder for every chunk: `json.dumps` would build one per call (same output either way).
+_encode_json = json.JSONEncoder().encode
+
+
 def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    return f"data: {data if isinstance(data, str) else _encode_json(data)}\n\n"
 
 
 async def _stream(run: _Run, chunk: Any, include_usage: bool) -> AsyncIterator[str]:

@@ -21,7 +21,7 @@ from weightsync import AsyncEngine, EngineStateError, WeightUpdateStateError, we
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import _RequestRefused
-from weightsync.serve.app import ServerState
+from weightsync.serve.app import PauseRecord, ServerState
 
 __all__ = [
     "AbortRequestsRequest",
@@ -106,7 +106,9 @@ async def _pause(
 ) -> dict[str, Any]:
     """Pauses generation at a step boundary: `abort`, `wait` (drain first) or `keep` (freeze).
 
-    `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`.
+    `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`. The engine's
+    step counts when the request was handled and when the pause landed are kept for
+    `/engine_stats` (`last_pause`); the body stays vLLM's.
     """
     if mode not in _PAUSE_MODES:
         raise _RequestRefused(
@@ -125,6 +127,8 @@ async def _pause(
         mode = "wait"
     state = _state(request)
     llm = state.engine.engine
+    # Read on the event loop before anything waits: a step in flight now is counted once it ends.
+    requested_at_step = llm.num_steps
     armed, started = llm.scheduler.armed_pause, state.armed_pause_started
     # It can land only while requests run; on an idle or paused engine, pause now instead.
     if armed is not None and started is not None and llm.has_unfinished_requests():
@@ -134,6 +138,8 @@ async def _pause(
     llm.scheduler.armed_pause = None
     # Pausing again is harmless; it also waits for a `wait` pause to finish draining.
     await state.engine.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+    # Paused now, so no step runs between the return above and this read.
+    state.last_pause = PauseRecord(mode, requested_at_step, llm.num_steps)
     return {"status": "paused"}
 
 
@@ -322,13 +328,21 @@ async def _weight_checker(request: Request, body: WeightCheckerRequest) -> dict[
 
 @router.get("/engine_stats", operation_id="engine_stats")
 async def _engine_stats(request: Request) -> dict[str, Any]:
-    """Counters of the engine (a weightsync extension): forward passes run, requests in flight."""
-    llm = _engine(request).engine
+    """Counters of the engine (a weightsync extension): forward passes run, requests in flight.
+
+    `last_pause` says where the last `/pause` fell in the engine's steps: `requested_at_step`
+    (steps run when the server handled it), `landed_at_step` (steps run once it had landed) and
+    its `mode`; null before the first pause. Network transit is not in these counts.
+    """
+    state = _state(request)
+    llm = state.engine.engine
+    last = state.last_pause
     return {
         "num_steps": llm.num_steps,
         "num_unfinished": llm.scheduler.num_unfinished,
         "is_paused": llm.is_paused(),
         "weight_version": llm.weight_version,
+        "last_pause": dataclasses.asdict(last) if last is not None else None,
     }
 
 
