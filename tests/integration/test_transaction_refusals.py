@@ -54,7 +54,9 @@ def test_a_rejection_by_one_engine_process_leaves_every_engine_serving(policy):
             engine.close()
 
 
-def test_a_busy_engine_refuses_a_broadcast_at_once_and_the_group_stays_usable(policy):
+@pytest.fixture
+def gloo_engine(policy):
+    """An in-process engine joined to a trainer's gloo group: (engine, send args, update info)."""
     engine = LLMEngine(
         "debug",
         engine_config=EngineConfig(num_kv_blocks=64),
@@ -67,69 +69,57 @@ def test_a_busy_engine_refuses_a_broadcast_at_once_and_the_group_stays_usable(po
     joining.start()
     group.connect()
     joining.join(TIMEOUT_S)
+    assert not joining.is_alive(), "the engine did not join the group in time"
+    update_info = WeightTransferUpdateInfo.from_named_tensors(
+        policy.named_weights(), weight_version=1
+    ).to_dict()
+    try:
+        yield engine, NCCLTrainerSendWeightsArgs(group, update_info), update_info
+    finally:
+        group.close()
+        engine.shutdown()
+
+
+def refused_send(engine, args, policy, update_info, error, match):
+    """Sends while the engine receives `update_info`; returns how long the refusal took."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        receive = pool.submit(engine.update_weights, {"update_info": update_info})
+        start = time.monotonic()
+        with pytest.raises(WeightValidationError, match=match):
+            trainer_send_weights(policy.named_weights(), args)
+        waited_s = time.monotonic() - start
+        with pytest.raises(error):
+            receive.result(timeout=TIMEOUT_S)
+    return waited_s
+
+
+def accepted_send(engine, args, policy, update_info):
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        receive = pool.submit(engine.update_weights, {"update_info": update_info})
+        trainer_send_weights(policy.named_weights(), args)
+        receive.result(timeout=TIMEOUT_S)
+
+
+def test_a_busy_engine_refuses_a_broadcast_at_once_and_the_group_stays_usable(gloo_engine, policy):
+    engine, args, update_info = gloo_engine
     engine.add_request("r", "in flight", SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()  # running and not paused: busy
-    update_info = WeightTransferUpdateInfo.from_named_tensors(
-        policy.named_weights(), weight_version=1
-    ).to_dict()
-    args = NCCLTrainerSendWeightsArgs(group, update_info)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            receive = pool.submit(engine.update_weights, {"update_info": update_info})
-            start = time.monotonic()
-            with pytest.raises(WeightValidationError, match=r"rank 1: EngineBusyError"):
-                trainer_send_weights(policy.named_weights(), args)
-            waited_s = time.monotonic() - start
-            with pytest.raises(EngineBusyError, match=r"call pause_generation"):
-                receive.result(timeout=TIMEOUT_S)
-        # The refusal came in the handshake, not after the group's timeout.
-        assert waited_s < TIMEOUT_S / 2
-        engine.pause_generation(mode="keep")
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            receive = pool.submit(engine.update_weights, {"update_info": update_info})
-            trainer_send_weights(policy.named_weights(), args)
-            receive.result(timeout=TIMEOUT_S)
-        assert engine.weight_version == 1
-    finally:
-        group.close()
-        engine.shutdown()
+    waited_s = refused_send(
+        engine, args, policy, update_info, EngineBusyError, r"rank 1: EngineBusyError"
+    )
+    assert waited_s < TIMEOUT_S / 2  # the refusal came in the handshake, not at the timeout
+    engine.pause_generation(mode="keep")
+    accepted_send(engine, args, policy, update_info)
+    assert engine.weight_version == 1
 
 
-def test_a_malformed_update_info_is_refused_in_the_handshake(policy):
-    engine = LLMEngine(
-        "debug",
-        engine_config=EngineConfig(num_kv_blocks=64),
-        weight_transfer_config=WeightTransferConfig(backend="gloo"),
-    )
-    timeout_s = 20.0
-    group = trainer_init(world_size=2, backend="gloo", timeout_s=timeout_s)
-    joining = threading.Thread(
-        target=engine.init_weight_transfer_engine, args=({"init_info": group.init_info},)
-    )
-    joining.start()
-    group.connect()
-    joining.join(timeout_s)
-    update_info = WeightTransferUpdateInfo.from_named_tensors(
-        policy.named_weights(), weight_version=1
-    ).to_dict()
+def test_a_malformed_update_info_is_refused_in_the_handshake(gloo_engine, policy):
+    engine, args, update_info = gloo_engine
     malformed = {**update_info, "shapes": update_info["shapes"][:-1]}  # mangled on its way
-    args = NCCLTrainerSendWeightsArgs(group, update_info)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            receive = pool.submit(engine.update_weights, {"update_info": malformed})
-            start = time.monotonic()
-            with pytest.raises(WeightValidationError, match=r"rank 1: WeightValidationError"):
-                trainer_send_weights(policy.named_weights(), args)
-            waited_s = time.monotonic() - start
-            with pytest.raises(WeightValidationError):
-                receive.result(timeout=timeout_s)
-        assert waited_s < timeout_s / 2  # the engine's reason, not the group's timeout
-        assert engine.weight_version == 0 and not engine.weights.holds_generation
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            receive = pool.submit(engine.update_weights, {"update_info": update_info})
-            trainer_send_weights(policy.named_weights(), args)
-            receive.result(timeout=timeout_s)
-        assert engine.weight_version == 1
-    finally:
-        group.close()
-        engine.shutdown()
+    waited_s = refused_send(
+        engine, args, policy, malformed, WeightValidationError, r"rank 1: WeightValidationError"
+    )
+    assert waited_s < TIMEOUT_S / 2  # the engine's reason, not the group's timeout
+    assert engine.weight_version == 0 and not engine.weights.holds_generation
+    accepted_send(engine, args, policy, update_info)
+    assert engine.weight_version == 1
