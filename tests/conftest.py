@@ -1,4 +1,5 @@
-"""Shared test set-up: tests under integration/ are marked `integration`; `gpu` tests skip without CUDA."""
+"""Shared test set-up: tests under integration/ and faults/ are marked `integration`; `gpu` tests skip
+without CUDA."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-INTEGRATION = Path(__file__).resolve().parent / "integration"
+HERE = Path(__file__).resolve().parent
+# Folders whose tests start real processes.
+PROCESS_TIERS = (HERE / "integration", HERE / "faults")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # The tier is where a test lives: `-m "not integration"` runs what needs no processes.
-        if INTEGRATION in item.path.parents:
+        if any(tier in item.path.parents for tier in PROCESS_TIERS):
             item.add_marker(pytest.mark.integration)
     if torch.cuda.is_available():
         return
