@@ -128,3 +128,64 @@ def test_a_worker_checks_the_wire_parameters_it_reads_from_the_store(wire, messa
         assert not engine.is_initialized
     finally:
         trainer.close()
+
+
+def _listening_addresses(port):
+    """Local addresses with a socket listening on `port`, from the kernel's own tables."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.rsplit(":", 1)
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_the_trainer_store_listens_on_master_address_only():
+    group = _group()
+    try:
+        # 0100007F is 127.0.0.1 as the kernel writes it; every interface would be 00000000 (or ::).
+        assert _listening_addresses(group.port) == {"0100007F"}
+    finally:
+        group.close(release_store=True)
+
+
+def test_the_store_port_is_free_again_right_after_close():
+    import socket
+
+    group = _group()
+    port = group.port
+    group.set("wire", {"packed": True})  # a served request: its connection must not pin the port
+    group.close(release_store=True)
+    assert _listening_addresses(port) == set()
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))  # would raise EADDRINUSE while the store listened
+
+
+def test_trainer_init_close_releases_the_port():
+    from weightsync.transfer.nccl_trainer import trainer_init
+
+    trainer = trainer_init(world_size=2, backend="gloo")
+    port = trainer.init_info["master_port"]
+    assert _listening_addresses(port) == {"0100007F"}
+    trainer.close()
+    assert _listening_addresses(port) == set()
+
+
+def test_a_taken_port_is_a_weightsync_error_naming_it():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(WeightTransferError, match=f"master_port {port}: .*pick a free port"):
+            _group(master_port=port)
+
+
+def test_an_address_that_does_not_resolve_is_a_weightsync_error():
+    with pytest.raises(WeightTransferError, match=r"master_address 'no-such-host\.invalid'"):
+        _group(master_address="no-such-host.invalid")

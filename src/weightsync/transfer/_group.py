@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.wire import WireParams
 
-__all__ = ["check_port", "BroadcastGroup", "BroadcastWork", "check_backend"]
+__all__ = ["BroadcastGroup", "BroadcastWork", "bind_listener", "check_backend", "check_port"]
 
 _BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 _T = TypeVar("_T")
@@ -56,6 +58,38 @@ def check_port(port: object, *, allow_zero: bool = True) -> int:
     if not isinstance(port, int) or isinstance(port, bool) or not low <= port <= 65535:
         raise WeightValidationError(f"master_port must be an int in {low}-65535, got {port!r}")
     return port
+
+
+def bind_listener(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address`:`port` only (port 0: a free one).
+
+    Raises:
+        WeightTransferError: The address does not resolve, or the port is taken or not allowed;
+            the message names `master_address` / `master_port`.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError) as exc:
+        raise WeightTransferError(
+            f"master_address {address!r} does not resolve on this host: {exc}; give an address "
+            "of this machine that the workers can reach"
+        ) from exc
+    listener = socket.socket(family, kind, proto)
+    try:
+        # Connections the store closed linger in TIME_WAIT; they must not keep the port from
+        # being bound again right after close(). A live listener still refuses a second bind.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise WeightTransferError(
+            f"cannot listen on master_address {address!r}, master_port {port}: {exc}; pick a "
+            "free port (master_port=0 picks one) or an address of this machine"
+        ) from exc
+    return listener
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -146,18 +180,40 @@ class BroadcastGroup:
         self.timeout_s = float(timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: Any = None
-        self._store = self._call(
-            f"connecting to the transfer store at {master_address}:{master_port}",
-            lambda: dist.TCPStore(  # type: ignore[attr-defined]
-                master_address,
-                master_port,
-                world_size,
-                rank == 0,
-                timeout=self._timeout,
-                wait_for_workers=False,
-            ),
-        )
+        if rank == 0:
+            self._store = self._host_store(master_address, master_port)
+        else:
+            self._store = self._call(
+                f"connecting to the transfer store at {master_address}:{master_port}",
+                lambda: dist.TCPStore(  # type: ignore[attr-defined]
+                    master_address, master_port, world_size, False, timeout=self._timeout
+                ),
+            )
         self.port: int = self._store.port
+
+    def _host_store(self, address: str, port: int) -> Any:
+        """The trainer's store, listening on `address` only (torch alone takes every interface)."""
+        listener = bind_listener(address, port)
+        bound_port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns the socket from here and closes it with itself
+        try:
+            return self._call(
+                f"starting the transfer store on {address}:{bound_port}",
+                lambda: dist.TCPStore(  # type: ignore[attr-defined]
+                    address,
+                    bound_port,
+                    self.world_size,
+                    True,
+                    timeout=self._timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                    use_libuv=False,  # the libuv server ignores a given socket
+                ),
+            )
+        except WeightTransferError:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
 
     # --- store: small control messages beside the data -------------------------------------
 
@@ -258,13 +314,20 @@ class BroadcastGroup:
         work = self._call("all-reduce", lambda: pg.allreduce([tensor], dist.AllreduceOptions()))
         BroadcastWork(work, "all-reduce of the update status", self.timeout_s).wait()
 
-    def close(self) -> None:
+    def close(self, *, release_store: bool = False) -> None:
         """Drops the process group; peers blocked on this rank then fail fast.
 
-        The store stays up (on the trainer) so that peers can still read why the group closed.
+        Args:
+            release_store: Also drop the store: on the trainer its port is free again when this
+                returns. Without it the store stays up, so that peers can still read why the
+                group closed (after a failure).
         """
         if self._pg is not None and self.backend == "nccl":
             # NCCL needs an explicit abort to unblock peers; a broken group may refuse it.
             with contextlib.suppress(Exception):
                 self._pg.abort()
         self._pg = None
+        if release_store:
+            # The last reference: the store's server thread stops and its socket closes now,
+            # not whenever the garbage collector comes by.
+            self._store = None

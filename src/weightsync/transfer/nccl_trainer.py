@@ -98,9 +98,12 @@ class TrainerGroup:
             raise
 
     def close(self) -> None:
-        """Closes the group; workers blocked on it fail at once. Safe to call twice."""
+        """Closes the group and its store; workers blocked on it fail at once. Safe to call twice.
+
+        The store's port is free again when this returns.
+        """
         self._closed = True
-        self._group.close()
+        self._group.close(release_store=True)
 
     def __enter__(self) -> TrainerGroup:
         return self
