@@ -10,6 +10,8 @@ pipes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -132,11 +134,24 @@ def _trainer_main(
     def close() -> None:
         state.pop("session").close()
 
+    def fork_child() -> dict[str, Any]:
+        # A plain fork, as a DataLoader worker is made: the child inherits every fd, the
+        # janitor's pipe included, and outlives this process until someone kills it.
+        pid = os.fork()
+        if pid == 0:
+            try:
+                while True:
+                    signal.pause()
+            finally:
+                os._exit(0)
+        return {"child_pid": pid}
+
     serve_commands(
         conn,
         {
             "init": init,
             "send": send,
+            "fork_child": fork_child,
             "digests": lambda: {"digests": weight_checksums(state["tensors"])},
             "segments": lambda: {"segments": state["session"].segment_names()},
             "close": close,
@@ -224,7 +239,8 @@ class IPCTrainerProcess(CommandProcess):
     Commands: `init` (`layout` = `"plain"` or `"shared"` (the session's shared memory), plus the
     keyword arguments of `ipc_trainer_init`),
     `send` (see `IPCTrainerProcess.send`), `digests`,
-    `segments`, `close`, `exit`.
+    `segments`, `fork_child` (a plain `os.fork` child that waits to be killed; its pid),
+    `close`, `exit`.
 
     Args:
         update_info: Dict form of the tensors it holds.

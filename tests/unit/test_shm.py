@@ -60,3 +60,21 @@ def test_a_taken_name_is_a_transfer_error_not_an_oserror(session):
             shm.SharedSegment(f"{session}-0", 8)
     finally:
         segment.unlink()
+
+
+def test_a_dead_janitor_is_an_error_the_trainer_sees_before_exporting_more():
+    import os
+    import signal
+
+    from weightsync.transfer.base import TensorSpec
+    from weightsync.transfer.ipc_trainer import ipc_trainer_init
+
+    session = ipc_trainer_init(packed=False)
+    try:
+        os.kill(session.janitor_pid, signal.SIGKILL)
+        os.waitpid(session.janitor_pid, 0)  # reaped here: the janitor is our child
+        with pytest.raises(WeightTransferError, match=r"segment janitor of session .* is gone"):
+            session.shared_tensors([TensorSpec("w", torch.float32, (2,))])
+        assert session.segment_names() == []  # refused before any segment existed
+    finally:
+        session.close()

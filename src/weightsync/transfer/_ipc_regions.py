@@ -40,6 +40,11 @@ class RegionCache:
         region = regions.get(key)
         if region is None:
             if handle.cuda is not None:
+                if handle.offset + handle.nbytes > handle.cuda.storage_nbytes:
+                    raise WeightValidationError(  # refused before the handle is even opened
+                        f"{where}: offset {handle.offset} + nbytes {handle.nbytes} reaches past "
+                        f"the end of the CUDA storage ({handle.cuda.storage_nbytes} bytes)"
+                    )
                 region = import_cuda_storage(handle.cuda, where=where)
                 # Kept open across updates: importing a handle whose storage was freed would
                 # open it anew, and the producer's reference count would be released twice.
@@ -70,6 +75,19 @@ class RegionCache:
             raise WeightValidationError(f"{where}: {exc}") from None
         self._used.add(name)
         return cached.tensor
+
+    @property
+    def open_segments(self) -> list[str]:
+        """Names of the shared-memory segments mapped now."""
+        return sorted(self._segments)
+
+    def clear(self) -> None:
+        """Unmaps everything: after an abandoned update nothing it mapped is worth keeping.
+
+        Its segments may be unlinked already (the trainer drops its buffers after a failure);
+        a mapping would keep their memory alive for as long as this receiver lives.
+        """
+        self._segments, self._cuda, self._used = {}, {}, set()
 
     def drop_unused(self) -> None:
         """Unmaps what the update that just completed did not use."""

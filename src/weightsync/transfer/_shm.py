@@ -52,15 +52,39 @@ SESSION_PREFIX = "weightsync-"
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
 # The janitor runs in a fresh interpreter (`-I`: no site packages, no environment), so it starts
-# in milliseconds and shares nothing with the trainer but this pipe.
+# in milliseconds and shares nothing with the trainer but this pipe. It watches the trainer's pid
+# as well as the pipe: a child the trainer forked (a DataLoader worker) inherits the pipe's write
+# end and would keep it open long after the trainer died.
 _JANITOR_SOURCE = """
-import signal, sys, _posixshmem
+import os, select, signal, sys, _posixshmem
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-prefix, names = sys.argv[1] + "-", set()
-for line in sys.stdin.buffer:
-    name = line[1:].strip().decode("ascii", "replace")
-    if name.startswith(prefix):
-        (names.add if line[:1] == b"+" else names.discard)(name)
+prefix, owner, names = sys.argv[1] + "-", int(sys.argv[2]), set()
+fd, rest = sys.stdin.fileno(), b""
+try:
+    watch, tick = [fd, os.pidfd_open(owner)], None
+except (AttributeError, OSError):
+    watch, tick = [fd], 0.5
+def take(chunk):
+    global rest
+    *lines, rest = (rest + chunk).split(b"\\n")
+    for line in lines:
+        name = line[1:].strip().decode("ascii", "replace")
+        if name.startswith(prefix):
+            (names.add if line[:1] == b"+" else names.discard)(name)
+while os.getppid() == owner:
+    ready = select.select(watch, [], [], tick)[0]
+    if fd in ready:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        take(chunk)
+    elif ready:
+        break
+while select.select([fd], [], [], 0)[0]:
+    chunk = os.read(fd, 65536)
+    if not chunk:
+        break
+    take(chunk)
 for name in names:
     try:
         _posixshmem.shm_unlink("/" + name)
@@ -246,9 +270,9 @@ class SegmentJanitor:
     """A helper process that unlinks a session's leftover segments once its owner is gone.
 
     The owner reports each name with `track` before creating the segment and with `forget` after
-    unlinking it. When the owner exits, in any way, the janitor's input pipe closes and it
-    unlinks every name still tracked, then exits. It ignores Ctrl-C (it runs in a session of
-    its own) so that an interrupted trainer is still cleaned up.
+    unlinking it. When the owner exits, in any way (even while a child it forked lives on), the
+    janitor unlinks every name still tracked, then exits. It ignores Ctrl-C (it runs in a session
+    of its own) so that an interrupted trainer is still cleaned up.
 
     Args:
         session: The session name; the janitor only ever unlinks names under it.
@@ -257,12 +281,16 @@ class SegmentJanitor:
     def __init__(self, session: str) -> None:
         self.session = session
         self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-I", "-c", _JANITOR_SOURCE, session],
+            [sys.executable, "-I", "-c", _JANITOR_SOURCE, session, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        assert self._process.stdin is not None
+        # A janitor that stopped reading must not block the trainer: its pipe never waits.
+        self._pipe = self._process.stdin.fileno()
+        os.set_blocking(self._pipe, False)
 
     @property
     def pid(self) -> int | None:
@@ -270,24 +298,49 @@ class SegmentJanitor:
         return self._process.pid if self._process is not None else None
 
     def _send(self, line: bytes) -> None:
-        if self._process is None or self._process.stdin is None:
-            return
-        try:
-            self._process.stdin.write(line)
-            self._process.stdin.flush()
-        except OSError:  # the janitor died: explicit unlinking still works, so warn only
-            logger.warning(
-                "segment janitor of %s is gone; leftover segments need manual cleanup", self.session
+        process = self._process
+        if process is None:
+            raise WeightTransferError(
+                f"the segment janitor of session {self.session} is closed: segments created "
+                "now would outlive a crashed trainer; start a new session (ipc_trainer_init)"
             )
-            self._process = None
+        try:
+            if process.poll() is not None:
+                raise BrokenPipeError(f"it exited with code {process.returncode}")
+            if os.write(self._pipe, line) != len(line):
+                raise BlockingIOError("its pipe is full: it stopped reading")
+        except OSError as exc:
+            raise WeightTransferError(
+                f"the segment janitor of session {self.session} is gone ({exc}): segments "
+                "created now would outlive a crashed trainer; close this session and start a "
+                "new one (ipc_trainer_init); unlink leftovers under /dev/shm by hand"
+            ) from exc
 
     def track(self, name: str) -> None:
-        """Announces segment `name`; call before creating it."""
+        """Announces segment `name`; call before creating it.
+
+        Raises:
+            WeightTransferError: The janitor is gone (killed, say), so the segment could leak.
+        """
         self._send(b"+" + name.encode() + b"\n")
 
     def forget(self, name: str) -> None:
-        """Withdraws segment `name`; call after unlinking it."""
-        self._send(b"-" + name.encode() + b"\n")
+        """Withdraws segment `name`; call after unlinking it.
+
+        A gone janitor is only logged here: the segment is unlinked already.
+        """
+        try:
+            self._send(b"-" + name.encode() + b"\n")
+        except WeightTransferError as exc:
+            logger.warning("%s", exc)
+
+    def check(self) -> None:
+        """Raises if the janitor is gone, so that a trainer never exports memory that could leak.
+
+        Raises:
+            WeightTransferError: The janitor exited or was closed.
+        """
+        self._send(b"\n")  # an empty line: the janitor skips it
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Lets the janitor unlink what is still tracked and waits for it. Safe to call twice."""

@@ -300,6 +300,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         specs = self.check_update(info)
         self._announced.append(info.update_id)
         progress = self._progress
+        if progress is not None:
+            self._mappings.clear()  # the abandoned update's memory: never read again
         if progress is not None and progress.touched:
             logger.warning(
                 "worker %d: update %s was left incomplete; its weights stay torn until "
@@ -379,9 +381,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         )
 
     def abort_update(self) -> None:
-        """Forgets the update in progress and unmaps what it alone used."""
+        """Forgets the update in progress and unmaps every region; its late parts are refused."""
         self._progress = None
-        self._mappings.drop_unused()
+        self._mappings.clear()
 
     def shutdown(self) -> None:
         """Drops every mapping and the session. Safe to call twice."""

@@ -124,6 +124,7 @@ class IPCTrainerSession:
             raise WeightTransferError(
                 "this IPC trainer session is closed: call ipc_trainer_init again"
             )
+        self._janitor.check()  # its death is the user's to see, before more memory is exported
 
     def _new_segment(self, nbytes: int) -> shm.SharedSegment:
         name = f"{self.session}-{next(self._counter)}"
