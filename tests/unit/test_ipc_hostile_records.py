@@ -2,13 +2,14 @@
 
 import base64
 import os
+import threading
 
 import pytest
 import torch
 from test_ipc_handles import CUDA_RECORD, Rig, corrupt, shm_names
 
 from weightsync import weight_checksums
-from weightsync.errors import WeightValidationError
+from weightsync.errors import WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _cuda_ipc
 
 
@@ -152,3 +153,60 @@ def test_a_handle_the_driver_refuses_is_a_validation_error(rig, parts, gpu, ref_
     record = {**CUDA_RECORD, "ref_counter_handle": _b64(ref_counter_file)}
     with pytest.raises(WeightValidationError, match=r"the CUDA driver refused the handle"):
         rig.receive(corrupt(parts[1], 0, segment=None, cuda=record, offset=0))
+
+
+def test_a_timed_out_delivery_is_stopped_not_followed_by_the_queued_parts():
+    rig = Rig(packed=True, bucket_size_bytes=256, num_buffers=2, timeout_s=0.3)
+    calls, release = [], threading.Event()
+
+    def deliver(info):
+        calls.append(info)
+        if len(calls) == 2:  # the first part hangs past the timeout; the second is queued
+            release.wait(10)
+        else:
+            rig.receive(info)
+
+    try:
+        with pytest.raises(WeightTransferTimeout, match="did not acknowledge within timeout_s"):
+            rig.send(deliver=deliver)
+        release.set()
+        for thread in threading.enumerate():
+            if thread.name == "weightsync-ipc":
+                thread.join(5)
+                assert not thread.is_alive()
+        assert len(calls) == 2  # nothing after the timed-out part reached the workers
+    finally:
+        release.set()
+        rig.close()
+
+
+class _Event:
+    """Stands in for a CUDA event: done after `ready_after` queries (never when None)."""
+
+    def __init__(self, ready_after):
+        self.ready_after, self.queries = ready_after, 0
+
+    def record(self, stream):
+        pass
+
+    def query(self):
+        self.queries += 1
+        return self.ready_after is not None and self.queries > self.ready_after
+
+
+@pytest.mark.parametrize("ready_after", [0, 5])
+def test_a_gpu_wait_returns_once_the_device_is_done(monkeypatch, ready_after):
+    event = _Event(ready_after)
+    monkeypatch.setattr(_cuda_ipc, "_new_event", lambda: event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    _cuda_ipc.synchronize(torch.device("cuda", 0), timeout_s=5.0, what="packing a bucket")
+    assert event.queries == ready_after + 1
+
+
+def test_a_gpu_that_never_finishes_is_a_timeout_not_a_hang(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "_new_event", lambda: _Event(None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    with pytest.raises(
+        WeightTransferTimeout, match=r"packing a bucket: the GPU cuda:0 did not finish .* 0.1 s"
+    ):
+        _cuda_ipc.synchronize(torch.device("cuda", 0), timeout_s=0.1, what="packing a bucket")

@@ -14,7 +14,7 @@ def test_defaults_and_dict_form():
         "packed": True,
         "bucket_size_bytes": 1 << 30,
         "num_buffers": 2,
-        "timeout_s": 300.0,
+        "timeout_s": 120.0,
     }
     assert WireParams(**wire.to_dict()) == wire
 
@@ -62,3 +62,17 @@ def test_build_takes_an_object_or_keywords_not_both():
         WireParams.build({"num_buffers": 3})  # type: ignore[arg-type]
     with pytest.raises(WeightValidationError, match=r"unknown wire parameters \['bucket_mb'\]"):
         WireParams.build(bucket_mb=3)
+
+
+def test_a_client_waits_longer_than_the_transfer_step_it_waits_for():
+    import inspect
+
+    from weightsync.trainer.engine_process import EngineProcess
+    from weightsync.trainer.http_client import HTTPEngineClient
+    from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
+
+    assert WireParams().timeout_s == DEFAULT_TIMEOUT_S
+    assert WireParams(timeout_s=7).client_timeout_s == 7 + CLIENT_MARGIN_S
+    for client in (HTTPEngineClient, EngineProcess):
+        default = inspect.signature(client).parameters["timeout_s"].default
+        assert default == WireParams().client_timeout_s > WireParams().timeout_s, client

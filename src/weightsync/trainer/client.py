@@ -13,13 +13,13 @@ several engines (data-parallel replicas) at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseMode
-from weightsync.errors import WeightValidationError
+from weightsync.trainer._calls import collect, in_threads
 from weightsync.transfer.base import TransferStats
+from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["EngineClient", "call_each"]
 
@@ -57,21 +57,33 @@ class EngineClient(Protocol):
         """Resumes generation."""
 
 
-def call_each(engines: Sequence[_T], call: Callable[[_T], Any]) -> list[Any]:
-    """Runs `call(engine)` for every engine at once and waits for all of them.
+def call_each(
+    engines: Sequence[_T],
+    call: Callable[[_T], Any],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S,
+    what: str = "the call",
+) -> list[Any]:
+    """Runs `call(engine)` for every engine at once and waits for all of them, `timeout_s` at most.
 
     Engines are independent (data-parallel replicas, say), so one slow engine does not hold up
     the others' calls; a broadcast receive needs exactly this, since every rank must be inside
-    the collective before any of them can leave it.
+    the collective before any of them can leave it. Each call runs on a daemon thread: one that
+    never returns cannot keep the trainer from exiting.
 
     Args:
         engines: The engines (any objects `call` accepts).
         call: What to do with each one.
+        timeout_s: Limit for all of them together, in seconds; keep it above the limit of what
+            the calls wait for (see `CLIENT_MARGIN_S`).
+        what: How the timeout's message names the call.
 
     Returns:
         The results, in the order of `engines`.
 
     Raises:
+        WeightTransferTimeout: Some call did not return within `timeout_s`; the message lists
+            the engines (by index) still inside it.
         Exception: When any call failed, after all of them ended: a `WeightValidationError` if
             every failure was one (the update was rejected and nothing moved), else the first
             other failure.
@@ -79,13 +91,4 @@ def call_each(engines: Sequence[_T], call: Callable[[_T], Any]) -> list[Any]:
     >>> call_each([1, 2, 3], lambda n: n * 10)
     [10, 20, 30]
     """
-    if len(engines) == 1:  # no thread needed; the common colocated case stays simple to debug
-        return [call(engines[0])]
-    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weightsync-call") as pool:
-        futures = [pool.submit(call, engine) for engine in engines]
-        errors = [f.exception() for f in futures]
-    failures = [e for e in errors if e is not None]
-    if failures:
-        other = [e for e in failures if not isinstance(e, WeightValidationError)]
-        raise (other or failures)[0]
-    return [f.result() for f in futures]
+    return collect(in_threads(engines, call), timeout_s=timeout_s, what=what)

@@ -27,6 +27,7 @@ from weightsync.trainer._rollouts import Rollouts
 from weightsync.trainer._serve_process import ServeProcess
 from weightsync.trainer.http_client import HTTPEngineClient
 from weightsync.transfer.base import TransferStats
+from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["EngineProcess"]
 
@@ -52,7 +53,8 @@ class EngineProcess:
         device: Where the engine computes and its updates land (`weightsync serve --device`):
             `"cpu"`, or `"cuda:N"`, which also serves `nccl` as the process's CUDA device.
         timeout_s: Limit, in seconds, for the server to start and for each answer that does not
-            wait for generation.
+            wait for generation. The default (150 s) exceeds the transfer's default (120 s), which
+            a weight-update call waits for: keep it above the `timeout_s` of the transfer.
 
     Raises:
         EngineConfigError: The server refused the configuration; the message says why.
@@ -74,7 +76,7 @@ class EngineProcess:
         backend: str | None = None,
         worker_index: int = 0,
         device: str = "cpu",
-        timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S,
     ) -> None:
         self.worker_index = worker_index
         self.timeout_s = timeout_s

@@ -30,6 +30,7 @@ from weightsync.errors import (
 )
 from weightsync.trainer._completions import accumulate, completion_body, to_output
 from weightsync.transfer.base import TransferStats
+from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["HTTPEngineClient", "error_from_answer"]
 
@@ -82,7 +83,8 @@ class HTTPEngineClient:
         api_key: Key of the `/v1` routes (`--api-key`), if the server has one.
         admin_api_key: Key of the RL routes (`--admin-api-key`), if the server has one.
         timeout_s: Limit, in seconds, of every call (a transfer call waits for the transfer,
-            which the server bounds by its own timeout, so keep this above that).
+            which the server bounds by its own timeout, so keep this above that). The default,
+            150 s, is the transfer's default (120 s) plus `CLIENT_MARGIN_S`.
         worker_index: The server's `--worker-index`, which a broadcast sender checks against
             the server's position among its engines; None skips the check.
 
@@ -98,7 +100,7 @@ class HTTPEngineClient:
         *,
         api_key: str | None = None,
         admin_api_key: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S,
         worker_index: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")

@@ -15,10 +15,10 @@ name, so a script chooses its backend once, at the top, and runs the same code o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.trainer._calls import collect, in_threads
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
@@ -74,6 +75,9 @@ class WeightSender(ABC):
             raise WeightValidationError("a weight sender needs at least one engine, got none")
         self.engines = list(engines)
         self._connected = False
+        # Each round of calls into the engines waits wire.client_timeout_s at most: longer than
+        # the transfer steps those calls wait for, whose more precise errors then come first.
+        self.wire = WireParams()
 
     @property
     def is_connected(self) -> bool:
@@ -121,22 +125,33 @@ class WeightSender(ABC):
             self.engines[index].start_weight_update()
             started.append(index)
 
+        limit = self.wire.client_timeout_s
         try:
-            call_each(range(len(self.engines)), start)
+            call_each(range(len(self.engines)), start, timeout_s=limit, what="start_weight_update")
             stats = self._transfer(weights, weight_version)
-            call_each(self.engines, lambda engine: engine.finish_weight_update(weight_version))
+            call_each(
+                self.engines,
+                lambda engine: engine.finish_weight_update(weight_version),
+                timeout_s=limit,
+                what="finish_weight_update",
+            )
         except BaseException:
             self._abort(started)  # only what this send opened: never another caller's update
             raise
         return stats
 
     def _abort(self, indices: Sequence[int]) -> None:
-        """Ends the transaction on these engines where it is still open; never raises."""
-        for index in indices:
-            try:
-                self.engines[index].abort_weight_update()
-            except Exception:
-                logger.exception("engine %d: abort_weight_update failed", index)
+        """Ends the transaction on these engines where it is still open; never raises.
+
+        Bounded like every other round of calls: an engine that does not answer is logged and
+        left, since the error that brought us here is what the caller must see.
+        """
+        engines = [self.engines[index] for index in indices]
+        futures = in_threads(engines, lambda engine: engine.abort_weight_update())
+        try:
+            collect(futures, timeout_s=self.wire.client_timeout_s, what="abort_weight_update")
+        except Exception:
+            logger.exception("engines %s: abort_weight_update failed", list(indices))
 
     @abstractmethod
     def _transfer(
@@ -211,10 +226,6 @@ class BroadcastWeightSender(WeightSender):
             "master_port": master_port,
         }
         self.group: TrainerGroup | None = None
-        # Engines receive on these threads while the trainer sends on the caller's.
-        self._pool = ThreadPoolExecutor(
-            max_workers=len(self.engines), thread_name_prefix="weightsync-receive"
-        )
 
     def connect(self) -> None:
         """Creates the group and joins every engine to it.
@@ -224,18 +235,22 @@ class BroadcastWeightSender(WeightSender):
         """
         group = trainer_init(world_size=1 + len(self.engines), wire=self.wire, **self._group_kwargs)
         request = {"init_info": group.init_info}
-        joins = [self._pool.submit(e.init_weight_transfer_engine, request) for e in self.engines]
+        # Engines join on threads of their own while the trainer forms the group on this one.
+        joins = in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
         try:
             group.connect()
         except Exception:
             group.close()  # engines still joining fail at once instead of at their timeout
+            with contextlib.suppress(Exception):  # the group's error is the one to raise
+                collect(
+                    joins, timeout_s=self.wire.client_timeout_s, what="init_weight_transfer_engine"
+                )
             raise
-        finally:
-            errors = [join.exception() for join in joins]
-        failed = [e for e in errors if e is not None]
-        if failed:
+        try:
+            collect(joins, timeout_s=self.wire.client_timeout_s, what="init_weight_transfer_engine")
+        except Exception:
             group.close()
-            raise failed[0]
+            raise
         self.group, self._connected = group, True
         logger.info("%s group formed with %d engines", self.backend, len(self.engines))
 
@@ -249,27 +264,28 @@ class BroadcastWeightSender(WeightSender):
             pairs, weight_version=weight_version
         ).to_dict()
         request = {"update_info": update_info}
-        receives = [self._pool.submit(e.update_weights, request) for e in self.engines]
+        # Engines receive on threads of their own while the trainer sends on this one.
+        receives = in_threads(self.engines, lambda e: e.update_weights(request))
         try:
             stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
         except WeightValidationError:
-            raise  # rejected in the handshake: nothing moved and the group stays usable
+            # Rejected in the handshake: nothing moved and the group stays usable.
+            with contextlib.suppress(Exception):
+                collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
+            raise
         except Exception:
             self._connected = False  # the group is closed after a failed send
+            with contextlib.suppress(Exception):  # the trainer's error is the one to raise
+                collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
             raise
-        finally:
-            errors = [receive.exception() for receive in receives]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise failed[0]
+        collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
         return stats
 
     def close(self) -> None:
-        """Closes the group (engines blocked on it fail at once) and stops the helper threads."""
+        """Closes the group (engines blocked on it fail at once) and frees its port."""
         self._connected = False
         if self.group is not None:
             self.group.close()
-        self._pool.shutdown(wait=True)
 
 
 class IPCWeightSender(WeightSender):
@@ -296,9 +312,8 @@ class IPCWeightSender(WeightSender):
     ) -> None:
         super().__init__(engines)
         self.backend = "ipc"
-        self.session: IPCTrainerSession = ipc_trainer_init(
-            wire=WireParams.build(wire, **wire_fields)
-        )
+        self.wire = WireParams.build(wire, **wire_fields)
+        self.session: IPCTrainerSession = ipc_trainer_init(wire=self.wire)
 
     def share_module(self, module: nn.Module) -> None:
         """Moves a CPU module's parameters into this transfer's shared memory, in place.
@@ -314,7 +329,12 @@ class IPCWeightSender(WeightSender):
     def connect(self) -> None:
         """Gives every engine the session's init info (nothing blocks: no group forms)."""
         request = {"init_info": self.session.init_info}
-        call_each(self.engines, lambda engine: engine.init_weight_transfer_engine(request))
+        call_each(
+            self.engines,
+            lambda engine: engine.init_weight_transfer_engine(request),
+            timeout_s=self.wire.client_timeout_s,
+            what="init_weight_transfer_engine",
+        )
         self._connected = True
 
     def _transfer(
@@ -324,7 +344,13 @@ class IPCWeightSender(WeightSender):
 
         def deliver(update_info: dict[str, Any]) -> None:
             request = {"update_info": update_info}
-            call_each(self.engines, lambda engine: engine.update_weights(request))
+            # The session bounds each delivery by timeout_s as well; whichever comes first.
+            call_each(
+                self.engines,
+                lambda engine: engine.update_weights(request),
+                timeout_s=self.wire.timeout_s,
+                what="update_weights",
+            )
 
         args = IPCTrainerSendWeightsArgs(self.session, deliver, weight_version=weight_version)
         return ipc_trainer_send_weights(weights, args)

@@ -20,7 +20,10 @@ class Courier:
     """Runs deliveries in order on a helper thread, so the trainer packs while workers copy.
 
     The thread is a daemon: a `deliver` that never returns cannot keep the trainer from exiting
-    (the wait for it times out instead). After a failed delivery the queued ones are dropped.
+    (the wait for it times out instead). After a failed or timed-out delivery, and once closed,
+    the queued ones are dropped: a `deliver` still running when its wait timed out is abandoned,
+    but nothing after it reaches the workers (who refuse late parts of an update they no longer
+    wait for).
     """
 
     def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
@@ -30,14 +33,16 @@ class Courier:
             queue.SimpleQueue()
         )
         self._pending: deque[tuple[Future[None], str]] = deque()
-        self._thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
-        self._thread.start()
+        # Set on a timeout and on close; checked before every delivery, between buckets.
+        self._cancelled = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         failed = False
         while (job := self._jobs.get()) is not None:
             info, future = job
-            if failed or not future.set_running_or_notify_cancel():
+            if failed or self._cancelled.is_set() or not future.set_running_or_notify_cancel():
                 future.cancel()
                 continue
             try:
@@ -63,6 +68,7 @@ class Courier:
         except concurrent.futures.TimeoutError:
             if future.done():  # the deliver callable raised a timeout of its own
                 raise
+            self._cancelled.set()  # what is queued behind it must never reach the workers
             raise WeightTransferTimeout(
                 f"delivering {what}: the workers did not acknowledge within timeout_s="
                 f"{self._timeout_s:g} s"
@@ -78,6 +84,8 @@ class Courier:
             self.wait_oldest()
 
     def close(self) -> None:
+        """Drops what is still queued; a delivery already running is left to end on its own."""
+        self._cancelled.set()
         for future, _ in self._pending:
             future.cancel()
         self._jobs.put(None)

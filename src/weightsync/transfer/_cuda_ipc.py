@@ -12,11 +12,12 @@ import base64
 import ctypes
 import os
 import re
+import time
 
 import torch
 from torch.multiprocessing import reductions
 
-from weightsync.errors import WeightValidationError
+from weightsync.errors import WeightTransferTimeout, WeightValidationError
 from weightsync.transfer._ipc_records import CUDAStorageHandle, encode_b64
 
 # torch's producer-side reference counts live in shared-memory files of this many int64 slots,
@@ -31,6 +32,7 @@ __all__ = [
     "cuda_device_uuids",
     "export_cuda_storage",
     "import_cuda_storage",
+    "synchronize",
 ]
 
 
@@ -187,3 +189,30 @@ def _rebuild(handle: CUDAStorageHandle, index: int) -> torch.Tensor:
         handle.event_sync_required,
     )
     return tensor
+
+
+def _new_event() -> torch.cuda.Event:
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def synchronize(device: torch.device, *, timeout_s: float, what: str) -> None:
+    """Waits until the work queued on `device`'s current stream is done, `timeout_s` at most.
+
+    `torch.cuda.synchronize` has no bound: a hung kernel or a peer that never lets a copy finish
+    would hang the trainer or the receiver. This records an event and polls it instead.
+
+    Raises:
+        WeightTransferTimeout: The device did not finish within `timeout_s`; names `what`.
+    """
+    event = _new_event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.0
+    while not event.query():  # type: ignore[no-untyped-call]
+        if time.monotonic() > deadline:
+            raise WeightTransferTimeout(
+                f"{what}: the GPU {device} did not finish its queued work within {timeout_s:g} s "
+                "(timeout_s); a kernel or copy is stuck"
+            )
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s + 1e-5, 1e-3)  # short waits first: buckets take milliseconds

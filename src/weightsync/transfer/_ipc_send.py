@@ -17,7 +17,7 @@ from weightsync.errors import WeightTransferError, WeightTransferTimeout, Weight
 from weightsync.transfer import _shm as shm
 from weightsync.transfer._bucket_io import pack_bucket
 from weightsync.transfer._courier import Courier
-from weightsync.transfer._cuda_ipc import export_cuda_storage
+from weightsync.transfer._cuda_ipc import export_cuda_storage, synchronize
 from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
 from weightsync.transfer._sender import AnnouncedTensors
@@ -143,6 +143,7 @@ def send_packed(send: Sending) -> None:
         pool.give_back(buffer_index)
 
     window: Window[int] = Window(session.wire.num_buffers, land)
+    timeout = session.wire.timeout_s
     try:
         for first, bucket, tensors in announced_buckets(buckets, source, len(specs)):
             device = device_of(tensors, [s.spec for s in bucket.slots], device)
@@ -155,7 +156,7 @@ def send_packed(send: Sending) -> None:
             window.push(buffer_index)
             what = f"part {stats.num_buckets + 1} of {len(buckets)}"
             courier.submit(
-                part(header, first, pack_records(bucket, tensors, buffer, segment)), what
+                part(header, first, pack_records(bucket, tensors, buffer, segment, timeout)), what
             )
             stats.num_buckets += 1
         window.drain()
@@ -171,13 +172,15 @@ def pack_records(
     tensors: list[torch.Tensor],
     buffer: torch.Tensor,
     segment: shm.SharedSegment | None,
+    timeout_s: float,
 ) -> list[dict[str, Any]]:
     """Packs `tensors` into `buffer` and returns the records that locate them there."""
     with torch.no_grad():  # parameters that require grad are copied as plain bytes
         pack_bucket(bucket, tensors, buffer)
     cuda = None
     if buffer.is_cuda:
-        torch.cuda.synchronize(buffer.device)  # workers read on their own streams
+        # Workers read on their own streams: the packed bytes must be in memory first.
+        synchronize(buffer.device, timeout_s=timeout_s, what="packing a bucket")
         cuda = export_cuda_storage(buffer.untyped_storage())
     name = segment.name if segment is not None else None
     return [
@@ -200,7 +203,7 @@ def send_unpacked(send: Sending) -> None:
     ]
     if exports:
         for device in {t.device for t in tensors if t.is_cuda}:
-            torch.cuda.synchronize(device)
+            synchronize(device, timeout_s=session.wire.timeout_s, what="exporting the tensors")
     announce(courier, header)
     if not specs:
         return

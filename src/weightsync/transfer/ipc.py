@@ -48,6 +48,7 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer import _shm as shm
+from weightsync.transfer._cuda_ipc import synchronize
 from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer._ipc_regions import RegionCache
 from weightsync.transfer.base import (
@@ -58,6 +59,7 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from weightsync.transfer.wire import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "IPCWeightTransferEngine",
@@ -357,7 +359,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 load_weights(tensors)
             for device in {t.device for _, t in tensors if t.is_cuda}:
                 # The trainer refills its buffer once we return: our copies must be done.
-                torch.cuda.synchronize(device)
+                synchronize(device, timeout_s=DEFAULT_TIMEOUT_S, what="load_weights' copies")
         except Exception as exc:
             raise self._fail(f"load_weights failed: {type(exc).__name__}: {exc}") from exc
         finally:

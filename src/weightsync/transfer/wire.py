@@ -13,7 +13,19 @@ from typing import Any, TypedDict
 
 from weightsync.errors import WeightValidationError
 
-__all__ = ["WireKeywords", "WireParams"]
+__all__ = ["CLIENT_MARGIN_S", "DEFAULT_TIMEOUT_S", "WireKeywords", "WireParams"]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Default limit, in seconds, of every blocking transfer step (`WireParams.timeout_s`)."""
+
+CLIENT_MARGIN_S = 30.0
+"""What a call that waits for a transfer step adds to that step's limit, in seconds.
+
+The rule: a caller's bound exceeds the bound of what it waits for, so the inner step times out
+first and its error (which names the step) is what the caller sees. A trainer's call into an
+engine therefore defaults to `DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S`
+(see [`WireParams.client_timeout_s`][weightsync.transfer.wire.WireParams.client_timeout_s]).
+"""
 
 
 def _is_int(value: object) -> bool:
@@ -46,7 +58,7 @@ class WireParams:
     packed: bool = True
     bucket_size_bytes: int = 1 << 30
     num_buffers: int = 2
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.packed, bool):
@@ -70,6 +82,15 @@ class WireParams:
                 f"timeout_s must be a finite number of seconds > 0, got {timeout!r}"
             )
         object.__setattr__(self, "timeout_s", float(timeout))
+
+    @property
+    def client_timeout_s(self) -> float:
+        """Limit, in seconds, of a call that waits for one of these transfer steps.
+
+        `timeout_s + CLIENT_MARGIN_S`: longer than the step it waits for, so that the step's
+        own, more precise error comes first.
+        """
+        return self.timeout_s + CLIENT_MARGIN_S
 
     @classmethod
     def build(cls, wire: WireParams | None = None, **fields: Any) -> WireParams:

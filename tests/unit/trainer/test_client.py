@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.trainer.client import call_each
 
 
@@ -18,8 +18,27 @@ def test_calls_run_at_the_same_time():
     assert call_each([0, 1, 2], lambda n: (barrier.wait(), n)[1]) == [0, 1, 2]
 
 
-def test_a_single_engine_is_called_on_the_callers_thread():
-    assert call_each(["x"], lambda _: threading.current_thread()) == [threading.current_thread()]
+def test_a_call_that_never_returns_is_a_timeout_naming_the_engine():
+    release = threading.Event()
+    try:
+        with pytest.raises(
+            WeightTransferTimeout,
+            match=r"update_weights did not return within 0.2 s \(timeout_s\) on engines \[1\]",
+        ):
+            call_each(
+                [0, 1], lambda n: n == 0 or release.wait(), timeout_s=0.2, what="update_weights"
+            )
+    finally:
+        release.set()
+
+
+def test_even_a_single_engine_is_bounded():
+    release = threading.Event()
+    try:
+        with pytest.raises(WeightTransferTimeout, match=r"on engines \[0\]"):
+            call_each(["x"], lambda _: release.wait(), timeout_s=0.1)
+    finally:
+        release.set()
 
 
 def test_only_rejections_raise_a_rejection():
