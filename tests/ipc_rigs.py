@@ -77,6 +77,7 @@ def _receiver_main(
                 "initialized": engine.is_initialized,
                 "update_in_progress": engine.update_in_progress,
             },
+            "abort": engine.abort_update,
             "shutdown": engine.shutdown,
         },
     )
@@ -213,7 +214,7 @@ class IPCReceiverProcess(CommandProcess):
     """A process holding zeroed tensors for `update_info` and an `ipc` receiver engine.
 
     Commands: `init` (`init_info`), `update` (`update_info`), `fill` (`seed`), `digests`,
-    `state`, `shutdown`, `exit`.
+    `state`, `abort` (drop the update in progress), `shutdown`, `exit`.
 
     Args:
         update_info: Dict form of the tensors it holds (and expects).

@@ -147,8 +147,18 @@ def _receiver_main(
         for name, tensor in pairs:
             params[name].copy_(tensor)
 
-    def update(update_info: dict[str, Any]) -> dict[str, Any]:
-        stats = engine.receive_weights(update_info, load_weights)
+    def update(update_info: dict[str, Any], stall_after_loads: int | None = None) -> dict[str, Any]:
+        loads = 0
+
+        def load_or_stall(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            nonlocal loads
+            if loads == stall_after_loads:  # a failure drill: hang mid-update, say so first
+                conn.send_bytes(json.dumps({"ok": True, "stalled": True}).encode())
+                torch.multiprocessing.Event().wait()
+            loads += 1
+            load_weights(pairs)
+
+        stats = engine.receive_weights(update_info, load_or_stall)
         return {"stats": {**vars(stats), "gbps": stats.gbps}}
 
     def init(init_info: dict[str, Any]) -> None:
@@ -221,6 +231,7 @@ def _trainer_main(
         {
             "init": init,
             "connect": lambda: groups[0].connect(),
+            "close": lambda: groups.pop().close(),
             "send": send,
             "digests": lambda: {"digests": weight_checksums(tensors)},
         },
@@ -295,7 +306,8 @@ class CommandProcess:
 class ReceiverProcess(CommandProcess):
     """A process holding zeroed tensors for `update_info` and a receiver engine of `backend`.
 
-    Commands: `init` (`init_info`), `update` (`update_info`), `digests`, `reset_peak`, `peak`,
+    Commands: `init` (`init_info`), `update` (`update_info`, optional `stall_after_loads` to hang
+    after that many loaded buckets, for failure drills), `digests`, `reset_peak`, `peak`,
     `shutdown`, `exit`.
 
     Args:
@@ -326,8 +338,9 @@ class ReceiverProcess(CommandProcess):
 class TrainerProcess(CommandProcess):
     """A process holding tensors for `update_info` that it fills from a seed and sends.
 
-    Commands: `init` (the keyword arguments of `trainer_init`), `connect`, `send` (`seed`, optional
-    `stall_at_tensor` to hang before that tensor, for failure drills), `digests`, `exit`.
+    Commands: `init` (the keyword arguments of `trainer_init`), `connect`, `close` (the group, and
+    its port), `send` (`seed`, optional `stall_at_tensor` to hang before that tensor, for failure
+    drills), `digests`, `exit`.
 
     Args:
         update_info: Dict form of the tensors it holds.

@@ -189,3 +189,27 @@ def test_a_taken_port_is_a_weightsync_error_naming_it():
 def test_an_address_that_does_not_resolve_is_a_weightsync_error():
     with pytest.raises(WeightTransferError, match=r"master_address 'no-such-host\.invalid'"):
         _group(master_address="no-such-host.invalid")
+
+
+def test_a_store_that_stops_answering_is_a_timeout_not_a_hang():
+    import threading
+
+    release = threading.Event()
+
+    class StoppedStore:  # a trainer under SIGSTOP: its socket is open, nothing answers
+        def check(self, keys):
+            release.wait(30)
+            return False
+
+        get = wait = compare_set = check
+
+    group = _group(timeout_s=0.3)
+    real, group._store = group._store, StoppedStore()
+    try:
+        assert group.try_get("abort/1") is None  # bounded: a note nobody can read is skipped
+        with pytest.raises(WeightTransferTimeout, match="stopped answering earlier"):
+            group.get("wire")
+    finally:
+        release.set()
+        group._store = real
+        group.close(release_store=True)

@@ -1,5 +1,7 @@
 """Shared-memory segments: names, creation, read-only attachment and unlinking, in one process."""
 
+import os
+
 import pytest
 import torch
 
@@ -78,3 +80,15 @@ def test_a_dead_janitor_is_an_error_the_trainer_sees_before_exporting_more():
         assert session.segment_names() == []  # refused before any segment existed
     finally:
         session.close()
+
+
+def test_the_size_limit_hook_fails_like_a_full_dev_shm_and_leaves_nothing(session, monkeypatch):
+    monkeypatch.setenv(shm.SHM_LIMIT_ENV, "4096")
+    shm.SharedSegment(f"{session}-0", 4096).unlink()  # at the limit: created
+    with pytest.raises(WeightTransferError, match=r"of 4097 bytes: .*No space left on device"):
+        shm.SharedSegment(f"{session}-1", 4097)
+    assert not os.path.exists(f"/dev/shm/{session}-1")
+    monkeypatch.setenv(shm.SHM_LIMIT_ENV, "lots")
+    with pytest.raises(WeightValidationError, match="WEIGHTSYNC_SHM_LIMIT_BYTES must be a number"):
+        shm.SharedSegment(f"{session}-2", 1)
+    assert not os.path.exists(f"/dev/shm/{session}-2")

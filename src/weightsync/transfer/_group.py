@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import socket
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import torch
@@ -25,6 +29,9 @@ __all__ = ["BroadcastGroup", "BroadcastWork", "bind_listener", "check_backend", 
 
 _BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 _T = TypeVar("_T")
+# A store read gets its own limit plus this, so that torch's own timeout, when it has one, and
+# its clearer message come first.
+_STORE_GRACE_S = 1.0
 
 
 def check_backend(backend: str) -> torch.device:
@@ -180,6 +187,7 @@ class BroadcastGroup:
         self.timeout_s = float(timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: Any = None
+        self._store_stuck = False
         if rank == 0:
             self._store = self._host_store(master_address, master_port)
         else:
@@ -232,6 +240,36 @@ class BroadcastGroup:
             lambda: self._store.set(key, json.dumps(value)),
         )
 
+    def _read(self, what: str, fn: Callable[[], _T], limit_s: float) -> _T:
+        """Runs a store read on a daemon thread, `limit_s` at most.
+
+        torch's store client waits for an answer without a bound: a trainer that is stopped
+        (SIGSTOP, a debugger) but whose socket is open would hang it forever. A read that timed
+        out leaves the client mid-conversation, so the store is not read again.
+        """
+        if self._store_stuck:
+            raise WeightTransferTimeout(
+                f"{what}: the transfer store stopped answering earlier (timeout_s): its host is "
+                "stopped or stuck"
+            )
+        result: Future[_T] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(self._call(what, fn))
+            except BaseException as exc:  # handed to the waiting thread
+                result.set_exception(exc)
+
+        threading.Thread(target=run, name="weightsync-store", daemon=True).start()
+        try:
+            return result.result(limit_s + _STORE_GRACE_S)
+        except FutureTimeout:
+            self._store_stuck = True
+            raise WeightTransferTimeout(
+                f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
+                "trainer) does not answer: stopped, stuck or unreachable"
+            ) from None
+
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -240,15 +278,19 @@ class BroadcastGroup:
             self._store.wait([key], datetime.timedelta(seconds=limit))
             return json.loads(self._store.get(key))
 
-        return self._call(f"reading {key!r} from the transfer store", read)
+        return self._read(f"reading {key!r} from the transfer store", read, limit)
 
     def try_get(self, key: str) -> Any:
-        """Returns the value under `key` if present and the store is reachable, else None."""
-        try:
+        """Returns the value under `key` if present and the store answers in time, else None."""
+
+        def read() -> Any:
             if not self._store.check([key]):
                 return None
             return json.loads(self._store.get(key))
-        except Exception:  # a dead trainer takes the store with it; there is nothing to read
+
+        try:
+            return self._read(f"reading {key!r}", read, self.timeout_s)
+        except Exception:  # a dead or stopped trainer takes the store with it: nothing to read
             return None
 
     def claim_rank(self, claimant: str) -> None:
@@ -257,7 +299,9 @@ class BroadcastGroup:
         The same claimant (an engine retrying its own join after a timeout) may claim again.
         """
         key = f"rank/{self.rank}"
-        owner = self._call("claiming a rank", lambda: self._store.compare_set(key, "", claimant))
+        owner = self._read(
+            "claiming a rank", lambda: self._store.compare_set(key, "", claimant), self.timeout_s
+        )
         if owner.decode() != claimant:
             raise WeightValidationError(
                 f"rank {self.rank} was claimed by another process already: each worker needs a "
@@ -322,11 +366,16 @@ class BroadcastGroup:
                 returns. Without it the store stays up, so that peers can still read why the
                 group closed (after a failure).
         """
-        if self._pg is not None and self.backend == "nccl":
-            # NCCL needs an explicit abort to unblock peers; a broken group may refuse it.
+        if self._pg is not None:
+            # NCCL needs an explicit abort to unblock peers; gloo's shutdown closes its sockets
+            # now, even while a failed collective's traceback still references the group. A
+            # broken group may refuse either.
             with contextlib.suppress(Exception):
-                self._pg.abort()
-        self._pg = None
+                self._pg.abort() if self.backend == "nccl" else self._pg.shutdown()
+            self._pg = None
+            # A failed collective's exception chain forms a reference cycle that keeps the group,
+            # and its listening sockets, alive until the collector runs; the cycle is young.
+            gc.collect(1)
         if release_store:
             # The last reference: the store's server thread stops and its socket closes now,
             # not whenever the garbage collector comes by.

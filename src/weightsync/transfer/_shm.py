@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]  # stdlib shm_open/shm_unlink, no tracker
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -33,6 +34,7 @@ from weightsync.errors import WeightTransferError, WeightValidationError
 
 __all__ = [
     "SESSION_PREFIX",
+    "SHM_LIMIT_ENV",
     "AttachedSegment",
     "SegmentJanitor",
     "SharedSegment",
@@ -48,6 +50,14 @@ logger = logging.getLogger(__name__)
 
 SESSION_PREFIX = "weightsync-"
 """Every segment weightsync creates has a name starting with this prefix."""
+
+SHM_LIMIT_ENV = "WEIGHTSYNC_SHM_LIMIT_BYTES"
+"""Test hook: a segment larger than this many bytes fails as on a full `/dev/shm` (ENOSPC).
+
+Fault tests set it in a trainer's environment to exercise the real failure path (the segment is
+created, its reservation fails, it is unlinked, the error says what is free) without filling the
+machine's `/dev/shm`. Unset, it does nothing.
+"""
 
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
@@ -144,6 +154,7 @@ class SharedSegment:
             raise WeightValidationError(f"a segment needs nbytes >= 1, got {nbytes}")
         self.name = name
         self.nbytes = nbytes
+        limit = _test_limit()
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         except OSError as exc:  # the name is taken, or /dev/shm is missing or not writable
@@ -151,6 +162,8 @@ class SharedSegment:
                 f"cannot create shared-memory segment {name!r}: {exc}{_free_space_hint()}"
             ) from exc
         try:
+            if limit is not None and nbytes > limit:
+                raise OSError(errno.ENOSPC, f"No space left on device ({SHM_LIMIT_ENV}={limit})")
             if hasattr(os, "posix_fallocate"):
                 # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
                 # killing the process with SIGBUS on first write.
@@ -183,6 +196,16 @@ class SharedSegment:
     def unlink(self) -> None:
         """Removes the name; this process's views stay valid. Safe to call twice."""
         unlink_segment(self.name)
+
+
+def _test_limit() -> int | None:
+    """The size limit `SHM_LIMIT_ENV` sets, if any."""
+    limit = os.environ.get(SHM_LIMIT_ENV)
+    if limit is None:
+        return None
+    if not limit.isdigit():
+        raise WeightValidationError(f"{SHM_LIMIT_ENV} must be a number of bytes, got {limit!r}")
+    return int(limit)
 
 
 def _free_space_hint() -> str:
