@@ -143,7 +143,10 @@ class DecodeLanes:
         return LaneGroup(
             storage=self.storage,
             query_index=self._to_device(query_index),
-            mask=mask.to(self._device),
+            in_token_order=query_index == list(range(count)),
+            context=context,
+            # Requests of one length (a static batch) need no mask: SDPA then skips applying it.
+            mask=None if min(ends) == context else mask.to(self._device),
             fill_slots=self._to_device(fill_slots),
             fill_targets=targets.flatten().to(self._device),
         )

@@ -76,8 +76,12 @@ class LaneGroup:
         storage: One (2, lanes, kv_heads, capacity, head_dim) tensor per layer, with
             `lanes >= rows` and `capacity >= context`.
         query_index: (rows,) index among the step's tokens of lane `i`'s query.
+        in_token_order: Whether lane `i` holds the step's token `i` for every lane, so that the
+            lanes' output is already in token order (when the step has nothing else).
+        context: Columns attended: the longest context among the lanes.
         mask: (rows, 1, 1, context) True where lane `i`'s query may see the key: its context,
-            up to and including its own position (columns past it belong to no one yet).
+            up to and including its own position (columns past it belong to no one yet). None
+            when every lane's context is `context` long: nothing to mask.
         fill_slots: (fills,) paged-cache slots to copy into the lanes.
         fill_targets: (kv_heads * fills,) where each head of each slot goes, as an index into
             a layer's storage seen as (2, lanes * kv_heads * capacity, head_dim), head-major:
@@ -86,7 +90,9 @@ class LaneGroup:
 
     storage: list[torch.Tensor]
     query_index: torch.Tensor
-    mask: torch.Tensor
+    in_token_order: bool
+    context: int
+    mask: torch.Tensor | None
     fill_slots: torch.Tensor
     fill_targets: torch.Tensor
 
@@ -175,7 +181,7 @@ def _attend_lanes(
         # One row copy per head and slot, into flat positions computed once for all layers.
         flat = storage.view(2, -1, head_dim)  # (2, lanes * kv_heads * capacity, head_dim)
         flat.index_copy_(1, lanes.fill_targets, fills.view(2, -1, head_dim))
-    rows, context = lanes.mask.shape[0], lanes.mask.shape[3]
+    rows, context = lanes.query_index.shape[0], lanes.context
     heads = q.shape[1]
     # Views, not copies: rows `0 .. rows-1`, columns `0 .. context-1` of the rectangle.
     keys = storage[0, :rows, :, :context]  # (rows, kv_heads, context, head_dim)
@@ -210,6 +216,8 @@ def paged_attention(
     cache = meta.kv_caches[layer_index]  # (2, kv_heads, num_slots, head_dim)
     cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.lanes is not None and meta.lanes.in_token_order and not meta.groups:
+        return _attend_lanes(layer_index, q, cache, meta.lanes)  # the usual all-decode step
     out = torch.empty_like(q)
     if meta.lanes is not None:
         out.index_copy_(0, meta.lanes.query_index, _attend_lanes(layer_index, q, cache, meta.lanes))

@@ -54,6 +54,7 @@ def test_lanes_stay_dense_and_refill_after_a_move_or_a_reset(debug_model):
     third = lanes.plan([(seqs[1], 0, 14), (seqs[2], 1, 11)])
     assert (lanes._held[seqs[1]].index, lanes._held[seqs[2]].index) == (1, 0)
     assert third.query_index.tolist() == [1, 0]  # lane 0 holds the step's token 1
+    assert not third.in_token_order
     assert third.fill_slots.numel() == 1 + 11
     # A reset (preemption, cleared cache) makes the kept lane stale: refilled whole.
     engine.scheduler.block_manager.free(seqs[1])  # resets its KV state
@@ -61,6 +62,9 @@ def test_lanes_stay_dense_and_refill_after_a_move_or_a_reset(debug_model):
     fourth = lanes.plan([(seqs[1], 0, 15), (seqs[2], 1, 12)])
     assert fourth.fill_slots.numel() == 15 + 1
     assert lanes.storage[0].shape[1] == 3  # grown to the most lanes used, never shrunk
+    # Contexts of one length (a static batch) need no mask.
+    fifth = lanes.plan([(seqs[2], 0, 16), (seqs[1], 1, 16)])
+    assert fifth.mask is None and fifth.in_token_order and fifth.context == 16
 
 
 def test_lanes_match_the_cache_as_requests_finish_at_different_steps(debug_model):
