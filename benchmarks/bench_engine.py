@@ -22,7 +22,9 @@ Measures, on one model in one process:
 - after a `keep` pause with `clear_cache=True`, the steps from `resume_generation` to the next
   token (the first stream to get one, and every stream).
 
-The last line of output is one JSON object with every figure.
+The last line of output is one JSON object with every figure. `--only` runs some parts (`hf`,
+`concurrency`, `batching`, `pause`; repeat it for several), for quick comparisons while working;
+the committed results run them all.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
 
 MODES = ("abort", "wait", "keep")
+PARTS = ("hf", "concurrency", "batching", "pause")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -313,6 +316,31 @@ async def bench_pause(
     }
 
 
+def hf_figures(hf: dict[str, Any]) -> dict[str, Any]:
+    """The result file's entries for the comparison with `generate`."""
+    return {
+        "hf_static_ratio": hf["static"]["hf_ratio"],
+        "hf_mixed_ratio": hf["mixed"]["hf_ratio"],
+        "hf_sorted_ratio": hf["mixed"]["hf_sorted_ratio"],
+        "outputs_identical": all(
+            v for part in hf.values() for k, v in part.items() if k.endswith("_identical")
+        ),
+        "hf_static": hf["static"],
+        "hf_mixed": hf["mixed"],
+    }
+
+
+def pause_figures(pause: dict[str, Any], streams: int, trials: int) -> dict[str, Any]:
+    """The result file's entries for pause latency."""
+    return {
+        "pause_streams": streams,
+        "pause_trials": trials,
+        **pause,
+        "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
+        "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -328,53 +356,49 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64, help="concurrent streams while pausing")
     parser.add_argument("--trials", type=int, default=10, help="pauses per mode")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    parser.add_argument(
+        "--only", action="append", choices=PARTS, help="run only this part (repeatable)"
+    )
     args = parser.parse_args()
+    parts = set(args.only or PARTS)
     torch.set_num_threads(args.threads)
     model = LlamaForCausalLM.from_preset(args.model, seed=0)
     started = time.perf_counter()
-    hf = bench_hf(model, args.rounds, args.mixed_rounds or args.rounds)
-    if not args.json:
-        print(f"transformers: {hf}")
-    levels = [1, 2, 4, 8, 16, 32, 64]
-    concurrency = bench_concurrency(model, args.rounds, 64, levels)
-    if not args.json:
-        print(f"tokens/s by concurrency: {concurrency}")
-    batching = bench_batching(model, args.requests, args.max_tokens)
-    if not args.json:
-        print(f"batching: {batching}")
-    pause = asyncio.run(bench_pause(model, args.streams, args.trials, args.max_tokens * 2))
-    if not args.json:
-        print(f"pause: {pause}")
-    result = {
+    result: dict[str, Any] = {
         "model": args.model,
         "parameters": sum(p.numel() for p in model.parameters()),
         "threads": args.threads,
         "repeats": args.rounds,
         "mixed_repeats": args.mixed_rounds or args.rounds,
         "cpu_count": os.cpu_count(),
-        # Load average of the machine over the run's last minute, at its end: the committed
-        # runs share their cores with other work, which the wall-clock figures feel.
-        "load_average_1min": round(os.getloadavg()[0], 2),
         "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers"),
-        "hf_static_ratio": hf["static"]["hf_ratio"],
-        "hf_mixed_ratio": hf["mixed"]["hf_ratio"],
-        "hf_sorted_ratio": hf["mixed"]["hf_sorted_ratio"],
-        "outputs_identical": all(
-            v for part in hf.values() for k, v in part.items() if k.endswith("_identical")
-        ),
-        "hf_static": hf["static"],
-        "hf_mixed": hf["mixed"],
-        "tokens_per_s_by_concurrency": concurrency,
-        "batching": batching,
-        "batching_speedup": batching["speedup"],
-        "pause_streams": args.streams,
-        "pause_trials": args.trials,
-        **pause,
-        "pause_p99_steps": {mode: s["p99"] for mode, s in pause["pause_steps"].items()},
-        "resume_to_token_steps": pause["resume_first_token_steps"]["p99"],
-        "total_seconds": time.perf_counter() - started,
     }
+    if "hf" in parts:
+        hf = bench_hf(model, args.rounds, args.mixed_rounds or args.rounds)
+        if not args.json:
+            print(f"transformers: {hf}")
+        result.update(hf_figures(hf))
+    if "concurrency" in parts:
+        levels = [1, 2, 4, 8, 16, 32, 64]
+        concurrency = bench_concurrency(model, args.rounds, 64, levels)
+        if not args.json:
+            print(f"tokens/s by concurrency: {concurrency}")
+        result["tokens_per_s_by_concurrency"] = concurrency
+    if "batching" in parts:
+        batching = bench_batching(model, args.requests, args.max_tokens)
+        if not args.json:
+            print(f"batching: {batching}")
+        result.update(batching=batching, batching_speedup=batching["speedup"])
+    if "pause" in parts:
+        pause = asyncio.run(bench_pause(model, args.streams, args.trials, args.max_tokens * 2))
+        if not args.json:
+            print(f"pause: {pause}")
+        result.update(pause_figures(pause, args.streams, args.trials))
+    # Load average of the machine over the run's last minute, at its end: the committed runs
+    # share their cores with other work, which the wall-clock figures feel.
+    result["load_average_1min"] = round(os.getloadavg()[0], 2)
+    result["total_seconds"] = time.perf_counter() - started
     result["machine"] = describe_machine()
     print(json.dumps(result))
 

@@ -42,7 +42,7 @@ ready instead, as a production loop would: the split then depends on timing.
 Run it: `python examples/rlhf/async_rl.py` (about 15 seconds on 2 CPU cores).
 
 Hardware: CPUs only, with `gloo`. With two or more GPUs the trainer computes on `cuda:0` and
-sends over `nccl` to an engine receiving on `cuda:1`; the engine itself computes on the CPU.
+sends over `nccl` to an engine that computes on `cuda:1`, where its updates land.
 """
 
 from __future__ import annotations

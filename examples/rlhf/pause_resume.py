@@ -28,9 +28,10 @@ Flow, per scenario:
 
 Run it: `python examples/rlhf/pause_resume.py` (about 3 seconds on a CPU).
 
-Hardware: one CPU process. The engine and the "trainer" (a second model) share it and exchange
-weights through shared memory; the pause machinery is the same on any device. It computes in
-float64, so that comparing greedy outputs computed two ways cannot trip over rounding.
+Hardware: one process. The engine computes on the GPU when there is one (the CPU otherwise); the
+"trainer" (a second model, on the CPU) shares the process and hands it weights through shared
+memory. The pause machinery is the same on any device. Both compute in float64, so that comparing
+greedy outputs computed two ways (or on two devices) cannot trip over rounding.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from weightsync import (
 from weightsync.trainer import IPCWeightSender
 
 DTYPE = torch.float64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine computes
 SCENARIOS = [("abort", True), ("wait", True), ("keep", True), ("keep", False)]
 REQUESTS = {"A": ("The weights", 12), "B": ("Pause here", 12), "C": ("Short", 3)}
 
@@ -104,7 +106,8 @@ def run_scenario(
     mode: str, clear_cache: bool, pause_at: int, new_policy: LlamaForCausalLM
 ) -> Timeline:
     """Runs the requests through one pause-update-resume; returns what happened."""
-    engine = LLMEngine("debug", seed=0, dtype=DTYPE, engine_config=EngineConfig(num_kv_blocks=64))
+    config = EngineConfig(num_kv_blocks=64, device=DEVICE)
+    engine = LLMEngine("debug", seed=0, dtype=DTYPE, engine_config=config)
     timeline = Timeline()
     for request_id, (prompt, max_tokens) in REQUESTS.items():
         greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -23,7 +23,8 @@ Flow:
 Run it: `python examples/rlhf/rlhf_http_ipc.py` (about 8 seconds on 2 CPU cores).
 
 Hardware: CPUs, through shared memory. With a GPU the trainer computes on `cuda:0` and the same
-code sends CUDA IPC handles; the server computes on the CPU and copies from the GPU.
+code sends CUDA IPC handles; the server computes on that GPU too (`--device cuda:0`) and copies
+the weights device to device.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ import torch.nn.functional as F  # noqa: N812
 from weightsync import ByteTokenizer, LlamaForCausalLM, SamplingParams, weight_checksums
 from weightsync.trainer import HTTPEngineClient, IPCWeightSender, sync_weights
 
-# Chosen once, here: the ipc backend follows the tensors' device.
-TRAINER_DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
+# Chosen once, here: the ipc backend follows the tensors' device, and the colocated server
+# computes on the trainer's device.
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def start_server(*args: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -65,7 +67,7 @@ def teach(policy: LlamaForCausalLM, prompt: str, phrase: str, steps: int) -> flo
     """Trains `policy` to answer `prompt` with `phrase`; returns the last loss."""
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
-    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=TRAINER_DEVICE)
+    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=DEVICE)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     for _ in range(steps):
         logits = policy.compute_logits(policy(ids[:-1]))  # (tokens - 1, vocab)
@@ -86,11 +88,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial random model")
     args = parser.parse_args()
 
-    policy = LlamaForCausalLM.from_preset("debug", seed=args.seed).to(TRAINER_DEVICE)
+    policy = LlamaForCausalLM.from_preset("debug", seed=args.seed).to(DEVICE)
     server, url = start_server(
-        "debug", "--seed", str(args.seed), "--weight-transfer-config", '{"backend": "ipc"}'
+        "debug",
+        "--seed",
+        str(args.seed),
+        "--device",
+        DEVICE,
+        "--weight-transfer-config",
+        '{"backend": "ipc"}',
     )
-    print(f"trainer on {TRAINER_DEVICE}; weightsync serve at {url}; backend ipc")
+    print(f"trainer on {DEVICE}; weightsync serve at {url}; backend ipc")
     greedy = SamplingParams(temperature=0, max_tokens=len(args.phrase.encode()))
     failures = []
     try:

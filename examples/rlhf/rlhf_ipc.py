@@ -28,7 +28,8 @@ Flow:
 Run it: `python examples/rlhf/rlhf_ipc.py` (about 7 seconds on 2 CPU cores).
 
 Hardware: CPUs only, through shared memory. With a GPU the trainer computes on `cuda:0` and the
-same code sends CUDA IPC handles; the engine computes on the CPU and copies from the GPU.
+same code sends CUDA IPC handles; the engine computes on the same GPU and copies the weights
+device to device.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from weightsync import (
 )
 from weightsync.trainer import EngineProcess, IPCWeightSender, sync_weights
 
-# The device is chosen here, once: the ipc backend follows the tensors' device.
-TRAINER_DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
+# The device is chosen here, once: the ipc backend follows the tensors' device, and the
+# colocated engine computes on the trainer's device.
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def teach(
@@ -58,7 +60,7 @@ def teach(
     """Trains `policy` to answer `prompt` with `phrase`; returns the last loss."""
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
-    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=TRAINER_DEVICE)
+    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=DEVICE)
     for _ in range(steps):
         logits = policy.compute_logits(policy(ids[:-1]))  # (tokens - 1, vocab)
         loss = F.cross_entropy(logits[len(prompt_ids) - 1 :], ids[len(prompt_ids) :])
@@ -79,12 +81,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial random model")
     args = parser.parse_args()
 
-    policy = LlamaForCausalLM.from_preset("debug", seed=args.seed).to(TRAINER_DEVICE)
+    policy = LlamaForCausalLM.from_preset("debug", seed=args.seed).to(DEVICE)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     engine = EngineProcess(
-        "debug", seed=args.seed, engine_config=EngineConfig(num_kv_blocks=64), backend="ipc"
+        "debug",
+        seed=args.seed,
+        engine_config=EngineConfig(num_kv_blocks=64),
+        backend="ipc",
+        device=DEVICE,
     )
-    print(f"trainer on {TRAINER_DEVICE}; engine in its own process; backend ipc")
+    print(f"trainer on {DEVICE}; engine in its own process; backend ipc")
     failures = []
     try:
         before = engine.generate([args.prompt], SamplingParams(temperature=0, max_tokens=12))
@@ -99,7 +105,7 @@ def main() -> int:
         ]
         for version, (name, phrase, sender_args) in enumerate(variants, start=1):
             with IPCWeightSender([engine], **sender_args) as sender:
-                if name == "zero-copy" and TRAINER_DEVICE == "cpu":
+                if name == "zero-copy" and DEVICE == "cpu":
                     sender.share_module(policy)  # once: later steps update shared memory in place
                 loss = teach(policy, optimizer, args.prompt, phrase, args.train_steps)
                 stats = sync_weights(sender, policy.named_weights(), weight_version=version)

@@ -22,8 +22,8 @@ Flow:
 Run it: `python examples/rlhf/rlhf_nccl.py` (about 8 seconds on 2 CPU cores).
 
 Hardware: CPUs only, with `gloo`. With a GPU for the trainer and one per engine (three for the
-defaults) the same code sends over `nccl` from `cuda:0`; the engines compute on the CPU and
-receive on their own GPU.
+defaults) the same code sends over `nccl` from `cuda:0`; each engine computes on its own GPU,
+where its updates land.
 """
 
 from __future__ import annotations

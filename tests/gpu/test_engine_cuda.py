@@ -31,13 +31,16 @@ def token_ids(outputs):
 
 def test_greedy_on_cuda_equals_the_cpu_in_float64():
     # float64 leaves no room for the two devices' different summation orders to flip an argmax.
+    # Requests of different lengths finish at different steps: decode lanes move and are masked.
+    params = [greedy(8 + 5 * index) for index in range(len(PROMPTS))]
     model = LlamaForCausalLM.from_preset("tiny", seed=0, dtype=torch.float64)
     cpu = LLMEngine(model, engine_config=config("cpu"))
-    expected = token_ids(cpu.generate(PROMPTS, greedy(24)))
+    expected = token_ids(cpu.generate(PROMPTS, params))
     engine = LLMEngine("tiny", seed=0, dtype=torch.float64, engine_config=config("cuda:0"))
     assert engine.model.device == torch.device("cuda:0")
     assert all(cache.is_cuda for cache in engine.runner.kv_caches)
-    assert token_ids(engine.generate(PROMPTS, greedy(24))) == expected
+    assert token_ids(engine.generate(PROMPTS, params)) == expected
+    assert all(lanes.is_cuda for lanes in engine.runner.lanes.storage)
 
 
 def test_sampling_runs_on_the_device_and_is_seeded():

@@ -5,10 +5,15 @@ one slot per token, `num_slots = num_blocks * block_size`. A sequence's token at
 lives in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its
 new keys and values into their slots, then each query attends over its sequence's slots.
 
-The step's sequences are attended in groups, one `scaled_dot_product_attention` call per group and
-layer, with no Python loop over sequences: a group pads its sequences' queries and contexts to a
-rectangle and masks the padding. The runner puts decodes (one query each) in one group and prefill
-chunks in another, so that one long prefill never pads every decode to its length.
+The step's sequences are attended in at most two parts, one `scaled_dot_product_attention` call
+per part and layer, with no Python loop over sequences:
+
+- decodes (one query each) read their keys and values in place from decode lanes, a per-layer
+  rectangle holding each decoding request's KV contiguously (see `LaneGroup`); a step only copies
+  into the lanes the columns they lack, usually one token per request;
+- prefill chunks are an `AttentionGroup`: their blocks are gathered into a padded rectangle,
+  padding masked. Keeping them apart from decodes means one long prefill never pads every decode
+  to its length.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "causal_attention", "paged_attention"]
+__all__ = [
+    "AttentionGroup",
+    "AttentionMetadata",
+    "LaneGroup",
+    "causal_attention",
+    "paged_attention",
+]
 
 
 @dataclass
@@ -53,19 +64,55 @@ class AttentionGroup:
 
 
 @dataclass
+class LaneGroup:
+    """The step's decodes, attending in place over their decode lanes.
+
+    Lane `i` of a layer's storage holds one decoding request's keys and values, its token at
+    position `p` in column `p`. This step's decodes hold lanes `0 .. rows - 1`; before attending,
+    each layer copies the listed slots of its paged cache into the lanes (the columns a lane
+    lacks: this step's token, or a whole context for a request new to its lane).
+
+    Attributes:
+        storage: One (2, lanes, kv_heads, capacity, head_dim) tensor per layer, with
+            `lanes >= rows` and `capacity >= context`.
+        query_index: (rows,) index among the step's tokens of lane `i`'s query.
+        in_token_order: Whether lane `i` holds the step's token `i` for every lane, so that the
+            lanes' output is already in token order (when the step has nothing else).
+        context: Columns attended: the longest context among the lanes.
+        mask: (rows, 1, 1, context) True where lane `i`'s query may see the key: its context,
+            up to and including its own position (columns past it belong to no one yet). None
+            when every lane's context is `context` long: nothing to mask.
+        fill_slots: (fills,) paged-cache slots to copy into the lanes.
+        fill_targets: (kv_heads * fills,) where each head of each slot goes, as an index into
+            a layer's storage seen as (2, lanes * kv_heads * capacity, head_dim), head-major:
+            `fill_targets[h * fills + i]` is slot `i`'s head `h`.
+    """
+
+    storage: list[torch.Tensor]
+    query_index: torch.Tensor
+    in_token_order: bool
+    context: int
+    mask: torch.Tensor | None
+    fill_slots: torch.Tensor
+    fill_targets: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Where one step's tokens go in the KV cache and what each of them attends to.
 
     Attributes:
         kv_caches: One (2, num_kv_heads, num_slots, head_dim) tensor per layer.
         slot_mapping: (num_tokens,) slot of each of the step's tokens.
-        groups: Groups of sequences attended together; every token of the step is a real query
-            of exactly one group.
+        groups: Groups of sequences attended together over gathered blocks (prefill chunks).
+        lanes: The decodes, attended over their lanes (None when the step has none). Every
+            token of the step is a real query of exactly one group or of the lanes.
     """
 
     kv_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup] = field(default_factory=list)
+    lanes: LaneGroup | None = None
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -123,6 +170,30 @@ def _attend_group(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -
     return out.reshape(rows * max_queries, heads, head_dim)
 
 
+def _attend_lanes(
+    layer_index: int, q: torch.Tensor, cache: torch.Tensor, lanes: LaneGroup
+) -> torch.Tensor:
+    """The decodes' attention: (num_tokens, heads, head_dim) queries -> (rows, heads, head_dim)."""
+    storage = lanes.storage[layer_index]  # (2, lanes, kv_heads, capacity, head_dim)
+    _, _, kv_heads, _, head_dim = storage.shape
+    if lanes.fill_slots.numel():
+        fills = cache.index_select(2, lanes.fill_slots)  # (2, kv_heads, fills, head_dim)
+        # One row copy per head and slot, into flat positions computed once for all layers.
+        flat = storage.view(2, -1, head_dim)  # (2, lanes * kv_heads * capacity, head_dim)
+        flat.index_copy_(1, lanes.fill_targets, fills.view(2, -1, head_dim))
+    rows, context = lanes.query_index.shape[0], lanes.context
+    heads = q.shape[1]
+    # Views, not copies: rows `0 .. rows-1`, columns `0 .. context-1` of the rectangle.
+    keys = storage[0, :rows, :, :context]  # (rows, kv_heads, context, head_dim)
+    values = storage[1, :rows, :, :context]
+    # Grouped-query attention without copying keys and values per query head: the `groups`
+    # query heads that share a KV head (heads h = kv_head * groups + g) are that KV head's
+    # `groups` query rows.
+    queries = q.index_select(0, lanes.query_index).view(rows, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=lanes.mask)
+    return out.reshape(rows, heads, head_dim)
+
+
 def paged_attention(
     layer_index: int,
     q: torch.Tensor,
@@ -145,12 +216,12 @@ def paged_attention(
     cache = meta.kv_caches[layer_index]  # (2, kv_heads, num_slots, head_dim)
     cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    if len(meta.groups) == 1 and meta.groups[0].query_index.numel() == q.shape[0]:
-        # One group without padding holds every token, row by row in batch order, which is the
-        # token order: its output needs no reordering (the usual all-decode step).
-        return _attend_group(q, cache, meta.groups[0])
+    if meta.lanes is not None and meta.lanes.in_token_order and not meta.groups:
+        return _attend_lanes(layer_index, q, cache, meta.lanes)  # the usual all-decode step
     out = torch.empty_like(q)
-    for group in meta.groups:  # at most two: decodes, then prefill chunks
+    if meta.lanes is not None:
+        out.index_copy_(0, meta.lanes.query_index, _attend_lanes(layer_index, q, cache, meta.lanes))
+    for group in meta.groups:
         attended = _attend_group(q, cache, group).index_select(0, group.sources)
         out.index_copy_(0, group.targets, attended)
     return out

@@ -6,10 +6,12 @@ from typing import NamedTuple
 
 import torch
 
+from weightsync.engine._lanes import DecodeLanes
 from weightsync.engine.attention import AttentionGroup, AttentionMetadata
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import TokenLogprobs, sample, token_logprobs
 from weightsync.engine.scheduler import ScheduledSequence
+from weightsync.engine.sequence import Sequence
 
 __all__ = ["ModelRunner"]
 
@@ -44,24 +46,28 @@ class ModelRunner:
             torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
-        # Scratch space that attention gathers each context into; it grows to the largest step
-        # seen and is reused by every layer of every step (see `AttentionGroup.gathered`).
+        # Scratch space that attention gathers each prefill chunk's context into; it grows to
+        # the largest step seen and is reused by every layer of every step (see
+        # `AttentionGroup.gathered`). Decodes read their decode lanes instead.
         self._gather_space = torch.empty(0, dtype=model.dtype, device=self.device)
+        self.lanes = DecodeLanes(
+            num_layers=config.num_hidden_layers,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.kv_head_dim,
+            block_size=block_size,
+            dtype=model.dtype,
+            device=self.device,
+        )
 
-    def _gather_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
-        """Disjoint (2, kv_heads, size, block_size * head_dim) scratch views, one per size."""
+    def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
+        """A (2, kv_heads, num_blocks, block_size * head_dim) view of the scratch space."""
         _, kv_heads, _, head_dim = self.kv_caches[0].shape
-        block_numel = 2 * kv_heads * self.block_size * head_dim
-        if self._gather_space.numel() < sum(sizes) * block_numel:
+        numel = 2 * kv_heads * num_blocks * self.block_size * head_dim
+        if self._gather_space.numel() < numel:
             self._gather_space = torch.empty(
-                sum(sizes) * block_numel, dtype=self._gather_space.dtype, device=self.device
+                numel, dtype=self._gather_space.dtype, device=self.device
             )
-        buffers, offset = [], 0
-        for size in sizes:
-            flat = self._gather_space[offset : offset + size * block_numel]
-            buffers.append(flat.view(2, kv_heads, size, self.block_size * head_dim))
-            offset += size * block_numel
-        return buffers
+        return self._gather_space[:numel].view(2, kv_heads, num_blocks, -1)
 
     def _group(self, rows: list[_Row], gathered: torch.Tensor) -> AttentionGroup:
         """Pads sequences into one `AttentionGroup`.
@@ -108,7 +114,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decodes: list[_Row] = []
+        decodes: list[tuple[Sequence, int, int]] = []
         prefills: list[_Row] = []
         sample_rows: list[int] = []
         size = self.block_size
@@ -120,15 +126,24 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
-            (decodes if item.num_tokens == 1 else prefills).append(
-                _Row(query_start, start, end, table)
-            )
+            if item.num_tokens == 1:
+                decodes.append((seq, query_start, end))
+            else:
+                prefills.append(_Row(query_start, start, end, table))
             if item.samples:
                 sample_rows.append(query_start + item.num_tokens - 1)
-        parts = [rows for rows in (decodes, prefills) if rows]
-        sizes = [len(rows) * max(len(row.block_table) for row in rows) for rows in parts]
-        groups = list(map(self._group, parts, self._gather_buffers(sizes)))
-        meta = AttentionMetadata(self.kv_caches, self._to_device(slot_mapping), groups)
+        groups = []
+        if prefills:
+            longest_table = max(len(row.block_table) for row in prefills)
+            groups.append(self._group(prefills, self._gather_buffer(len(prefills) * longest_table)))
+        if not decodes:
+            self.lanes.clear()  # a request holds a lane only while it decodes
+        meta = AttentionMetadata(
+            self.kv_caches,
+            self._to_device(slot_mapping),
+            groups,
+            self.lanes.plan(decodes) if decodes else None,
+        )
         return self._to_device(input_ids), self._to_device(positions), meta, sample_rows
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -146,7 +161,11 @@ class ModelRunner:
             log-probabilities (None for a request that did not ask for them).
         """
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)  # (tokens, hidden)
+        try:
+            hidden = self.model(input_ids, positions, meta)  # (tokens, hidden)
+        except BaseException:
+            self.lanes.clear()  # the lanes' planned fills may not all have happened
+            raise
         if not sample_rows:
             return [], []
         logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])  # (seqs, vocab)

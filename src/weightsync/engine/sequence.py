@@ -47,6 +47,8 @@ class Sequence:
         block_hashes: Prefix-cache hashes of the leading full blocks of `block_table`.
         cache_epoch: The prefix-cache epoch (weights) its KV was computed under; blocks of a
             sequence from an older epoch are never offered for reuse.
+        num_kv_resets: How many times its KV state was reset: a copy of its KV taken before
+            the latest reset (a decode lane's) no longer matches the cache.
         num_cached_tokens: Prompt tokens that hit the prefix cache when it was admitted.
         was_started: Whether it has been admitted once (a preempted sequence has).
         output_weight_versions: The weight version that generated each output token.
@@ -79,6 +81,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.cache_epoch = 0
+        self.num_kv_resets = 0
         self.num_cached_tokens = 0
         self.status = SequenceStatus.WAITING
         self.was_started = False
@@ -133,6 +136,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.block_hashes = []
+        self.num_kv_resets += 1
 
     def finish(
         self, reason: FinishReason, stop_reason: str | int | None = None, *, flush_text: bool = True
