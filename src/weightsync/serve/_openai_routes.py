@@ -27,14 +27,14 @@ from weightsync import (
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import _RequestRefused, error_body, status_of
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
-from weightsync.serve._sse import ChunkFrame, EventStream, sse
-from weightsync.serve.app import ServerState
-from weightsync.serve.protocol import (
+from weightsync.serve._protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
     apply_chat_template,
 )
+from weightsync.serve._sse import ChunkFrame, EventStream, sse
+from weightsync.serve.app import ServerState
 
 __all__ = ["router"]
 
