@@ -3,11 +3,17 @@
     python benchmarks/bench_serve.py --json
 
 - `http_tokens_per_s`: completion tokens per second of `--streams` concurrent streaming
-  `/v1/completions` requests to a `weightsync serve` child (the client parses every SSE chunk).
+  `/v1/completions` requests to a `weightsync serve` child. The client is lean (HTTP/1.1 by
+  hand over asyncio streams) but parses and checks every SSE chunk.
 - `inprocess_tokens_per_s`: the same requests (prompts, seeds, lengths) as concurrent
   `AsyncEngine.generate` streams in this process, with the same engine configuration and the
   same torch threads (the server's default: every core but one).
 - `http_throughput_ratio` = http / in-process (target >= 0.8).
+- CPU, which on a small machine is what the two modes compete for: `http_client_cpu_cores`
+  (the client's CPU seconds per second of its runs: it runs on the same cores as the server),
+  `http_server_cpu_us_per_token` (the server process, every thread, per completion token) and
+  `inprocess_cpu_us_per_token` (this process during its in-process runs). CPU time per token
+  changes less with other work on the machine than tokens per second does.
 - `keep_pause_p99_steps`: while the streams run, a trainer sends `/pause?mode=keep`; the server
   records the engine's step counter when it handles the request and again once the pause has
   landed (`/engine_stats` -> `last_pause`). The figure is landed - requested, p99 over `--pauses`
@@ -28,6 +34,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,23 +74,57 @@ def start_server(streams: int, threads: int) -> tuple[subprocess.Popen[str], str
     raise RuntimeError("weightsync serve did not start")
 
 
+async def _stream_one(host: str, port: int, body: dict[str, Any]) -> int:
+    """One streaming completion over a raw connection; returns its tokens, each one checked.
+
+    A lean client, so that the client's own Python takes as little as possible of the cores
+    the server runs on: HTTP/1.1 written by hand, the chunked body read as it comes. Every
+    event is still parsed: each carries as many weight versions as token ids, the stream ends
+    with `finish_reason="length"` and `[DONE]`, and the tokens add up to `max_tokens`.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = json.dumps({**body, "stream": True}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+        % (host.encode(), len(payload), payload)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    tokens, finish, done, pending = 0, None, False, b""
+    while not done:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            break
+        pending += (await reader.readexactly(size + 2))[:-2]
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: {"):
+                for choice in json.loads(event[6:])["choices"]:
+                    assert len(choice["token_ids"]) == len(choice["weight_versions"]), choice
+                    tokens += len(choice["token_ids"])
+                    finish = choice["finish_reason"] or finish
+            done = done or event == b"data: [DONE]"
+    writer.close()
+    assert done and finish == "length" and tokens == body["max_tokens"], (done, finish, tokens)
+    return tokens
+
+
 async def http_run(url: str, bodies: list[dict[str, Any]]) -> tuple[int, float]:
     """Streams every request at once; returns (completion tokens, seconds)."""
-    limits = httpx.Limits(max_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(_stream_one(host, int(port), body) for body in bodies))
+    return sum(counts), time.perf_counter() - start
 
-        async def one(body: dict[str, Any]) -> int:
-            tokens = 0
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        for choice in json.loads(line[6:])["choices"]:
-                            tokens += len(choice["token_ids"])
-            return tokens
 
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(body) for body in bodies))
-        return sum(counts), time.perf_counter() - start
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) used so far by process `pid` (None: this one)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def inprocess_run(engine: AsyncEngine, bodies: list[dict[str, Any]]) -> tuple[int, float]:
@@ -163,6 +204,8 @@ def main() -> None:
     engine = AsyncEngine(MODEL, engine_config=EngineConfig(max_num_seqs=args.streams))
     loop = asyncio.new_event_loop()
     rates: dict[str, list[float]] = {"http": [], "inprocess": []}
+    cpu_per_token: dict[str, list[float]] = {"http": [], "inprocess": []}
+    client_cores: list[float] = []
     try:
         runs = {
             "http": lambda: asyncio.run(http_run(url, bodies)),
@@ -172,9 +215,15 @@ def main() -> None:
             fn()  # warm-up
         for round_index in range(args.repeats):
             for name, fn in runs.items():
+                watched = server.pid if name == "http" else None
+                cpu_before, own_before = process_cpu_s(watched), process_cpu_s()
                 tokens, seconds = fn()
+                cpu_s, own_s = process_cpu_s(watched) - cpu_before, process_cpu_s() - own_before
                 assert tokens == args.streams * args.max_tokens, (name, tokens)
                 rates[name].append(tokens / seconds)
+                cpu_per_token[name].append(cpu_s / tokens * 1e6)
+                if name == "http":
+                    client_cores.append(own_s / seconds)
             if not args.json:
                 print(f"round {round_index}: " + ", ".join(
                     f"{n} {r[-1]:.0f} tok/s" for n, r in rates.items()), file=sys.stderr)  # fmt: skip
@@ -195,6 +244,9 @@ def main() -> None:
         "http_tokens_per_s": http,
         "inprocess_tokens_per_s": inprocess,
         "http_throughput_ratio": http / inprocess,
+        "http_client_cpu_cores": statistics.median(client_cores),
+        "http_server_cpu_us_per_token": statistics.median(cpu_per_token["http"]),
+        "inprocess_cpu_us_per_token": statistics.median(cpu_per_token["inprocess"]),
         "keep_pause_p99_steps": p99(steps),
         "keep_pause_median_steps": statistics.median(steps),
         "keep_pause_max_steps": max(steps),

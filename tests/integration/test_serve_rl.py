@@ -4,6 +4,7 @@ client timeouts, and a clean shutdown with a stream open."""
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -143,6 +144,34 @@ def test_a_client_timeout_does_not_desynchronize_later_calls(server):
     client.close()
 
 
+def test_a_client_that_leaves_a_stream_aborts_its_request(server):
+    url = server.base_url
+
+    def unfinished() -> list[str]:
+        answer = httpx.post(url + "/unfinished_requests", json={"request_ids": ["leaver"]})
+        return answer.json()["unfinished"]
+
+    # The stream is frozen by a keep pause at its second token (armed while paused), so it
+    # cannot end on its own: only an abort can end it while the server stays paused.
+    httpx.post(url + "/pause?mode=keep")
+    body = {"prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True,
+            "request_id": "leaver"}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == ": accepted"
+        httpx.post(url + "/arm_pause", params={"after_tokens": 2})
+        httpx.post(url + "/resume")
+        assert "leaver" in next(lines)
+        assert httpx.post(url + "/pause?mode=keep").json() == {"status": "paused"}
+        assert unfinished() == ["leaver"]
+    # The connection closed with the request frozen: the server notices and aborts it.
+    deadline = time.monotonic() + 30
+    while unfinished():
+        assert time.monotonic() < deadline, "the request still runs after its client left"
+        time.sleep(0.01)  # waiting for the abort to happen: the server offers no event for it
+    httpx.post(url + "/resume")
+
+
 @pytest.fixture
 def fresh_server():  # no transfer engine yet: a busy refusal has no trainer to tell
     server = Server("debug", "--port", "0")
@@ -215,38 +244,48 @@ def test_start_up_refusals_are_one_line():
     assert bad.returncode == 2 and "JSON object" in bad.stderr
 
 
-@pytest.mark.parametrize("config", [['--weight-transfer-config', '{"backend": "gloo"}'],
-                                    ["--weight-transfer-config.backend", "gloo"]])  # fmt: skip
-def test_weight_transfer_config_json_and_dotted_and_a_clean_sigterm(config):
+@pytest.mark.parametrize(("config", "sig"), [
+    (["--weight-transfer-config", '{"backend": "gloo"}'], signal.SIGTERM),
+    (["--weight-transfer-config.backend", "gloo"], signal.SIGINT),
+])  # fmt: skip
+def test_weight_transfer_config_json_and_dotted_and_a_clean_stop_on_a_signal(config, sig):
     server = Server("debug", "--port", "0", *config)
     try:
-        check_config_then_sigterm(server)
+        check_config_then_stop(server, sig)
     finally:
         server.kill()
 
 
-def check_config_then_sigterm(server):
-    chunks: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    chunks.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(30)
+def check_config_then_stop(server, sig):
+    url = server.base_url
     # The configured backend (gloo) reads the init info, whatever backend the info names.
-    other = httpx.post(server.base_url + "/init_weight_transfer_engine",
+    other = httpx.post(url + "/init_weight_transfer_engine",
                        json={"init_info": {"backend": "ipc"}}, timeout=30)  # fmt: skip
     assert other.status_code == 400
     assert "master_address" in other.json()["error"]["message"]
-    assert httpx.post(server.base_url + "/pause?mode=keep").json() == {"status": "paused"}
-    assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+    # A stream frozen by a keep pause at its second token is open when the signal comes. The
+    # pause is armed while paused, so the stream cannot run to its end first, however slow the
+    # machine is.
+    chunks: list[str] = []
+    accepted = threading.Event()
+
+    def stream():
+        body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    chunks.append(line)
+                if line == ": accepted":
+                    accepted.set()
+
+    assert httpx.post(url + "/pause?mode=keep").json() == {"status": "paused"}
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert accepted.wait(30)
+    assert httpx.post(url + "/arm_pause", params={"after_tokens": 2}).json() == {"status": "armed"}
+    httpx.post(url + "/resume")
+    assert httpx.post(url + "/pause?mode=keep").json() == {"status": "paused"}  # at token 2
+    assert server.stop(sig) in (0, -sig)
     reader.join(30)
     assert chunks[-1] == "data: [DONE]"
     assert '"finish_reason": "abort"' in chunks[-2]

@@ -1,4 +1,10 @@
-"""Weight updates over HTTP while completions stream: 32 streams, 5 keep-mode updates."""
+"""Weight updates over HTTP while completions stream: 32 streams, 5 keep-mode updates.
+
+Each update is gated on an observable event, not on timing: the trainer arms each keep pause
+(`/arm_pause`) to land when every stream has `TOKENS_PER_VERSION` more tokens, so the five
+updates land inside the streams however slow the machine is, and each version's share of the
+tokens is known.
+"""
 
 import json
 import os
@@ -12,11 +18,12 @@ import pytest
 from serve_support import SRC, Server
 
 from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, SamplingParams
-from weightsync.trainer import BroadcastWeightSender, HTTPEngineClient, sync_weights
+from weightsync.trainer import BroadcastWeightSender, HTTPEngineClient
 
 NUM_STREAMS = 32
 NUM_UPDATES = 5
 MAX_TOKENS = 480  # the debug model's positions (512) hold the prompt and this many
+TOKENS_PER_VERSION = 80  # the pauses land at 80, 160, ..., 400 tokens: before each stream ends
 WAIT_S = 120
 GREEDY_HELLO = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
 
@@ -31,6 +38,7 @@ class Streams:
         self.versions: list[list[int]] = [[] for _ in range(NUM_STREAMS)]
         self.finish: list[str | None] = [None] * NUM_STREAMS
         self.usage: list[int | None] = [None] * NUM_STREAMS
+        self.accepted = [False] * NUM_STREAMS
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(NUM_STREAMS)]
         for thread in self.threads:
@@ -44,6 +52,10 @@ class Streams:
             with httpx.stream("POST", f"{self.base_url}/v1/completions", json=body,
                               timeout=WAIT_S) as response:  # fmt: skip
                 for line in response.iter_lines():
+                    if line == ": accepted":  # the server says the request is in the engine
+                        with self.changed:
+                            self.accepted[index] = True
+                            self.changed.notify_all()
                     if not line.startswith("data: {"):
                         continue
                     chunk = json.loads(line[len("data: ") :])
@@ -60,15 +72,9 @@ class Streams:
             with self.changed:
                 self.changed.notify_all()
 
-    def wait_until_each_has(self, num_tokens: int) -> None:
-        def ready() -> bool:
-            return bool(self.errors) or all(
-                len(ids) >= num_tokens or done is not None
-                for ids, done in zip(self.token_ids, self.finish, strict=True)
-            )
-
+    def wait_until_accepted(self) -> None:
         with self.changed:
-            assert self.changed.wait_for(ready, timeout=WAIT_S)
+            assert self.changed.wait_for(lambda: self.errors or all(self.accepted), WAIT_S)
         assert not self.errors, self.errors
 
     def join(self) -> None:
@@ -87,17 +93,27 @@ def server():
 
 def test_streams_survive_keep_updates_with_every_token_once_and_versions_in_order(server):
     engine = HTTPEngineClient(server.base_url, timeout_s=WAIT_S)
+
+    def arm_keep_pause(after_tokens: int) -> None:
+        armed = httpx.post(f"{server.base_url}/arm_pause", params={"after_tokens": after_tokens},
+                           timeout=WAIT_S)  # fmt: skip
+        assert armed.json() == {"status": "armed"}
+
     with BroadcastWeightSender([engine], backend="gloo", timeout_s=60) as sender:
+        # Queued while paused, the streams start together at resume: in step with each other.
+        engine.pause_generation(mode="keep")
         streams = Streams(server.base_url)
-        progress = 2
-        streams.wait_until_each_has(progress)
+        streams.wait_until_accepted()
         for version in range(1, NUM_UPDATES + 1):
+            arm_keep_pause(version * TOKENS_PER_VERSION)  # while paused: nothing runs past it
+            engine.resume_generation()
             policy = LlamaForCausalLM.from_preset("debug", seed=100 + version)
-            # pause(keep) -> start -> update (while the trainer broadcasts) -> finish -> resume
-            sync_weights(sender, policy.named_weights(), weight_version=version, mode="keep")
+            # pause(keep) returns once the armed pause landed; update; resume at the next turn.
+            engine.pause_generation(mode="keep")
+            assert engine.is_paused()
+            sender.send(policy.named_weights(), weight_version=version)
             assert engine.weight_version == version
-            progress = max(len(ids) for ids in streams.token_ids) + 2
-            streams.wait_until_each_has(progress)  # every stream moves on with the new weights
+        engine.resume_generation()
         streams.join()
     engine.close()
     for ids, versions, finish, usage in zip(
@@ -109,6 +125,12 @@ def test_streams_survive_keep_updates_with_every_token_once_and_versions_in_orde
         assert versions == sorted(versions)
         assert sorted(set(versions)) == list(range(NUM_UPDATES + 1))
         assert versions[-1] == NUM_UPDATES
+        # Started together, every stream had exactly its first 80 tokens from version 0; each
+        # later pause landed once the slowest stream had its next 80 (streams recomputing their
+        # KV after a pause do not all start generating at the same step).
+        assert versions.count(0) == TOKENS_PER_VERSION
+        for version in range(1, NUM_UPDATES + 1):
+            assert versions.index(version) >= version * TOKENS_PER_VERSION
 
 
 def test_a_vllm_style_http_trainer_script_runs_unchanged(server):

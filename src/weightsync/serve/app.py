@@ -1,11 +1,11 @@
 """`create_app`: an `AsyncEngine` served over HTTP by FastAPI.
 
-The app carries OpenAI-compatible routes under `/v1` (see
-[`openai_routes`][weightsync.serve.openai_routes]), vLLM's RL routes (see
-[`rl_routes`][weightsync.serve.rl_routes]), `/health` and `/version`. Errors come back as JSON in
-OpenAI's error shape, naming the weightsync error type and the field at fault, with the status of
-their class (400 invalid, 401 key, 409 state conflict, 413 too large, 502 transfer failed, 504
-transfer timeout).
+The app carries OpenAI-compatible routes under `/v1`, vLLM's RL routes, `/health` and `/version`
+(the docs' serving page describes each route, their OpenAPI schema has every body). The routes
+and their request models live in private modules: the HTTP shapes are the API, not the Python
+classes that parse them. Errors come back as JSON in OpenAI's error shape, naming the weightsync
+error type and the field at fault, with the status of their class (400 invalid, 401 key, 409
+state conflict, 413 too large, 502 transfer failed, 504 transfer timeout).
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def create_app(
     >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
     ['/v1/chat/completions', '/v1/completions', '/v1/models']
     """
-    from weightsync.serve.openai_routes import router as openai_router
-    from weightsync.serve.rl_routes import router as rl_router
+    from weightsync.serve._openai_routes import router as openai_router
+    from weightsync.serve._rl_routes import router as rl_router
 
     config = config or ServerConfig()
     state = ServerState(engine, config)

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from weightsync import AsyncEngine, EngineConfig
 from weightsync.serve import ServerConfig, create_app
-from weightsync.serve.protocol import ChatMessage, apply_chat_template
+from weightsync.serve._protocol import ChatMessage, apply_chat_template
 
 
 def make_client(**config):

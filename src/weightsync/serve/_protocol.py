@@ -113,7 +113,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     """The body of `POST /v1/chat/completions`.
 
-    `messages` are rendered by [`apply_chat_template`][weightsync.serve.protocol.apply_chat_template].
+    `messages` are rendered by `apply_chat_template`.
     `logprobs=true` asks for the sampled tokens' log-probabilities, `top_logprobs` for that many
     alternatives.
     """

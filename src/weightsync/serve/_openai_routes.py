@@ -9,14 +9,13 @@ a stream) and `prompt_token_ids`: what an RL trainer needs and OpenAI's shape la
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from weightsync import (
     CompletionOutput,
@@ -28,13 +27,14 @@ from weightsync import (
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import _RequestRefused, error_body, status_of
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
-from weightsync.serve.app import ServerState
-from weightsync.serve.protocol import (
+from weightsync.serve._protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
     apply_chat_template,
 )
+from weightsync.serve._sse import ChunkFrame, EventStream, sse
+from weightsync.serve.app import ServerState
 
 __all__ = ["router"]
 
@@ -188,16 +188,15 @@ def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None)
     return fields
 
 
-# One encoder for every chunk: `json.dumps` would build one per call (same output either way).
-_encode_json = json.JSONEncoder().encode
+async def _stream(
+    run: _Run, frame: ChunkFrame, choice: Any, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """Server-sent events of a run: `choice(index, output, sent_tokens, sent_chars)` per change.
 
-
-def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else _encode_json(data)}\n\n"
-
-
-async def _stream(run: _Run, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of a run: `chunk(index, output, sent_tokens, sent_chars)` per change."""
+    The engine's stream of a choice hands over its newest output only: when this loop falls
+    behind the engine, the tokens of several steps go out as one chunk, each with its id and
+    weight version.
+    """
     sent_tokens = [0] * len(run.choices)
     sent_chars = [0] * len(run.choices)
     completion_tokens = 0
@@ -207,34 +206,29 @@ async def _stream(run: _Run, chunk: Any, include_usage: bool) -> AsyncIterator[s
     try:
         async for index, output in run.outputs(on_accepted=accepted):
             if index < 0:
-                yield ": accepted\n\n"
+                yield b": accepted\n\n"
                 continue
             out = output.outputs[0]
             if len(out.token_ids) == sent_tokens[index] and out.finish_reason is None:
                 continue
-            yield _sse(chunk(index, out, sent_tokens[index], sent_chars[index]))
+            yield frame.event(choice(index, out, sent_tokens[index], sent_chars[index]))
             sent_tokens[index] = len(out.token_ids)
             sent_chars[index] = max(sent_chars[index], len(out.text))
             if out.finish_reason is not None:
                 completion_tokens += len(out.token_ids)
     except WeightSyncError as exc:  # the status is sent already: the error travels as an event
-        yield _sse(error_body(status_of(exc), type(exc).__name__, str(exc)))
+        yield sse(error_body(status_of(exc), type(exc).__name__, str(exc)))
     if include_usage:
-        yield _sse(
+        yield sse(
             {"id": run.id, "object": "usage", "choices": [], "usage": run.usage(completion_tokens)}
         )
-    yield _sse("[DONE]")
-
-
-def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    yield sse("[DONE]")
 
 
 @router.post("/completions", response_model=None, operation_id="create_completion")
 async def _create_completion(
     body: CompletionRequest, request: Request
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStream:
     """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
     state: ServerState = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
@@ -254,9 +248,7 @@ async def _create_completion(
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(_stream(
-            run, lambda *a: {**base, "choices": [choice(*a)]}, include_usage
-        ))  # fmt: skip
+        return EventStream(_stream(run, ChunkFrame(base), choice, include_usage))
     finals = await run.finals()
     outs = [f.outputs[0] for f in finals]
     return JSONResponse({
@@ -269,7 +261,7 @@ async def _create_completion(
 @router.post("/chat/completions", response_model=None, operation_id="create_chat_completion")
 async def _create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
     state: ServerState = request.app.state.serve
     prompt = apply_chat_template(body.messages)
@@ -277,23 +269,23 @@ async def _create_chat_completion(
     model = state.config.model_name
     asked = body.num_logprobs() is not None
 
-    def chunk(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
+    def choice(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": out.text[chars:]}
         if start == 0:
             delta["role"] = "assistant"
-        choice = {
+        return {
             "index": index,
             "delta": delta,
             "logprobs": chat_logprobs(out, start) if asked else None,
             "finish_reason": out.finish_reason,
             **_extensions(out, start, run.prompt_ids[0] if start == 0 else None),
         }
-        return {"id": run.id, "object": "chat.completion.chunk", "created": run.created,
-                "model": model, "choices": [choice]}  # fmt: skip
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(_stream(run, chunk, include_usage))
+        frame = ChunkFrame({"id": run.id, "object": "chat.completion.chunk",
+                            "created": run.created, "model": model})  # fmt: skip
+        return EventStream(_stream(run, frame, choice, include_usage))
     finals = await run.finals()
     outs = [f.outputs[0] for f in finals]
     choices = [
