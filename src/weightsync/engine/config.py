@@ -97,13 +97,18 @@ class EngineConfig:
         """Returns `device` as a `torch.device`, checked against this machine.
 
         Raises:
-            EngineConfigError: A CUDA device on a machine without CUDA, or a device index that
-                does not exist.
+            EngineConfigError: A device type other than CPU and CUDA, a CUDA device on a machine
+                without CUDA, or a device index that does not exist.
 
         >>> EngineConfig().resolve_device()
         device(type='cpu')
         """
         device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise EngineConfigError(
+                f"EngineConfig.device is {self.device!r}, but the engine computes on 'cpu' or "
+                "'cuda' devices only: pick one of those"
+            )
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
