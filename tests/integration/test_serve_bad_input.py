@@ -57,6 +57,11 @@ CASES: list[tuple[str, str, str, Any, int, str, str]] = [
      "InvalidRequestError", "body"),
     ("completion-body-truncated", "POST", "/v1/completions", b'{"prompt": "hi"', 400,
      "InvalidRequestError", "not valid JSON"),
+    ("completion-prompt-lone-surrogate", "POST", "/v1/completions", {**OK, "prompt": "a\ud800"},
+     400, "InvalidRequestError", "prompt is not valid Unicode text"),
+    ("chat-content-lone-surrogate", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "InvalidRequestError",
+     "prompt is not valid Unicode text"),
     ("chat-max-tokens-zero", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
      "InvalidRequestError", "max_tokens"),
@@ -94,6 +99,10 @@ CASES: list[tuple[str, str, str, Any, int, str, str]] = [
      "InvalidRequestError", "weight_version"),
     ("relabel-version-bool", "POST", "/update_weight_version", {"new_version": True}, 400,
      "InvalidRequestError", "new_version"),
+    ("relabel-version-too-long", "POST", "/update_weight_version", {"new_version": "v" * 257},
+     400, "InvalidRequestError", "at most 256 characters"),
+    ("finish-version-too-long", "POST", "/finish_weight_update", {"weight_version": "v" * 257},
+     400, "InvalidRequestError", "at most 256 characters"),
     ("relabel-version-null", "POST", "/update_weight_version", {"new_version": None}, 400,
      "InvalidRequestError", "new_version"),
     ("start-not-checkpoint-format", "POST", "/start_weight_update",
@@ -133,11 +142,12 @@ def baseline(server):
 
 
 def _send(url: str, method: str, path: str, body: Any) -> httpx.Response:
-    if isinstance(body, bytes):
-        kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}}
-    else:
-        kwargs = {} if body is None else {"json": body}
-    return httpx.request(method, url + path, timeout=60, **kwargs)
+    if body is None:
+        return httpx.request(method, url + path, timeout=60)
+    # Encoded here with ASCII escapes, so that a lone surrogate travels as JSON sends it.
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.request(method, url + path, content=content, headers=headers, timeout=60)
 
 
 @pytest.mark.parametrize(

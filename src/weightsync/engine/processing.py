@@ -53,12 +53,18 @@ class InputProcessor:
         Has no side effect, so a server can refuse a bad prompt before it answers.
 
         Raises:
-            InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
-                room for output within `max_model_len`.
+            InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
+                ids, or a prompt that leaves no room for output within `max_model_len`.
         """
         if isinstance(prompt, str):
             text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except UnicodeEncodeError as exc:  # a lone surrogate, say ("\ud800" in JSON)
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text: {exc.reason} at character {exc.start} "
+                    f"({prompt[exc.start : exc.end]!r}); send text that encodes as UTF-8"
+                ) from None
         else:
             text, token_ids = None, list(prompt)
             if not all(
