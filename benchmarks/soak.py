@@ -23,7 +23,8 @@ both ways, each update labelled with its cycle number. It prints, for the whole 
   `--warmup-cycles` cycles under the clients' load to after the last cycle, under the same load.
 - `fds_left`: the server's open file descriptors once the clients are gone, beyond those it
   had after a first update with no client connected (the trainer connected both times).
-- `segments_left`: weightsync shared-memory segments in /dev/shm after the trainer closed.
+- `segments_left`: shared-memory segments of the trainer's IPC session still in /dev/shm after
+  the trainer closed it (a gloo trainer makes none).
 
 All but `rss_growth` must be zero; `rss_growth` at most 0.05. The last line of output is one
 JSON object.
@@ -50,7 +51,6 @@ import httpx
 from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync import LlamaForCausalLM
 from weightsync.trainer import HTTPEngineClient, create_weight_sender, sync_weights
-from weightsync.transfer._shm import SESSION_PREFIX
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MODEL = "debug"
@@ -111,8 +111,9 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(SESSION_PREFIX)}
+def segments(session: str) -> set[str]:
+    """The segments of one IPC session (other processes' segments are none of this run's)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"{session}-")}
 
 
 async def one_request(
@@ -216,7 +217,6 @@ def settled_fds(pid: int, baseline: int) -> int:
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
-    segments_before = segments()
     server, url = start_server(max_num_seqs=max(8, args.clients))
     try:
         trainer = Trainer(url, args.backend, args.seed)
@@ -249,6 +249,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             fds_end = settled_fds(server.pid, fds_start)
         finally:
             trainer.close()
+        session = getattr(getattr(trainer.sender, "session", None), "session", None)
+        segments_left = len(segments(session)) if session else 0
     finally:
         server.terminate()
         server.wait(60)
@@ -276,7 +278,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "rss_end_bytes": rss_end,
         "rss_growth": round((rss_end - rss_start) / rss_start, 4),
         "fds_left": max(0, fds_end - fds_start),
-        "segments_left": len(segments() - segments_before),
+        "segments_left": segments_left,
         "lost_examples": [r.failure or r.finish_reason for r in records if r.lost][:5],
         "load_average_1min": round(os.getloadavg()[0], 2),
         "machine": describe_machine(),

@@ -45,7 +45,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     marker = item.get_closest_marker("reliability")
     path = os.environ.get(RELIABILITY_RECORD_ENV)
-    if marker is None or not path or report.when != "call":
+    if marker is None or not path:
+        return report
+    if report.when != "call":
+        if report.failed:  # a set-up, or a leftover check at tear-down, failed: say so
+            entry = {"id": item.nodeid, "outcome": f"{report.when} failed"}
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
         return report
     doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
     entry = {

@@ -1,9 +1,10 @@
 """Bad input over HTTP, table-driven, against one `weightsync serve` shared by every case.
 
-Each case runs while a greedy stream is in flight. It asserts the status, the error type and
-the message, then that nothing moved: the stream was still running after the case and completes
-with exactly the tokens of a run without it, and `/weight_checker` and `/weight_info` give the
-checksums and version of before. (tests/integration/test_serve_rl.py has more malformed-request
+Each case runs while a greedy stream of four long choices is in flight. It asserts the status,
+the error type and the message, then that nothing moved: the stream is still running after the
+case (aborting it then ends it with `finish_reason="abort"`), every token it delivered is the
+token a run without the case gives at that position, and `/weight_checker` and `/weight_info`
+give the checksums and version of before. (tests/integration/test_serve_rl.py has more malformed-request
 cases; this table adds the ones that reach the engine's own validation.)
 """
 
@@ -18,7 +19,9 @@ from serve_support import Server, run_cli
 
 pytestmark = pytest.mark.reliability("bad-input")
 
-STREAM = {"prompt": "a", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+# Long enough that no case, however slow, outlives it: the test aborts it once the case is done.
+STREAM = {"prompt": "a", "max_tokens": 480, "n": 4, "ignore_eos": True, "temperature": 0,
+          "stream": True}  # fmt: skip
 OK = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 GLOO = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
 
@@ -135,10 +138,11 @@ def server():
 def baseline(server):
     """The stream's tokens on an otherwise idle server, the checksums and the version."""
     url = server.base_url
-    tokens = httpx.post(url + "/v1/completions", json={**STREAM, "stream": False}, timeout=60)
+    full = httpx.post(url + "/v1/completions", json={**STREAM, "stream": False}, timeout=120)
+    tokens = {choice["index"]: choice["token_ids"] for choice in full.json()["choices"]}
     checksums = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=60)
     version = httpx.get(url + "/weight_info", timeout=60).json()["weight_version"]
-    return tokens.json()["choices"][0]["token_ids"], checksums.json()["checksums"], version
+    return tokens, checksums.json()["checksums"], version
 
 
 def _send(url: str, method: str, path: str, body: Any) -> httpx.Response:
@@ -158,7 +162,7 @@ def _send(url: str, method: str, path: str, body: Any) -> httpx.Response:
 def test_bad_http_input_is_refused_and_changes_nothing(
     server, baseline, method, path, body, status, error_type, message, record_property
 ):
-    """A bad request over HTTP: its status, error type and message; a running stream finishes."""
+    """A bad request over HTTP: its status, error type and message; a stream in flight is untouched."""
     url = server.base_url
     expected_tokens, checksums, version = baseline
     request_id = f"in-flight-{abs(hash((method, path, json.dumps(body, default=str))))}"
@@ -169,7 +173,7 @@ def test_bad_http_input_is_refused_and_changes_nothing(
         assert next(lines) == ": accepted"
         first = json.loads(next(lines).removeprefix("data: "))
         answer = _send(url, method, path, body)
-        running = httpx.post(url + "/unfinished_requests", json={"request_ids": [request_id]})
+        aborted = httpx.post(url + "/abort_requests", json={"request_ids": [request_id]})
         rest = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
@@ -177,14 +181,17 @@ def test_bad_http_input_is_refused_and_changes_nothing(
     assert message in error["message"], error
     record_property("status", status)
     record_property("message", error["message"][:160])
-    # The stream was still running when the case had been answered, and it completed unchanged.
-    assert running.json()["unfinished"] == [request_id]
-    chunks = [first, *rest]
-    tokens = [
-        t for chunk in chunks if chunk.get("choices") for t in chunk["choices"][0]["token_ids"]
-    ]
-    assert tokens == expected_tokens
-    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+    # Still running once the case was answered, and every token it gave is the undisturbed one.
+    assert aborted.json()["aborted"] == 1
+    received: dict[int, list[int]] = {index: [] for index in expected_tokens}
+    finish = {}
+    for chunk in [first, *rest]:
+        for choice in chunk.get("choices", []):
+            received[choice["index"]] += choice["token_ids"]
+            finish[choice["index"]] = choice["finish_reason"]
+    assert set(finish.values()) == {"abort"}
+    for index, tokens in received.items():
+        assert tokens == expected_tokens[index][: len(tokens)], index
     after = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=60)
     assert after.json()["checksums"] == checksums
     assert httpx.get(url + "/weight_info").json()["weight_version"] == version

@@ -39,8 +39,8 @@ router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
 
 _PAUSE_MODES = ("abort", "wait", "keep")
 # A label travels with every generated token: bounded, so one call cannot bloat every stream.
-MAX_VERSION_CHARS = 256
-_Version = Annotated[StrictStr, Field(max_length=MAX_VERSION_CHARS)] | StrictInt
+_MAX_VERSION_CHARS = 256
+_Version = Annotated[StrictStr, Field(max_length=_MAX_VERSION_CHARS)] | StrictInt
 
 
 class _Body(BaseModel):
