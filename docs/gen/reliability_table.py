@@ -2,7 +2,7 @@
 
 Run by mkdocs-gen-files, it appends to `reliability.md` one table per kind of case (bad input
 through the Python API, the CLI and HTTP; schema fuzzing; faults; soak), and the committed
-soak results (`benchmarks/results/soak*.json`). Run as a script, it turns the JSON lines that
+soak results (`benchmarks/results/soak/*.json`). Run as a script, it turns the JSON lines that
 the suite writes when `WEIGHTSYNC_RELIABILITY_RECORD` is set into `docs/reliability.json`:
 
     WEIGHTSYNC_RELIABILITY_RECORD=/tmp/record.jsonl pytest -m reliability tests/unit tests/integration tests/faults
@@ -20,7 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "docs" / "reliability.json"
-SOAK_RESULTS = ROOT / "benchmarks" / "results"
+SOAK_RESULTS = ROOT / "benchmarks" / "results" / "soak"
 SOAK_FIGURES = ("requests", "requests_aborted", "requests_lost", "tokens_received", "tokens_lost",
                 "tokens_duplicated", "versions_non_monotonic", "rss_growth", "fds_left",
                 "segments_left", "cycles", "clients", "seconds")  # fmt: skip
@@ -90,7 +90,7 @@ def tables(record: dict[str, Any]) -> str:
 def soak_table() -> str:
     """The committed soak results, one column per run."""
     runs = {
-        path.stem: json.loads(path.read_text()) for path in sorted(SOAK_RESULTS.glob("soak*.json"))
+        path.stem: json.loads(path.read_text()) for path in sorted(SOAK_RESULTS.glob("*.json"))
     }
     if not runs:
         return ""
