@@ -14,6 +14,7 @@ __all__ = [
     "EngineTimeoutError",
     "IncompleteWeightUpdateError",
     "InvalidRequestError",
+    "NonFiniteWeightsError",
     "TornWeightsError",
     "WeightSyncError",
     "WeightTransferError",
@@ -29,6 +30,15 @@ class WeightSyncError(Exception):
 
 class WeightValidationError(WeightSyncError, ValueError):
     """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
+
+
+class NonFiniteWeightsError(WeightValidationError):
+    """An update carried a NaN or an infinity, and the engine refuses non-finite weights.
+
+    Raised by `finish_weight_update` when `EngineConfig.refuse_non_finite_weights` is on; the
+    message names the tensors. The version stays; with `weight_update_staging` the previous
+    weights are restored, else the update's weights are torn until a finite update lands.
+    """
 
 
 class WeightTransferError(WeightSyncError, RuntimeError):

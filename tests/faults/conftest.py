@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from leftovers import Snapshot, assert_none_left
+
+# Fault cases through the server start it with the integration tests' helper (serve_support).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 
 @pytest.fixture

@@ -48,9 +48,10 @@ class Server:
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            self._lines.put(line)
+        with self.proc.stderr:  # closed at EOF: a stopped server leaves no pipe open here
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                self._lines.put(line)
         self._lines.put(None)
 
     def _wait_listening(self) -> str:

@@ -34,6 +34,7 @@ EXPECTED = [
     "NCCLTrainerSendWeightsArgs",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
+    "NonFiniteWeightsError",
     "RequestOutput",
     "SamplingParams",
     "TensorSpec",

@@ -14,10 +14,11 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from weightsync.engine._transaction import Transaction
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseState, Scheduler
-from weightsync.engine.weights import LiveWeights, _Transaction
+from weightsync.engine.weights import LiveWeights
 from weightsync.errors import (
     EngineBusyError,
     EngineStateError,
@@ -89,7 +90,7 @@ class UpdateGate:
             running: The engine was unpaused before the call (a transaction it opens then
                 resumes the engine when it ends).
         """
-        before: _Transaction | None = self.weights.transaction
+        before: Transaction | None = self.weights.transaction
         writes = self.weights.num_writes
         try:
             yield

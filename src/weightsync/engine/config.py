@@ -31,6 +31,12 @@ class EngineConfig:
             that a failed or aborted update restores the previous weights and version instead
             of leaving them torn. Costs one copy of the updated weights in memory, kept between
             updates, and one copy per update (`python benchmarks/bench_transfer.py --staging`).
+        refuse_non_finite_weights: `finish_weight_update` checks every weight the update wrote
+            and refuses one holding a NaN or an infinity with `NonFiniteWeightsError`, before
+            the version moves. The version stays; with `weight_update_staging` the previous
+            weights are restored, else the written weights are torn (never generated from)
+            until a finite update lands. Costs one pass over the updated weights per update;
+            off by default.
         device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
             `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
             device's memory (the transfer backend receives into the model's parameters).
@@ -50,6 +56,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     weight_update_staging: bool = False
+    refuse_non_finite_weights: bool = False
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -69,13 +76,13 @@ class EngineConfig:
             raise EngineConfigError(
                 f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}"
             )
-        if not isinstance(self.seed, int):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
-        if not isinstance(self.weight_update_staging, bool):
-            raise EngineConfigError(
-                "EngineConfig.weight_update_staging must be a bool, got "
-                f"{self.weight_update_staging!r}"
-            )
+        for name in ("weight_update_staging", "refuse_non_finite_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(
+                    f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         try:
             if not isinstance(self.device, str | torch.device):
                 raise TypeError(type(self.device).__name__)
@@ -90,13 +97,18 @@ class EngineConfig:
         """Returns `device` as a `torch.device`, checked against this machine.
 
         Raises:
-            EngineConfigError: A CUDA device on a machine without CUDA, or a device index that
-                does not exist.
+            EngineConfigError: A device type other than CPU and CUDA, a CUDA device on a machine
+                without CUDA, or a device index that does not exist.
 
         >>> EngineConfig().resolve_device()
         device(type='cpu')
         """
         device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise EngineConfigError(
+                f"EngineConfig.device is {self.device!r}, but the engine computes on 'cpu' or "
+                "'cuda' devices only: pick one of those"
+            )
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:

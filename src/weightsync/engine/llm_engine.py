@@ -1,9 +1,10 @@
 """`LLMEngine`: the synchronous step loop, pause/resume, and the weight-update entry points.
 
 One `step()` schedules a batch, runs it through the model, samples, applies stop conditions and
-returns the changed requests' outputs. Each output token records the weight version that
-generated it. The pause contract (modes, `clear_cache`, queued arrivals, updates only while
-paused or idle, torn weights) is described on
+returns the changed requests' outputs; a request whose computation or sampling fails ends alone
+with `finish_reason="error"`. Each output token records the weight version that generated it.
+The pause contract (modes, `clear_cache`, queued arrivals, updates only while paused or idle,
+torn weights) is described on
 [`pause_generation`][weightsync.engine.llm_engine.LLMEngine.pause_generation] and
 [`update_weights`][weightsync.engine.llm_engine.LLMEngine.update_weights].
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._isolation import run_batch
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.kv_cache import BlockManager
@@ -44,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
-
-    It computes on `engine_config.device` (the CPU by default).
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
@@ -108,15 +108,15 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(
-            model, num_blocks=config.num_kv_blocks, block_size=config.block_size
-        )
+        blocks = config.num_kv_blocks
+        self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size)
         self.weights = LiveWeights(
             model,
             transfer_config=weight_transfer_config,
             weight_version=weight_version,
             worker_index=worker_index,
             staging=config.weight_update_staging,
+            refuse_non_finite=config.refuse_non_finite_weights,
         )
         self._gate = UpdateGate(self.scheduler, self.weights, self.block_manager)
         self.num_steps = 0
@@ -192,17 +192,16 @@ class LLMEngine:
         """Runs one engine step and returns the outputs of the requests it changed.
 
         Paused, or while a weight update is open or weights are torn, it only delivers pending
-        outputs (aborts); new requests stay queued.
+        outputs (aborts); new requests stay queued. A request that fails ends alone (`"error"`).
         """
         self._drain_inbox()
         self.scheduler.fire_armed_pause(self.start_pause)  # see ArmedPause
         if self._can_compute():
             batch = self.scheduler.schedule()
             if batch:
-                tokens, logprobs = self.runner.execute(batch)
                 self.num_steps += 1
                 version = self.weights.weight_version
-                for seq in self.output_processor.process(batch, tokens, version, logprobs):
+                for seq in run_batch(self.runner, self.output_processor, batch, version):
                     if seq.is_finished:
                         self._emit_finished([seq])
                     else:

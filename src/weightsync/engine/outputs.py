@@ -17,8 +17,12 @@ __all__ = [
 WeightVersion = str | int
 """A weight version: the number of complete updates so far, or the label the trainer sent."""
 
-FinishReason = Literal["stop", "length", "abort"]
-"""Why an output ended: a stop condition, `max_tokens`/`max_model_len`, or an abort."""
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why an output ended: a stop condition, `max_tokens`/`max_model_len`, an abort, or an error.
+
+`"error"`: computing or sampling this request failed (NaN probabilities, say); it ended alone,
+the other requests of its batch went on, and the engine logged why.
+"""
 
 
 @dataclass(frozen=True)

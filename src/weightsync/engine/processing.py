@@ -6,6 +6,7 @@ from collections import abc
 
 import torch
 
+from weightsync.engine._isolation import fail_request
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.scheduler import ScheduledSequence
@@ -52,12 +53,18 @@ class InputProcessor:
         Has no side effect, so a server can refuse a bad prompt before it answers.
 
         Raises:
-            InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
-                room for output within `max_model_len`.
+            InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
+                ids, or a prompt that leaves no room for output within `max_model_len`.
         """
         if isinstance(prompt, str):
             text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except UnicodeEncodeError as exc:  # a lone surrogate, say ("\ud800" in JSON)
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text: {exc.reason} at character {exc.start} "
+                    f"({prompt[exc.start : exc.end]!r}); send text that encodes as UTF-8"
+                ) from None
         else:
             text, token_ids = None, list(prompt)
             if not all(
@@ -89,8 +96,12 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         # Unseeded requests still get a generator of their own, so that a request's draws never
         # depend on which other requests share its batch.
+        # A derived seed wraps into [0, 2**64), what torch.Generator takes, whatever the
+        # engine's seed.
         seed = (
-            params.seed if params.seed is not None else self.seed * 1_000_003 + self._num_requests
+            params.seed
+            if params.seed is not None
+            else (self.seed * 1_000_003 + self._num_requests) % 2**64
         )
         self._num_requests += 1
         return Sequence(
@@ -162,7 +173,8 @@ class OutputProcessor:
             logprobs: Log-probabilities of each of `tokens` (None where not asked for).
 
         Returns:
-            The sequences that received a token (some now finished), in batch order.
+            The sequences that received a token (some now finished), in batch order. A
+            sequence whose token could not be applied ends with `finish_reason="error"`.
         """
         sampled = iter(tokens)
         sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(tokens))
@@ -170,9 +182,12 @@ class OutputProcessor:
         for item in batch:
             if not item.samples:
                 continue  # a prefill chunk that does not reach the end yet
-            token = next(sampled)
-            delta = item.seq.append_token(token, weight_version, next(sampled_logprobs))
-            self._check_stop(item.seq, token, delta)
+            token, token_logprobs = next(sampled), next(sampled_logprobs)
+            try:
+                delta = item.seq.append_token(token, weight_version, token_logprobs)
+                self._check_stop(item.seq, token, delta)
+            except Exception as exc:  # this request's text or stop check: it alone ends
+                fail_request(item.seq, exc)
             changed.append(item.seq)
         return changed
 

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._transaction import Transaction, info_field, non_finite_names
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import (
     EngineStateError,
     IncompleteWeightUpdateError,
+    NonFiniteWeightsError,
     TornWeightsError,
     WeightSyncError,
     WeightTransferError,
@@ -42,40 +43,6 @@ from weightsync.transfer.base import TransferStats, WeightTransferEngine, Weight
 __all__ = ["LiveWeights"]
 
 logger = logging.getLogger(__name__)
-
-
-def _field(info: Any, key: str) -> Any:
-    """Reads `key` from an update info given as a dict or a dataclass; None when absent."""
-    if isinstance(info, Mapping):
-        return info.get(key)
-    return getattr(info, key, None)
-
-
-@dataclass
-class _Transaction:
-    """One weight update in progress: what it announced, what landed, what it may have written.
-
-    Attributes:
-        explicit: Opened by `start()` (ended by `finish()` or `abort()`); else opened by a bare
-            `update()` and finished by the call that completes it.
-        update_id: The transfer's own id of the update, from its first message that has one;
-            a message with another id belongs to another update.
-        announced: Names the transaction's messages said they deliver.
-        landed: Names delivered completely.
-        touched: Names whose bytes may have been written, completely or not.
-        label: The `weight_version` the messages carry, if any.
-        staged: Copies of the weights taken before they were touched (staging only).
-        resume_after: The engine was running when the transaction began and resumes after it.
-    """
-
-    explicit: bool
-    update_id: str | None = None
-    announced: set[str] = field(default_factory=set)
-    landed: set[str] = field(default_factory=set)
-    touched: set[str] = field(default_factory=set)
-    label: WeightVersion | None = None
-    staged: dict[str, torch.Tensor] | None = None
-    resume_after: bool = False
 
 
 class LiveWeights:
@@ -91,6 +58,7 @@ class LiveWeights:
             aborted transaction restores them. Costs one copy of the updated weights in memory,
             kept between updates so that each copy lands in memory already mapped, and a copy per
             update.
+        refuse_non_finite: Refuse, at finish, an update that wrote a NaN or an infinity.
     """
 
     def __init__(
@@ -101,15 +69,17 @@ class LiveWeights:
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
         staging: bool = False,
+        refuse_non_finite: bool = False,
     ) -> None:
         self.model = model
         self.transfer_config = transfer_config
         self.worker_index = worker_index
         self.staging = staging
+        self.refuse_non_finite = refuse_non_finite
         self.weight_version: WeightVersion = weight_version
         self.num_updates = 0
         self.torn_names: set[str] = set()
-        self.transaction: _Transaction | None = None
+        self.transaction: Transaction | None = None
         self.num_writes = 0  # counts calls that changed weight bytes: cached KV is stale after
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
 
@@ -145,7 +115,7 @@ class LiveWeights:
         if self._transfer is None:
             config = self.transfer_config
             if config is None:
-                backend = _field(init_info, "backend")
+                backend = info_field(init_info, "backend")
                 if not isinstance(backend, str):
                     raise WeightValidationError(
                         "init_info names no backend and the engine has no weight_transfer_config: "
@@ -182,7 +152,7 @@ class LiveWeights:
                 "start_weight_update: a weight update is already in progress: finish it with "
                 "finish_weight_update(...) or end it with abort_weight_update()"
             )
-        self.transaction = _Transaction(explicit=True, resume_after=resume_after)
+        self.transaction = Transaction(explicit=True, resume_after=resume_after)
 
     def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
@@ -219,9 +189,9 @@ class LiveWeights:
             stats = transfer.receive_weights(info, self._load)
             logger.warning("update %s was abandoned before it completed", txn.update_id)
             self._end_failed(txn, forget_transfer=False)  # the receiver follows the new one
-            txn = self.transaction = _Transaction(explicit=False, resume_after=txn.resume_after)
+            txn = self.transaction = Transaction(explicit=False, resume_after=txn.resume_after)
         if txn is None:
-            txn = self.transaction = _Transaction(explicit=False)
+            txn = self.transaction = Transaction(explicit=False)
         names = list(info.names)
         if self.staging:
             try:
@@ -254,7 +224,7 @@ class LiveWeights:
     def _receive(
         self,
         transfer: WeightTransferEngine,
-        txn: _Transaction,
+        txn: Transaction,
         info: WeightTransferUpdateInfo,
         names: list[str],
     ) -> TransferStats:
@@ -288,6 +258,9 @@ class LiveWeights:
             TornWeightsError: The transaction landed, but weights torn by an earlier failure
                 remain; the version stays.
             WeightValidationError: `weight_version` is not a string, an int or None.
+            NonFiniteWeightsError: `refuse_non_finite` is on and a landed weight holds a NaN or
+                an infinity; the transaction ends as a failed one (restored with staging, else
+                torn) and the version stays.
         """
         if weight_version is not None and (
             not isinstance(weight_version, str | int) or isinstance(weight_version, bool)
@@ -308,6 +281,7 @@ class LiveWeights:
                 f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
                 "with abort_weight_update()"
             )
+        self._check_finite(txn)
         self.transaction = None
         self.torn_names -= txn.landed
         if self.torn_names:
@@ -324,6 +298,21 @@ class LiveWeights:
             "weights updated to version %r: %d tensors", self.weight_version, len(txn.landed)
         )
 
+    def _check_finite(self, txn: Transaction) -> None:
+        """Refuses a transaction whose landed weights hold a NaN or an infinity (if asked to)."""
+        if not self.refuse_non_finite:
+            return
+        bad = non_finite_names(self.model.named_weights(), txn.landed)
+        if bad:
+            self._end_failed(txn)
+            outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
+            raise NonFiniteWeightsError(
+                f"finish_weight_update refused: {len(bad)} weights hold a NaN or an infinity "
+                f"(e.g. {bad[:3]}); the version stays {self.weight_version!r} and the update's "
+                f"weights are {outcome}: check the trainer's weights (a diverged step, a bad "
+                "cast), then send a finite update"
+            )
+
     def abort(self) -> bool:
         """Ends the open transaction on purpose (`abort_weight_update`).
 
@@ -339,7 +328,7 @@ class LiveWeights:
         self._end_failed(txn)
         return True
 
-    def _stage(self, txn: _Transaction, names: list[str]) -> None:
+    def _stage(self, txn: Transaction, names: list[str]) -> None:
         """Copies the weights of `names` not copied yet in this transaction."""
         if txn.staged is None:
             txn.staged = {}
@@ -364,7 +353,7 @@ class LiveWeights:
         if self._transfer is not None:
             self._transfer.refuse_update(update_info, reason)
 
-    def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
+    def _end_failed(self, txn: Transaction, *, forget_transfer: bool = True) -> None:
         """Closes a transaction that will not finish: restores or marks what it touched.
 
         Args:

@@ -9,20 +9,33 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "WEIGHTSYNC_ADMIN_API_KEY"
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int, what: str = "an integer") -> Callable[[str], int]:
+    """An argparse type: an int in [low, high)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1, 2**63, "an integer >= 1")
+_port = _int_in(0, 65536, "a port in [0, 65535] (0 picks a free one)")
+_index = _int_in(0, 2**31, "an integer >= 0")
+# What torch.Generator.manual_seed takes.
+_seed = _int_in(-(2**63), 2**64, "a seed in [-2**63, 2**64)")
 
 
 def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -33,7 +46,7 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     net.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default: %(default)s); any non-loopback address "
                      "needs --admin-api-key")  # fmt: skip
-    net.add_argument("--port", type=int, default=8000,
+    net.add_argument("--port", type=_port, default=8000,
                      help="port to bind; 0 picks a free one (default: %(default)s)")  # fmt: skip
     net.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                      metavar="KEY", help=f"key the /v1 routes require as 'Authorization: Bearer KEY' "
@@ -56,7 +69,7 @@ def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
     model = serve.add_argument_group("model and weights")
     model.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAMES),
                        help="parameter dtype (default: %(default)s)")  # fmt: skip
-    model.add_argument("--seed", type=int, default=0,
+    model.add_argument("--seed", type=_seed, default=0,
                        help="seed of a preset's weights and of unseeded sampling "
                        "(default: %(default)s)")  # fmt: skip
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -71,12 +84,15 @@ def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
                        help='transfer backend, as JSON (\'{"backend": "gloo"}\') or dotted keys '
                        "(--weight-transfer-config.backend gloo); default: the backend the "
                        "trainer's init info names")  # fmt: skip
-    model.add_argument("--worker-index", type=int, default=0,
+    model.add_argument("--worker-index", type=_index, default=0,
                        help="this server's index among the engines one trainer updates: its "
                        "broadcast rank is 1 + index (default: %(default)s)")  # fmt: skip
     model.add_argument("--weight-update-staging", action="store_true",
                        help="copy weights before an update touches them, so a failed update "
                        "restores them instead of leaving them torn")  # fmt: skip
+    model.add_argument("--refuse-non-finite-weights", action="store_true",
+                       help="refuse, at finish, an update that wrote a NaN or an infinity (the "
+                       "version stays; see EngineConfig.refuse_non_finite_weights)")  # fmt: skip
 
 
 def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
@@ -95,7 +111,7 @@ def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
     sched.add_argument("--num-threads", type=_positive_int, default=None,
                        help="torch threads of the forward pass (default: all cores but one, "
                        "which is left to serving HTTP)")  # fmt: skip
-    sched.add_argument("--sampling-seed", type=int, default=None,
+    sched.add_argument("--sampling-seed", type=_seed, default=None,
                        help="seed of unseeded requests' sampling (default: --seed)")  # fmt: skip
     sched.add_argument("--no-prefix-caching", action="store_true",
                        help="do not reuse the KV of identical prompt prefixes")  # fmt: skip

@@ -38,7 +38,9 @@ router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
 """The RL routes; each needs the admin key when the server has one."""
 
 _PAUSE_MODES = ("abort", "wait", "keep")
-_Version = StrictStr | StrictInt
+# A label travels with every generated token: bounded, so one call cannot bloat every stream.
+_MAX_VERSION_CHARS = 256
+_Version = Annotated[StrictStr, Field(max_length=_MAX_VERSION_CHARS)] | StrictInt
 
 
 class _Body(BaseModel):

@@ -133,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             seed=args.seed if args.sampling_seed is None else args.sampling_seed,
             weight_update_staging=args.weight_update_staging,
+            refuse_non_finite_weights=args.refuse_non_finite_weights,
             device=args.device,
         )
         # The event loop that serves HTTP needs a core of its own, or every stream waits on

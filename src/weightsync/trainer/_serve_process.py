@@ -35,6 +35,8 @@ def _serve_args(engine_config: EngineConfig) -> list[str]:
         args.append("--no-prefix-caching")
     if engine_config.weight_update_staging:
         args.append("--weight-update-staging")
+    if engine_config.refuse_non_finite_weights:
+        args.append("--refuse-non-finite-weights")
     return args
 
 

@@ -93,10 +93,12 @@ def test_a_failing_step_fails_every_stream_and_later_calls(monkeypatch):
         streams = start_streams(engine, 3, 50)
         await asyncio.gather(*(s.wait_tokens(1) for s in streams))
 
-        def broken(batch):
+        def broken():
             raise RuntimeError("kernel exploded")
 
-        monkeypatch.setattr(engine.engine.runner, "execute", broken)
+        # The scheduler, not a request: a failing request ends alone (test_failures.py), a
+        # failing engine ends every stream.
+        monkeypatch.setattr(engine.engine.scheduler, "schedule", broken)
         for stream in streams:
             with pytest.raises(EngineStateError, match="kernel exploded"):
                 await stream.task

@@ -1,0 +1,230 @@
+"""Faults through `weightsync serve`: a server or a trainer killed mid-update, a late message.
+
+Each case drives a real server over HTTP and ends with the `no_leftovers` check: no process,
+thread, port, fd or shared-memory segment of the case stays behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_support import SRC, Server
+
+from weightsync import (
+    LlamaForCausalLM,
+    NCCLTrainerSendWeightsArgs,
+    WeightSyncError,
+    WeightTransferUpdateInfo,
+    trainer_init,
+    trainer_send_weights,
+)
+from weightsync.trainer import BroadcastWeightSender, HTTPEngineClient, sync_weights
+from weightsync.transfer.ipc_trainer import (
+    IPCTrainerSendWeightsArgs,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
+)
+
+pytestmark = pytest.mark.reliability("fault")
+
+TIMEOUT_S = 8.0
+"""The transfer timeout of every case: each failure must be reported within it (plus slack)."""
+SLACK_S = 10.0  # process start-up and a loaded machine
+KILL_AT_TENSOR = 10  # of the debug model's 21: several buckets are on the wire by then
+BUCKET_BYTES = 32 << 10
+TRAINER = Path(__file__).with_name("serve_fault_trainer.py")
+
+
+@pytest.fixture
+def server(no_leftovers):  # after no_leftovers: stopped before it looks
+    server = Server("debug", "--port", "0", "--weight-update-staging")
+    yield server
+    server.stop()
+    server.kill()
+
+
+@pytest.fixture
+def control(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+def state(control: httpx.Client) -> tuple[dict[str, str], Any]:
+    """The server's weight checksums and version."""
+    checksums = control.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    return checksums, control.get("/weight_info").json()["weight_version"]
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Runs `call()` in a thread; the dict gets its `result` or `error`."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def policy_pairs(seed: int) -> list[tuple[str, Any]]:
+    return list(LlamaForCausalLM.from_preset("debug", seed=seed).named_weights())
+
+
+def test_a_server_killed_mid_update_fails_the_trainer_within_its_timeout(
+    server, control, record_property
+):
+    """A server SIGKILLed while buckets are on the wire: the trainer gets a weightsync error."""
+    group = trainer_init(
+        world_size=2, backend="gloo", timeout_s=TIMEOUT_S, bucket_size_bytes=BUCKET_BYTES
+    )
+    init = {"init_info": group.init_info}
+    joining, _ = in_thread(lambda: control.post("/init_weight_transfer_engine", json=init))
+    try:
+        group.connect()
+        joining.join(TIMEOUT_S)
+        pairs = policy_pairs(seed=7)
+        update_info = WeightTransferUpdateInfo.from_named_tensors(pairs).to_dict()
+        assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert control.post("/start_weight_update").status_code == 200
+        # The server's side of the broadcast; its answer never comes: the server dies.
+        with httpx.Client(base_url=server.base_url, timeout=60) as receiver:
+            body = {"update_info": update_info}
+            receiving, _ = in_thread(lambda: receiver.post("/update_weights", json=body))
+            taken = 0
+
+            def take(pair: tuple[str, Any]) -> Any:
+                nonlocal taken
+                if taken == KILL_AT_TENSOR:
+                    server.proc.kill()
+                    server.proc.wait(30)
+                taken += 1
+                return pair[1]
+
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError) as caught:
+                trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, update_info, take))
+            elapsed = time.monotonic() - start
+            receiving.join(TIMEOUT_S)
+        assert taken > KILL_AT_TENSOR
+        assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    finally:
+        group.close()
+    record_property("error", type(caught.value).__name__)
+    record_property("seconds_to_error", round(elapsed, 2))
+
+
+def start_trainer() -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """The trainer child, and its init info once it printed it."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    trainer = subprocess.Popen(
+        [sys.executable, str(TRAINER), str(KILL_AT_TENSOR), str(TIMEOUT_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert trainer.stdout is not None
+    return trainer, json.loads(trainer.stdout.readline())["init_info"]
+
+
+def test_a_trainer_killed_mid_update_fails_the_servers_update_and_the_next_one_lands(
+    server, control, record_property
+):
+    """A trainer SIGKILLed mid-broadcast: the server answers 502/504 in time, nothing changed."""
+    before = state(control)
+    trainer, init_info = start_trainer()
+    try:
+        joined = control.post("/init_weight_transfer_engine", json={"init_info": init_info})
+        assert joined.status_code == 200, joined.text
+        assert trainer.stdout is not None and trainer.stdin is not None
+        update_info = json.loads(trainer.stdout.readline())["update_info"]
+        assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert control.post("/start_weight_update").status_code == 200
+        body = {"update_info": update_info}
+        receiving, box = in_thread(lambda: control.post("/update_weights", json=body))
+        start = time.monotonic()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.wait(TIMEOUT_S + SLACK_S) == -9  # it killed itself mid-transfer
+        receiving.join(TIMEOUT_S + SLACK_S)
+        elapsed = time.monotonic() - start
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+        for pipe in (trainer.stdin, trainer.stdout):
+            if pipe is not None:
+                pipe.close()
+    answer = box["result"]
+    assert answer.status_code in (502, 504), answer.text
+    error = answer.json()["error"]
+    assert error["type"] in ("WeightTransferError", "WeightTransferTimeout"), error
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    # The transaction is over, and staging restored the weights: checksums and version as before.
+    assert control.post("/abort_weight_update").json()["aborted"] is False
+    assert state(control) == before
+    assert control.post("/resume").status_code == 200
+    # The next full update over HTTP, from a new trainer, lands.
+    engine = HTTPEngineClient(control.base_url.__str__().rstrip("/"), timeout_s=60)
+    try:
+        with BroadcastWeightSender([engine], backend="gloo", timeout_s=TIMEOUT_S) as sender:
+            sync_weights(sender, policy_pairs(seed=8), weight_version="v-next")
+        assert engine.weight_version == "v-next"
+        assert engine.compare_weights(engine.weight_checksums()) == []
+        assert state(control)[0] != before[0]
+    finally:
+        engine.close()
+    record_property("status", answer.status_code)
+    record_property("error", error["type"])
+    record_property("seconds_to_error", round(elapsed, 2))
+
+
+def test_a_late_message_of_a_finished_update_is_refused_and_changes_nothing(
+    server, control, record_property
+):
+    """A part of an update that already landed, delivered again: refused, nothing changes."""
+    session = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET_BYTES * 4, num_buffers=16)
+    try:
+        assert (
+            control.post(
+                "/init_weight_transfer_engine", json={"init_info": session.init_info}
+            ).status_code
+            == 200
+        )
+        messages: list[dict[str, Any]] = []
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            messages.append(update_info)
+            answer = control.post("/update_weights", json={"update_info": update_info})
+            assert answer.status_code == 200, answer.text
+
+        assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+        args = IPCTrainerSendWeightsArgs(session, deliver, weight_version="v1")
+        ipc_trainer_send_weights(policy_pairs(seed=9), args)
+        landed = state(control)
+        assert landed[1] == "v1" and len(messages) > 2
+        for late in (messages[1], messages[-1], messages[0]):  # parts, then the announcement
+            answer = control.post("/update_weights", json={"update_info": late})
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["type"] == "WeightValidationError"
+            assert state(control) == landed
+        assert control.post("/resume").status_code == 200
+        out = control.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert out.json()["choices"][0]["weight_versions"] == ["v1"] * 3
+    finally:
+        session.close()
+    record_property("status", 400)
+    record_property("message", answer.json()["error"]["message"][:160])

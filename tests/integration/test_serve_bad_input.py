@@ -1,0 +1,216 @@
+"""Bad input over HTTP, table-driven, against one `weightsync serve` shared by every case.
+
+Each case runs while a greedy stream of four long choices is in flight. It asserts the status,
+the error type and the message, then that nothing moved: the stream is still running after the
+case (aborting it then ends it with `finish_reason="abort"`), every token it delivered is the
+token a run without the case gives at that position, and `/weight_checker` and `/weight_info`
+give the checksums and version of before. (tests/integration/test_serve_rl.py has more malformed-request
+cases; this table adds the ones that reach the engine's own validation.)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from serve_support import Server, run_cli
+
+pytestmark = pytest.mark.reliability("bad-input")
+
+# Long enough that no case, however slow, outlives it: the test aborts it once the case is done.
+STREAM = {"prompt": "a", "max_tokens": 480, "n": 4, "ignore_eos": True, "temperature": 0,
+          "stream": True}  # fmt: skip
+OK = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+GLOO = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
+
+# (id, method, path, body (bytes: sent raw as JSON), status, error type, message part)
+CASES: list[tuple[str, str, str, Any, int, str, str]] = [
+    # /v1/completions: sampling values the engine refuses.
+    ("completion-seed-too-large", "POST", "/v1/completions", {**OK, "seed": 2**64}, 400,
+     "InvalidRequestError", "seed must be an int in [-2**63, 2**64)"),
+    ("completion-seed-bool", "POST", "/v1/completions", {**OK, "seed": True}, 400,
+     "InvalidRequestError", "seed"),
+    ("completion-temperature-negative", "POST", "/v1/completions", {**OK, "temperature": -1}, 400,
+     "InvalidRequestError", "temperature"),
+    ("completion-top-p-above-one", "POST", "/v1/completions", {**OK, "top_p": 1.5}, 400,
+     "InvalidRequestError", "top_p"),
+    ("completion-logprobs-21", "POST", "/v1/completions", {**OK, "logprobs": 21}, 400,
+     "InvalidRequestError", "logprobs"),
+    ("completion-n-zero", "POST", "/v1/completions", {**OK, "n": 0}, 400,
+     "InvalidRequestError", "'n'"),
+    ("completion-n-65", "POST", "/v1/completions", {**OK, "n": 65}, 400,
+     "InvalidRequestError", "'n'"),
+    ("completion-stop-empty", "POST", "/v1/completions", {**OK, "stop": [""]}, 400,
+     "InvalidRequestError", "stop"),
+    ("completion-stop-token-negative", "POST", "/v1/completions", {**OK, "stop_token_ids": [-1]},
+     400, "InvalidRequestError", "stop_token_ids"),
+    ("completion-stop-token-bool", "POST", "/v1/completions", {**OK, "stop_token_ids": [True]},
+     400, "InvalidRequestError", "stop_token_ids"),
+    ("completion-prompt-empty", "POST", "/v1/completions", {**OK, "prompt": []}, 400,
+     "InvalidRequestError", "prompt"),
+    ("completion-prompt-bool-ids", "POST", "/v1/completions", {**OK, "prompt": [True, 1]}, 400,
+     "InvalidRequestError", "prompt"),
+    ("completion-prompt-too-long", "POST", "/v1/completions", {**OK, "prompt": "x" * 600}, 400,
+     "InvalidRequestError", "max_model_len"),
+    ("completion-max-tokens-text", "POST", "/v1/completions", {**OK, "max_tokens": "many"}, 400,
+     "InvalidRequestError", "max_tokens"),
+    ("completion-body-a-list", "POST", "/v1/completions", [OK], 400,
+     "InvalidRequestError", "body"),
+    ("completion-body-truncated", "POST", "/v1/completions", b'{"prompt": "hi"', 400,
+     "InvalidRequestError", "not valid JSON"),
+    ("completion-prompt-lone-surrogate", "POST", "/v1/completions", {**OK, "prompt": "a\ud800"},
+     400, "InvalidRequestError", "prompt is not valid Unicode text"),
+    ("chat-content-lone-surrogate", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "InvalidRequestError",
+     "prompt is not valid Unicode text"),
+    ("chat-max-tokens-zero", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "InvalidRequestError", "max_tokens"),
+    ("chat-content-part-type", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]}, 400,
+     "InvalidRequestError", "type"),
+    ("chat-top-logprobs-30", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, 400,
+     "InvalidRequestError", "top_logprobs"),
+    # The RL routes: bad values, and calls the engine's state refuses.
+    ("pause-clear-cache-not-bool", "POST", "/pause?mode=keep&clear_cache=2", None, 400,
+     "InvalidRequestError", "clear_cache"),
+    ("arm-pause-negative", "POST", "/arm_pause?after_tokens=-1", None, 400,
+     "InvalidRequestError", "after_tokens"),
+    ("arm-pause-mode", "POST", "/arm_pause?after_tokens=3&mode=later", None, 400,
+     "InvalidRequestError", "'mode' must be one of"),
+    ("arm-pause-missing", "POST", "/arm_pause", None, 400,
+     "InvalidRequestError", "after_tokens"),
+    ("abort-requests-ids-not-strings", "POST", "/abort_requests", {"request_ids": [1, 2]}, 400,
+     "InvalidRequestError", "request_ids"),
+    ("world-size-include-dp", "GET", "/get_world_size?include_dp=maybe", None, 400,
+     "InvalidRequestError", "include_dp"),
+    ("update-while-streaming", "POST", "/update_weights",
+     {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"],
+                      "shapes": [[64]]}}, 409, "EngineBusyError", "needs a paused or idle engine"),
+    ("start-update-while-streaming", "POST", "/start_weight_update", None, 409,
+     "EngineBusyError", "needs a paused or idle engine"),
+    ("update-info-not-object", "POST", "/update_weights", {"update_info": "names"}, 400,
+     "InvalidRequestError", "update_info"),
+    ("abort-update-none-open", "POST", "/finish_weight_update", {"weight_version": "v9"}, 409,
+     "WeightUpdateStateError", "no weight update is in progress"),
+    ("finish-version-bool", "POST", "/finish_weight_update", {"weight_version": True}, 400,
+     "InvalidRequestError", "weight_version"),
+    ("finish-version-float", "POST", "/finish_weight_update", {"weight_version": 1.5}, 400,
+     "InvalidRequestError", "weight_version"),
+    ("relabel-version-bool", "POST", "/update_weight_version", {"new_version": True}, 400,
+     "InvalidRequestError", "new_version"),
+    ("relabel-version-too-long", "POST", "/update_weight_version", {"new_version": "v" * 257},
+     400, "InvalidRequestError", "at most 256 characters"),
+    ("finish-version-too-long", "POST", "/finish_weight_update", {"weight_version": "v" * 257},
+     400, "InvalidRequestError", "at most 256 characters"),
+    ("relabel-version-null", "POST", "/update_weight_version", {"new_version": None}, 400,
+     "InvalidRequestError", "new_version"),
+    ("start-not-checkpoint-format", "POST", "/start_weight_update",
+     {"is_checkpoint_format": False}, 400, "InvalidRequestError", "is_checkpoint_format"),
+    ("init-info-port-text", "POST", "/init_weight_transfer_engine",
+     {"init_info": {**GLOO, "master_port": "eighty"}}, 400, "WeightValidationError", "master_port"),
+    ("init-info-world-size-zero", "POST", "/init_weight_transfer_engine",
+     {"init_info": {**GLOO, "world_size": 0}}, 400, "WeightValidationError", "world_size"),
+    ("init-info-missing-fields", "POST", "/init_weight_transfer_engine",
+     {"init_info": {"backend": "gloo"}}, 400, "WeightValidationError", "master_address"),
+    ("init-info-ipc-bad", "POST", "/init_weight_transfer_engine",
+     {"init_info": {"backend": "ipc", "packed": "yes"}}, 400, "WeightValidationError", "packed"),
+    ("checker-baseline-not-strings", "POST", "/weight_checker",
+     {"action": "compare", "baseline": {"w": 1}}, 400, "InvalidRequestError", "baseline"),
+    ("health-wrong-method", "POST", "/health", None, 405, "MethodNotAllowed", "Method Not Allowed"),
+    ("completions-wrong-method", "GET", "/v1/completions", None, 405, "MethodNotAllowed",
+     "Method Not Allowed"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = Server("debug", "--port", "0", "--num-kv-blocks", "256", "--max-model-len", "512")
+    yield server
+    server.stop()
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    """The stream's tokens on an otherwise idle server, the checksums and the version."""
+    url = server.base_url
+    full = httpx.post(url + "/v1/completions", json={**STREAM, "stream": False}, timeout=120)
+    tokens = {choice["index"]: choice["token_ids"] for choice in full.json()["choices"]}
+    checksums = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=60)
+    version = httpx.get(url + "/weight_info", timeout=60).json()["weight_version"]
+    return tokens, checksums.json()["checksums"], version
+
+
+def _send(url: str, method: str, path: str, body: Any) -> httpx.Response:
+    if body is None:
+        return httpx.request(method, url + path, timeout=60)
+    # Encoded here with ASCII escapes, so that a lone surrogate travels as JSON sends it.
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.request(method, url + path, content=content, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "error_type", "message"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_http_input_is_refused_and_changes_nothing(
+    server, baseline, method, path, body, status, error_type, message, record_property
+):
+    """A bad request over HTTP: its status, error type and message; a stream in flight is untouched."""
+    url = server.base_url
+    expected_tokens, checksums, version = baseline
+    request_id = f"in-flight-{abs(hash((method, path, json.dumps(body, default=str))))}"
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**STREAM, "request_id": request_id}, timeout=60
+    ) as stream:
+        lines = (line for line in stream.iter_lines() if line)
+        assert next(lines) == ": accepted"
+        first = json.loads(next(lines).removeprefix("data: "))
+        answer = _send(url, method, path, body)
+        aborted = httpx.post(url + "/abort_requests", json={"request_ids": [request_id]})
+        rest = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == error_type, error
+    assert message in error["message"], error
+    record_property("status", status)
+    record_property("message", error["message"][:160])
+    # Still running once the case was answered, and every token it gave is the undisturbed one.
+    assert aborted.json()["aborted"] == 1
+    received: dict[int, list[int]] = {index: [] for index in expected_tokens}
+    finish = {}
+    for chunk in [first, *rest]:
+        for choice in chunk.get("choices", []):
+            received[choice["index"]] += choice["token_ids"]
+            finish[choice["index"]] = choice["finish_reason"]
+    assert set(finish.values()) == {"abort"}
+    for index, tokens in received.items():
+        assert tokens == expected_tokens[index][: len(tokens)], index
+    after = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=60)
+    assert after.json()["checksums"] == checksums
+    assert httpx.get(url + "/weight_info").json()["weight_version"] == version
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "70000"], "expected a port in [0, 65535]"),
+        (["--seed", str(2**70)], "expected a seed in [-2**63, 2**64)"),
+    ],
+    ids=["port-too-large", "seed-too-large"],
+)
+def test_the_real_command_exits_with_one_line_and_no_traceback(flags, message, record_property):
+    """A bad flag through the real `weightsync serve` process: exit 2, one error line."""
+    done = run_cli("serve", "debug", *flags)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    error_lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, done.stderr
+    assert error_lines[0].startswith(f"weightsync serve: error: argument {flags[0]}: {message}")
+    record_property("exit_status", 2)
