@@ -34,6 +34,7 @@ EXPECTED = [
     "NCCLTrainerSendWeightsArgs",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
+    "ReplicaUnavailableError",
     "RequestOutput",
     "SamplingParams",
     "TensorSpec",
