@@ -258,8 +258,13 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
 
     @app.get("/health", tags=["server"])
     async def health() -> Any:
-        """200 while every replica runs; 503 naming the first one that exited."""
-        replicas = [{"replica": r.index, "alive": r.alive} for r in fleet.replicas]
+        """200 while every replica runs; 503 naming the first one that exited.
+
+        `replicas` lists each one's index, whether it runs, and its process id.
+        """
+        replicas = [
+            {"replica": r.index, "alive": r.alive, "pid": r.process.pid} for r in fleet.replicas
+        ]
         dead = fleet.dead()
         if dead:
             return error_response(
