@@ -34,7 +34,8 @@ def get(base_url: str, path: str, **kwargs) -> dict:
 
 
 def replica_pids(base_url: str) -> list[int]:
-    return [r["pid"] for r in httpx.get(f"{base_url}/health", timeout=WAIT_S).json()["replicas"]]
+    health = httpx.get(f"{base_url}/health", timeout=WAIT_S).json()
+    return [r["pid"] for r in health.get("replicas") or health["error"]["replicas"]]
 
 
 def per_replica(base_url: str, key: str) -> list:
