@@ -47,7 +47,9 @@ def front(*failures: dict[str, Exception]) -> tuple[TestClient, list[ScriptedRep
 
 
 def test_finish_commits_on_none_when_one_replica_would_refuse():
-    client, replicas = front({}, {"/prepare_weight_update": TornWeightsError("replica 1: torn")}, {})
+    client, replicas = front(
+        {}, {"/prepare_weight_update": TornWeightsError("replica 1: torn")}, {}
+    )
     answer = client.post("/finish_weight_update", json={"weight_version": 3})
     assert answer.status_code == 409
     assert answer.json()["error"]["type"] == "TornWeightsError"
