@@ -44,7 +44,7 @@ DEFAULT_REPLICA_TIMEOUT_S = 300.0
 """Limit of one front-to-replica call, in seconds (a transfer call waits for its trainer)."""
 _STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, before it is killed
 # Options the front sets for each replica itself rather than passing its own on.
-_NOT_PASSED_ON = {"command", "host", "port", "api_key", "admin_api_key", "worker_index",
+_NOT_PASSED_ON = {"command", "host", "port", "api_key", "admin_api_key", "worker_index", "device",
                   "data_parallel_size", "parent_pid", "num_threads", "weight_transfer_config"}  # fmt: skip
 
 
@@ -67,6 +67,11 @@ def replica_argv(args: argparse.Namespace, transfer: WeightTransferConfig | None
     return argv
 
 
+def replica_device(device: str, index: int) -> str:
+    """Replica `index`'s device: `cuda` spreads replicas over the GPUs (NCCL needs one per rank)."""
+    return f"cuda:{index}" if device == "cuda" else device
+
+
 class Replica:
     """One replica: its process, the log it printed, its client, and the requests it runs.
 
@@ -76,17 +81,21 @@ class Replica:
         exit_status: Its exit status once it exited, else None.
     """
 
-    def __init__(self, index: int, argv: Sequence[str], *, threads: int, worker_index: int) -> None:
+    def __init__(
+        self, index: int, argv: Sequence[str], *, threads: int, worker_index: int, device: str
+    ) -> None:
         self.index = index
         self.open_requests = 0
         self.exit_status: int | None = None
+        self.stopping = False  # set by `stop`: its exit is then expected, not an error
         self.base_url = ""
         self._key = secrets.token_urlsafe(24)  # in the child's environment, never its argv
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         env[ADMIN_API_KEY_ENV] = self._key
         command = [sys.executable, "-m", "weightsync.serve.cli", "serve", *argv,
                    "--host", "127.0.0.1", "--port", "0", "--worker-index", str(worker_index),
-                   "--num-threads", str(threads), "--parent-pid", str(os.getpid())]  # fmt: skip
+                   "--num-threads", str(threads), "--device", device,
+                   "--parent-pid", str(os.getpid())]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, env=env,
@@ -122,7 +131,7 @@ class Replica:
             sys.stderr.write(f"replica {self.index}: {line}")
         self.exit_status = self.process.wait()
         self._listening.put(None)
-        if announced:
+        if announced and not self.stopping:
             logger.error("%s exited with status %s", self.name, self.exit_status)
 
     def wait_listening(self, timeout_s: float) -> None:
@@ -199,6 +208,7 @@ class Replica:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `_STOP_TIMEOUT_S`; safe to call twice."""
+        self.stopping = True
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -216,6 +226,7 @@ class Fleet:
         size: Number of replicas.
         worker_index: The front's transfer worker index; replica i is `worker_index + i`.
         threads: Torch threads of each replica's forward pass.
+        device: The front's `--device`; `cuda` gives replica i `cuda:i`.
         timeout_s: Limit, in seconds, for the replicas to start and of each RL call by default.
 
     Raises:
@@ -223,12 +234,21 @@ class Fleet:
     """
 
     def __init__(
-        self, argv: Sequence[str], *, size: int, worker_index: int, threads: int, timeout_s: float
+        self,
+        argv: Sequence[str],
+        *,
+        size: int,
+        worker_index: int,
+        threads: int,
+        device: str,
+        timeout_s: float,
     ) -> None:
         self.timeout_s = timeout_s
         self.replicas = [
-            Replica(i, argv, threads=threads, worker_index=worker_index + i) for i in range(size)
-        ]
+            Replica(i, argv, threads=threads, worker_index=worker_index + i,
+                    device=replica_device(device, i))
+            for i in range(size)
+        ]  # fmt: skip
         deadline = time.monotonic() + timeout_s
         try:
             for replica in self.replicas:

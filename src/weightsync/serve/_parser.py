@@ -58,8 +58,8 @@ def _add_data_parallel_arguments(serve: argparse.ArgumentParser) -> None:
     dp.add_argument("--data-parallel-size", type=_positive_int, default=1,
                     help="engine replicas behind this server, each a process with its own model, "
                     "KV cache and scheduler, and its own transfer rank (worker index "
-                    "--worker-index + i); /pause and weight updates act on all of them "
-                    "(default: %(default)s)")  # fmt: skip
+                    "--worker-index + i; with --device cuda, GPU i); /pause and weight "
+                    "updates act on all of them (default: %(default)s)")  # fmt: skip
     # Set by a data-parallel front on the replicas it starts: a replica stops when its front dies.
     dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 

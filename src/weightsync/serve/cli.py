@@ -210,6 +210,7 @@ def _serve_data_parallel(
             size=size,
             worker_index=args.worker_index,
             threads=threads,
+            device=args.device,
             timeout_s=_REPLICA_START_TIMEOUT_S,
         )
     except WeightSyncError as exc:
