@@ -114,30 +114,40 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_refuses_rl_calls(s
     events = [[] for _ in range(N)]
     done = [threading.Event() for _ in range(N)]
     body = {"max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
-    post(server.base_url, "/pause", params={"mode": "keep"})
-    for i in range(N):  # one per replica: queued while paused, placed least-loaded
+    unstreamed: list[dict] = []
+    post(server.base_url, "/pause", params={"mode": "keep"})  # queued while paused: placed
+    threading.Thread(  # least loaded: this one on replica 0, the streams on 1, 2, then 0
+        target=lambda: unstreamed.append(
+            post(server.base_url, "/v1/completions", json={**body, "prompt": "u"})
+        )
+    ).start()
+    wait_for(lambda: sum(per_replica(server.base_url, "num_unfinished")) == 1)
+    for i in range(N):
         threading.Thread(
             target=stream_lines,
             args=(server.base_url, {**body, "prompt": f"k{i}", "seed": i}, events[i], done[i]),
         ).start()
-        wait_for(lambda n=i + 1: sum(per_replica(server.base_url, "num_unfinished")) == n)
+        wait_for(lambda n=i + 2: sum(per_replica(server.base_url, "num_unfinished")) == n)
+    assert per_replica(server.base_url, "num_unfinished") == [2, 1, 1]
     post(server.base_url, "/resume")
     wait_for(lambda: all(len(e) >= 2 for e in events))
-    os.kill(replica_pids(server.base_url)[1], signal.SIGKILL)
+    os.kill(replica_pids(server.base_url)[0], signal.SIGKILL)
     for event in done:
         assert event.wait(WAIT_S)
     finishes = [[c["finish_reason"] for c in e[-2]["choices"]] for e in events]
-    assert finishes == [["length"], ["error"], ["length"]]
+    assert finishes == [["length"], ["length"], ["error"]]
     assert all(e[-1] == {"done": True} for e in events)
+    wait_for(lambda: len(unstreamed) == 1)
+    assert unstreamed[0]["choices"][0]["finish_reason"] == "error"
     health = httpx.get(f"{server.base_url}/health", timeout=WAIT_S)
     assert health.status_code == 503
-    assert "replica 1" in health.json()["error"]["message"]
-    assert [r["alive"] for r in health.json()["error"]["replicas"]] == [True, False, True]
+    assert "replica 0" in health.json()["error"]["message"]
+    assert [r["alive"] for r in health.json()["error"]["replicas"]] == [False, True, True]
     for path in ("/pause", "/start_weight_update", "/resume"):
         refused = httpx.post(f"{server.base_url}{path}", timeout=WAIT_S)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "ReplicaUnavailableError"
-        assert "replica 1" in refused.json()["error"]["message"]
+        assert "replica 0" in refused.json()["error"]["message"]
     served = post(server.base_url, "/v1/completions", json=GREEDY)  # the others keep serving
     assert served["choices"][0]["finish_reason"] == "length"
 

@@ -146,10 +146,8 @@ def _release(state: FleetState, replica: Replica, completion_id: str) -> None:
     state.live.pop(completion_id, None)
 
 
-async def _completion(request: Request, path: str, chat: bool) -> Response:
-    """Sends a completion request to the least-loaded replica and relays its answer."""
-    state: FleetState = request.app.state.serve
-    raw = await request.body()
+def _identify(state: FleetState, raw: bytes, chat: bool) -> tuple[bytes, dict[str, Any], _Shape]:
+    """The request with its completion id set (the front routes `/abort_requests` by it)."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -163,13 +161,30 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
             param="request_id",
         )  # fmt: skip
     if body:
-        body["request_id"] = completion_id  # the front routes /abort_requests by it
+        body["request_id"] = completion_id
         raw = json.dumps(body).encode()
     shape = _Shape(str(completion_id), chat, _num_choices(body, chat), state.config.model_name)
+    return raw, body, shape
+
+
+def _broken_off(shape: _Shape, *, stream: bool) -> Response:
+    """The answer of a request whose replica died while it ran: every choice ends in error."""
+    every = list(range(shape.num_choices))
+    if not stream:
+        return JSONResponse(shape.error_body(every, stream=False))
+    chunk = b"data: " + json.dumps(shape.error_body(every, stream=True)).encode() + b"\n\n"
+    events = iter([chunk, b"data: [DONE]\n\n"])
+    return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+
+async def _completion(request: Request, path: str, chat: bool) -> Response:
+    """Sends a completion request to the least-loaded replica and relays its answer."""
+    state: FleetState = request.app.state.serve
+    raw, body, shape = _identify(state, await request.body(), chat)
     replica = state.fleet.pick()
     assert replica.http is not None
     replica.open_requests += 1
-    state.live[completion_id] = replica.index
+    state.live[shape.completion_id] = replica.index
     try:
         upstream = await replica.http.send(
             replica.http.build_request(
@@ -177,17 +192,16 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
             ),
             stream=True,
         )
-    except httpx.HTTPError as exc:
-        _release(state, replica, completion_id)
-        raise (
-            replica.unavailable()
-            if not replica.alive
-            else _RequestRefused(
-                503,
-                f"{replica.name}: POST {path} failed: {exc!r}",
-                error_type="ReplicaUnavailableError",
-            )
-        ) from exc
+    except httpx.ConnectError as exc:  # it never reached the replica: nothing started
+        _release(state, replica, shape.completion_id)
+        raise replica.unavailable() if not replica.alive else _RequestRefused(
+            503, f"{replica.name}: POST {path} failed: {exc!r}",
+            error_type="ReplicaUnavailableError",
+        ) from exc  # fmt: skip
+    except httpx.HTTPError as exc:  # the replica broke off while it held the request
+        _release(state, replica, shape.completion_id)
+        logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
+        return _broken_off(shape, stream=bool(body.get("stream")))
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
             _relay(state, replica, upstream, shape),
@@ -197,9 +211,9 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
     try:
         content = await upstream.aread()
     except httpx.HTTPError:
-        return JSONResponse(shape.error_body(list(range(shape.num_choices)), stream=False))
+        return _broken_off(shape, stream=False)
     finally:
-        _release(state, replica, completion_id)
+        _release(state, replica, shape.completion_id)
         await upstream.aclose()
     return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
 
