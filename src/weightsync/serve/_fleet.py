@@ -122,12 +122,12 @@ class Replica:
         assert self.process.stderr is not None
         announced = False
         for line in self.process.stderr:
-            self._log.append(line)
-            del self._log[:-50]  # the tail is what explains an exit
             if not announced and (match := _LISTENING.search(line)):
                 announced = True  # not relayed: the front announces its own address
                 self._listening.put(match.group(1))
                 continue
+            self._log.append(line)
+            del self._log[:-50]  # the tail is what explains an exit
             sys.stderr.write(f"replica {self.index}: {line}")
         self.exit_status = self.process.wait()
         self._listening.put(None)
