@@ -7,7 +7,8 @@
   1 + N, from `/get_world_size`). One update is the whole transaction through the front, timed by
   the trainer from `/start_weight_update` to the answer of `/finish_weight_update` (every replica
   checked, then committed), with `/update_weights` received while the trainer broadcasts.
-  p50 (the median) and p99 over `--repeats` updates after one warm-up.
+  p50 (the median) and p99 over `--repeats` rounds after a warm-up round; the three servers run
+  side by side and take turns in each round, so load from elsewhere falls on each alike.
 - `update_time_ratio_3_vs_1` = median(3 replicas) / median(1 replica) (target <= 2.0: one
   broadcast feeds every replica; the replicas share the machine's cores).
 - `keep_pause_landing_steps`: with `--streams` streams spread over the replicas, `--pauses`
@@ -38,6 +39,7 @@ from machine import describe_machine  # benchmarks/machine.py, beside this scrip
 from weightsync import (
     LlamaForCausalLM,
     NCCLTrainerSendWeightsArgs,
+    TrainerGroup,
     WeightTransferUpdateInfo,
     trainer_init,
     trainer_send_weights,
@@ -67,8 +69,8 @@ def post(url: str, path: str, **kwargs: Any) -> dict[str, Any]:
     return dict(response.json())
 
 
-def update_seconds(url: str, model: str, repeats: int) -> list[float]:
-    """Times `repeats` whole updates through the front (after one warm-up)."""
+def connect(url: str) -> TrainerGroup:
+    """The trainer's gloo group with every replica behind `url` (world size 1 + replicas)."""
     world_size = httpx.get(f"{url}/get_world_size", timeout=TIMEOUT_S).json()["world_size"]
     group = trainer_init(world_size=1 + world_size, backend="gloo", timeout_s=TIMEOUT_S)
     joining = threading.Thread(target=post, args=(url, "/init_weight_transfer_engine"),
@@ -76,22 +78,23 @@ def update_seconds(url: str, model: str, repeats: int) -> list[float]:
     joining.start()
     group.connect()
     joining.join(TIMEOUT_S)
-    times = []
-    for repeat in range(repeats + 1):
-        pairs = list(LlamaForCausalLM.from_preset(model, seed=repeat).named_weights())
-        update_info = WeightTransferUpdateInfo.from_named_tensors(pairs).to_dict()
-        start = time.perf_counter()
-        post(url, "/start_weight_update")
-        receiving = threading.Thread(target=post, args=(url, "/update_weights"),
-                                     kwargs={"json": {"update_info": update_info}})  # fmt: skip
-        receiving.start()
-        trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, update_info))
-        receiving.join(TIMEOUT_S)
-        post(url, "/finish_weight_update", json={"weight_version": repeat})
-        if repeat:  # the first one is the warm-up
-            times.append(time.perf_counter() - start)
-    group.close()
-    return times
+    return group
+
+
+def update_seconds(
+    url: str, group: TrainerGroup, pairs: list[tuple[str, Any]], version: int
+) -> float:
+    """Times one whole update through the front."""
+    update_info = WeightTransferUpdateInfo.from_named_tensors(pairs).to_dict()
+    start = time.perf_counter()
+    post(url, "/start_weight_update")
+    receiving = threading.Thread(target=post, args=(url, "/update_weights"),
+                                 kwargs={"json": {"update_info": update_info}})  # fmt: skip
+    receiving.start()
+    trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, update_info))
+    receiving.join(TIMEOUT_S)
+    post(url, "/finish_weight_update", json={"weight_version": version})
+    return time.perf_counter() - start
 
 
 def pause_landings(url: str, streams: int, pauses: int) -> list[int]:
@@ -145,19 +148,27 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args()
 
-    seconds: dict[str, list[float]] = {}
-    landings: list[int] = []
-    for count in range(1, args.replicas + 1):
-        front, url = start_front(args.model, count)
-        try:
-            seconds[str(count)] = update_seconds(url, args.model, args.repeats)
-            if count == args.replicas:
-                landings = pause_landings(url, args.streams, args.pauses)
-        finally:
+    counts = [str(count) for count in range(1, args.replicas + 1)]
+    fronts = {count: start_front(args.model, int(count)) for count in counts}
+    seconds: dict[str, list[float]] = {count: [] for count in counts}
+    try:
+        groups = {count: connect(url) for count, (_, url) in fronts.items()}
+        for repeat in range(args.repeats + 1):  # the replica counts take turns in each round
+            pairs = list(LlamaForCausalLM.from_preset(args.model, seed=repeat).named_weights())
+            for count, (_, url) in fronts.items():
+                took = update_seconds(url, groups[count], pairs, repeat)
+                if repeat:  # round 0 is the warm-up
+                    seconds[count].append(took)
+        for group in groups.values():
+            group.close()
+        landings = pause_landings(fronts[counts[-1]][1], args.streams, args.pauses)
+    finally:
+        for front, _ in fronts.values():
             front.terminate()
             front.wait(TIMEOUT_S)
-        if not args.json:
-            print(f"{count} replicas: median update {statistics.median(seconds[str(count)]):.3f} s")
+    if not args.json:
+        for count, values in seconds.items():
+            print(f"{count} replica(s): median update {statistics.median(values):.3f} s")
     medians = {k: statistics.median(v) for k, v in seconds.items()}
     result = {
         "benchmark": "replicas", "model": args.model, "repeats": args.repeats,
