@@ -21,7 +21,7 @@ from replica_support import (
     stream_lines,
     wait_for,
 )
-from serve_support import Server
+from serve_support import Server, run_cli
 
 from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, SamplingParams, weight_checksums
 
@@ -149,3 +149,10 @@ def test_sigterm_stops_the_front_and_every_replica(server):
     assert all(is_gone(pid) for pid in pids)
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.base_url}/health", timeout=5)
+
+
+def test_a_replica_that_cannot_start_fails_the_server_with_its_reason(tmp_path):
+    done = run_cli("serve", str(tmp_path / "missing"), "--data-parallel-size", "2", "--port", "0")
+    assert done.returncode == 2
+    assert "replica 0 did not start" in done.stderr
+    assert "has no config.json" in done.stderr
