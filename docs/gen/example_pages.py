@@ -31,6 +31,7 @@ SPELLING = {
     "ipc": "IPC",
     "kv": "KV",
     "nccl": "NCCL",
+    "ray": "Ray",
     "rl": "RL",
     "rlhf": "RLHF",
     "shm": "shared memory",

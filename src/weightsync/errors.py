@@ -15,6 +15,7 @@ __all__ = [
     "IncompleteWeightUpdateError",
     "InvalidRequestError",
     "NonFiniteWeightsError",
+    "ReplicaUnavailableError",
     "TornWeightsError",
     "WeightSyncError",
     "WeightTransferError",
@@ -104,4 +105,12 @@ class IncompleteWeightUpdateError(WeightUpdateStateError):
 
     The transaction stays open: deliver the missing weights (the message names them), or end it
     with `abort_weight_update()`.
+    """
+
+
+class ReplicaUnavailableError(EngineStateError):
+    """A replica of a data-parallel server (`--data-parallel-size`) exited or cannot be reached.
+
+    The other replicas keep serving completions, but the RL routes refuse (503) until the server
+    is restarted: pausing or updating only some replicas would serve mixed weights.
     """

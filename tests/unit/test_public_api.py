@@ -35,6 +35,7 @@ EXPECTED = [
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
     "NonFiniteWeightsError",
+    "ReplicaUnavailableError",
     "RequestOutput",
     "SamplingParams",
     "TensorSpec",

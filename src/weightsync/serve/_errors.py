@@ -20,6 +20,7 @@ from weightsync import (
     EngineConfigError,
     EngineStateError,
     InvalidRequestError,
+    ReplicaUnavailableError,
     WeightSyncError,
     WeightTransferError,
     WeightTransferTimeout,
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 _STATUS: tuple[tuple[type[WeightSyncError], int], ...] = (
     (WeightTransferTimeout, 504),  # the trainer (or a peer) did not show up in time
     (WeightTransferError, 502),  # the transfer with the trainer broke while bytes moved
+    (ReplicaUnavailableError, 503),  # a data-parallel replica died: the fleet cannot act whole
     (EngineStateError, 409),  # busy, paused, torn, an update in progress, calls out of order
     (WeightValidationError, 400),
     (InvalidRequestError, 400),

@@ -63,6 +63,18 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                      choices=["debug", "info", "warning", "error"])  # fmt: skip
     _add_model_arguments(serve)
     _add_scheduler_arguments(serve)
+    _add_data_parallel_arguments(serve)
+
+
+def _add_data_parallel_arguments(serve: argparse.ArgumentParser) -> None:
+    dp = serve.add_argument_group("data parallel")
+    dp.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                    help="engine replicas behind this server, each a process with its own model, "
+                    "KV cache and scheduler, and its own transfer rank (worker index "
+                    "--worker-index + i; with --device cuda, GPU i); /pause and weight "
+                    "updates act on all of them (default: %(default)s)")  # fmt: skip
+    # Set by a data-parallel front on the replicas it starts: a replica stops when its front dies.
+    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_model_arguments(serve: argparse.ArgumentParser) -> None:

@@ -19,9 +19,11 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +44,12 @@ from weightsync.serve._parser import build_parser as _build_parser
 __all__ = ["build_parser", "main", "parse_serve_args"]
 
 logger = logging.getLogger("weightsync.serve")
+
+# How long the replicas of a data-parallel server may take to start (import torch, build models).
+_REPLICA_START_TIMEOUT_S = 120.0
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # fmt: skip
@@ -123,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock = bind(args.host, args.port)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", status=1)
+    if args.data_parallel_size > 1:
+        return _serve_data_parallel(args, transfer_config, sock)
     try:
         engine_config = EngineConfig(
             max_num_seqs=args.max_num_seqs,
@@ -162,8 +172,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
         return _fail(str(exc), status=2)
     app = create_app(AsyncEngine(engine), config)
+    _serve_as_replica(app, args.parent_pid)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
+
+
+def _serve_as_replica(app: FastAPI, parent_pid: int | None) -> None:
+    """When started by a data-parallel front: its finish check, and an exit when it dies."""
+    if parent_pid is not None:
+        from weightsync.serve._replica import router, watch_parent
+
+        app.include_router(router)
+        watch_parent(parent_pid)
+
+
+def _serve_data_parallel(
+    args: argparse.Namespace, transfer_config: WeightTransferConfig | None, sock: socket.socket
+) -> int:
+    """Starts `--data-parallel-size` replicas and serves the front over them until stopped."""
+    from weightsync.serve._fleet import Fleet, replica_argv
+    from weightsync.serve._fleet_app import create_fleet_app
+    from weightsync.serve._server import serve_forever
+    from weightsync.serve.app import ServerConfig
+
+    size = args.data_parallel_size
+    # The replicas share the cores: each takes its part of them, one left to serving HTTP.
+    threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // size)
+    try:
+        config = ServerConfig(
+            model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            admin_api_key=args.admin_api_key,
+            max_request_bytes=args.max_request_bytes,
+            world_size=size,
+        )
+        fleet = Fleet(
+            replica_argv(args, transfer_config),
+            size=size,
+            worker_index=args.worker_index,
+            threads=threads,
+            device=args.device,
+            timeout_s=_REPLICA_START_TIMEOUT_S,
+        )
+    except WeightSyncError as exc:
+        sock.close()
+        return _fail(str(exc), status=2)
+    try:
+        return serve_forever(create_fleet_app(fleet, config), sock, log_level=args.log_level)
+    finally:
+        for replica in fleet.replicas:  # already stopped by the app's shutdown, unless it failed
+            replica.stop()
 
 
 if __name__ == "__main__":  # pragma: no cover

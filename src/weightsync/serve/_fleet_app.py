@@ -1,0 +1,296 @@
+"""The data-parallel front: one HTTP server in front of N replicas (`--data-parallel-size N`).
+
+Completions go to the replica with the fewest open requests, and its answer (a stream's bytes
+as they come) goes back unchanged. A replica that dies ends its streams with
+`finish_reason="error"` for every unfinished choice, then `[DONE]`; a non-streamed request it ran
+is answered with the same finish reason. The RL routes ([`_fleet_routes`]) act on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import weightsync
+from weightsync.serve._auth import require_api_key
+from weightsync.serve._errors import _RequestRefused, error_response, install_error_handlers
+from weightsync.serve._fleet import Fleet, Replica
+from weightsync.serve.app import ServerConfig
+
+logger = logging.getLogger("weightsync.serve")
+
+_FINISH = re.compile(rb'"finish_reason":\s*"')  # an event that ends a choice (not `null`)
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class FleetState:
+    """The front's state: its replicas, its config, and the completions running on them.
+
+    Attributes:
+        fleet: The replicas.
+        config: The HTTP layer's settings (the front's keys; `world_size` is the replicas').
+        live: Each running completion's id -> the index of the replica running it.
+        transaction: `"explicit"` between `/start_weight_update` and its end, `"implicit"`
+            while a bare multi-part `/update_weights` is open, else None.
+        lock: Serializes the weight-update calls, so a finish's check and commit see the
+            same transactions.
+    """
+
+    fleet: Fleet
+    config: ServerConfig
+    live: dict[str, int] = field(default_factory=dict)
+    transaction: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def abort_all(self) -> int:
+        """Aborts every running completion on every live replica; returns how many ran."""
+        running = len(self.live)
+        live = [r for r in self.fleet.replicas if r.alive]
+        await asyncio.gather(
+            *(r.call("POST", "/abort_requests", body={}, timeout_s=10) for r in live),
+            return_exceptions=True,  # shutting down: a replica that cannot answer is stopped next
+        )
+        return running
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the front knows of a completion it relays: enough to end its choices itself."""
+
+    completion_id: str
+    chat: bool
+    num_choices: int
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def error_choice(self, index: int, *, stream: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": "error",
+                                  "token_ids": [], "weight_versions": []}  # fmt: skip
+        if self.chat:
+            choice["delta" if stream else "message"] = (
+                {"content": ""} if stream else {"role": "assistant", "content": ""}
+            )
+        else:
+            choice.update(text="", stop_reason=None)
+        return choice
+
+    def error_body(self, indices: list[int], *, stream: bool) -> dict[str, Any]:
+        """A chunk (or a whole answer) that ends `indices` with `finish_reason="error"`."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = {"id": self.completion_id, "object": kind + (".chunk" if self.chat and stream else ""),
+                "created": self.created, "model": self.model,
+                "choices": [self.error_choice(i, stream=stream) for i in indices]}  # fmt: skip
+        if not stream:
+            body["usage"] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        return body
+
+
+def _num_choices(body: dict[str, Any], chat: bool) -> int:
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return int(n or 1) * len(prompt)  # a batch of prompts
+    return int(n or 1)
+
+
+def _finished_indices(event: bytes) -> list[int]:
+    """The choices a server-sent event ends."""
+    try:
+        chunk = json.loads(event.removeprefix(b"data: "))
+    except ValueError:
+        return []
+    return [c.get("index", 0) for c in chunk.get("choices", []) if c.get("finish_reason")]
+
+
+async def _relay(
+    state: FleetState, replica: Replica, upstream: httpx.Response, shape: _Shape
+) -> AsyncIterator[bytes]:
+    """Passes a replica's stream through; ends it with error finishes if the replica dies."""
+    finished: set[int] = set()
+    pending, done = b"", False
+    try:
+        async for data in upstream.aiter_raw():
+            yield data
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                done = done or event == b"data: [DONE]"
+                if _FINISH.search(event):
+                    finished.update(_finished_indices(event))
+    except httpx.HTTPError as exc:
+        if not done:
+            logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
+            left = [i for i in range(shape.num_choices) if i not in finished]
+            if left:
+                yield b"data: " + json.dumps(shape.error_body(left, stream=True)).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+    finally:
+        _release(state, replica, shape.completion_id)
+        await upstream.aclose()
+
+
+def _release(state: FleetState, replica: Replica, completion_id: str) -> None:
+    replica.open_requests -= 1
+    state.live.pop(completion_id, None)
+
+
+def _identify(state: FleetState, raw: bytes, chat: bool) -> tuple[bytes, dict[str, Any], _Shape]:
+    """The request with its completion id set (the front routes `/abort_requests` by it)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):  # a replica answers it with its own 400
+        body = {}
+    completion_id = body.get("request_id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if completion_id in state.live:
+        raise _RequestRefused(
+            400, f"request_id {completion_id!r} is already running; use a unique id",
+            param="request_id",
+        )  # fmt: skip
+    if body:
+        body["request_id"] = completion_id
+        raw = json.dumps(body).encode()
+    shape = _Shape(str(completion_id), chat, _num_choices(body, chat), state.config.model_name)
+    return raw, body, shape
+
+
+def _broken_off(shape: _Shape, *, stream: bool) -> Response:
+    """The answer of a request whose replica died while it ran: every choice ends in error."""
+    every = list(range(shape.num_choices))
+    if not stream:
+        return JSONResponse(shape.error_body(every, stream=False))
+    chunk = b"data: " + json.dumps(shape.error_body(every, stream=True)).encode() + b"\n\n"
+    events = iter([chunk, b"data: [DONE]\n\n"])
+    return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+
+async def _completion(request: Request, path: str, chat: bool) -> Response:
+    """Sends a completion request to the least-loaded replica and relays its answer."""
+    state: FleetState = request.app.state.serve
+    raw, body, shape = _identify(state, await request.body(), chat)
+    replica = state.fleet.pick()
+    assert replica.http is not None
+    replica.open_requests += 1
+    state.live[shape.completion_id] = replica.index
+    try:
+        upstream = await replica.http.send(
+            replica.http.build_request(
+                "POST", path, content=raw, headers={"content-type": "application/json"}
+            ),
+            stream=True,
+        )
+    except httpx.ConnectError as exc:  # it never reached the replica: nothing started
+        _release(state, replica, shape.completion_id)
+        raise replica.unavailable() if not replica.alive else _RequestRefused(
+            503, f"{replica.name}: POST {path} failed: {exc!r}",
+            error_type="ReplicaUnavailableError",
+        ) from exc  # fmt: skip
+    except httpx.HTTPError as exc:  # the replica broke off while it held the request
+        _release(state, replica, shape.completion_id)
+        logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
+        return _broken_off(shape, stream=bool(body.get("stream")))
+    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        return StreamingResponse(
+            _relay(state, replica, upstream, shape),
+            media_type="text/event-stream",
+            headers=_STREAM_HEADERS,
+        )
+    try:
+        content = await upstream.aread()
+    except httpx.HTTPError:
+        return _broken_off(shape, stream=False)
+    finally:
+        _release(state, replica, shape.completion_id)
+        await upstream.aclose()
+    return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+
+_v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+
+
+@_v1.get("/models", operation_id="list_models")
+async def _list_models(request: Request) -> dict[str, Any]:
+    """The one model this server serves."""
+    model = {"id": request.app.state.serve.config.model_name, "object": "model"}
+    return {"object": "list", "data": [{**model, "owned_by": "weightsync", "created": 0}]}
+
+
+@_v1.post("/completions", response_model=None, operation_id="create_completion")
+async def _create_completion(request: Request) -> Response:
+    """Completes the prompts on the least-loaded replica (see `/v1/completions` of a replica)."""
+    return await _completion(request, "/v1/completions", chat=False)
+
+
+@_v1.post("/chat/completions", response_model=None, operation_id="create_chat_completion")
+async def _create_chat_completion(request: Request) -> Response:
+    """Replies on the least-loaded replica (see `/v1/chat/completions` of a replica)."""
+    return await _completion(request, "/v1/chat/completions", chat=True)
+
+
+def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
+    """Builds the front's app over `fleet`; its shutdown stops the replicas.
+
+    Args:
+        fleet: The replicas, started.
+        config: The front's keys and limits.
+
+    Returns:
+        The app, ready for uvicorn.
+    """
+    from weightsync.serve._fleet_routes import router as rl_router
+    from weightsync.serve.app import _BodyLimit
+
+    state = FleetState(fleet, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.abort_all()
+            await fleet.close()
+            logger.info("replicas shut down")
+
+    app = FastAPI(title="weightsync serve (data parallel)", version=weightsync.__version__,
+                  lifespan=lifespan)  # fmt: skip
+    app.state.serve = state
+    install_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes)
+
+    @app.get("/health", tags=["server"])
+    async def health() -> Any:
+        """200 while every replica runs; 503 naming the first one that exited.
+
+        `replicas` lists each one's index, whether it runs, and its process id.
+        """
+        replicas = [
+            {"replica": r.index, "alive": r.alive, "pid": r.process.pid} for r in fleet.replicas
+        ]
+        dead = fleet.dead()
+        if dead:
+            return error_response(
+                503, "ReplicaUnavailableError", str(dead[0].unavailable()), replicas=replicas
+            )
+        return {"status": "ok", "replicas": replicas}
+
+    @app.get("/version", tags=["server"])
+    async def version() -> dict[str, Any]:
+        """The weightsync version serving."""
+        return {"version": weightsync.__version__}
+
+    app.include_router(_v1)
+    app.include_router(rl_router)
+    return app

@@ -1,0 +1,110 @@
+"""The replica side of a data-parallel server: the finish check, and dying with the front.
+
+A `weightsync serve --data-parallel-size N` front starts N plain `weightsync serve` children. Each
+one also gets the route below, which the front calls on every replica before any of them moves
+its weight version (all or none), and a watch on its parent, so that no replica outlives a front
+that was killed (SIGKILL leaves no time to stop its children).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Request
+
+from weightsync.engine.weights import LiveWeights
+from weightsync.errors import (
+    IncompleteWeightUpdateError,
+    TornWeightsError,
+    WeightUpdateStateError,
+    WeightValidationError,
+)
+from weightsync.serve._auth import require_admin_key
+from weightsync.serve.rl_routes import FinishWeightUpdateRequest
+
+logger = logging.getLogger("weightsync.serve")
+
+# How often a replica checks that its front is alive, in seconds; and how long it then gives its
+# own graceful shutdown (abort requests, stop the engine) before it exits regardless.
+_PARENT_POLL_S = 0.2
+_ORPHAN_GRACE_S = 10.0
+
+router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=False)
+"""Routes only a replica serves, for its front; they are not part of the public API."""
+
+
+def check_finish(weights: LiveWeights, weight_version: Any) -> None:
+    """Raises what `LiveWeights.finish(weight_version)` would raise now, changing nothing.
+
+    Raises:
+        WeightValidationError: `weight_version` is not a string, an int or None.
+        WeightUpdateStateError: No transaction is open.
+        IncompleteWeightUpdateError: Announced weights have not landed.
+        TornWeightsError: Weights torn by an earlier failure would remain after the finish.
+    """
+    if weight_version is not None and (
+        not isinstance(weight_version, str | int) or isinstance(weight_version, bool)
+    ):
+        raise WeightValidationError(
+            f"weight_version must be a string, an int or None, got {weight_version!r}"
+        )
+    txn = weights.transaction
+    if txn is None:
+        raise WeightUpdateStateError(
+            "finish_weight_update: no weight update is in progress: call "
+            "start_weight_update() and update_weights(...) first"
+        )
+    missing = sorted(txn.announced - txn.landed)
+    if missing:
+        raise IncompleteWeightUpdateError(
+            f"finish_weight_update: {len(missing)} announced weights have not landed "
+            f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
+            "with abort_weight_update()"
+        )
+    torn = sorted(weights.torn_names - txn.landed)
+    if torn:
+        raise TornWeightsError(
+            f"finish_weight_update: the update landed, but {len(torn)} weights are still torn by "
+            f"an earlier failed update (e.g. {torn[:3]}); the version stays "
+            f"{weights.weight_version!r}: send an update that covers them"
+        )
+
+
+@router.post("/prepare_weight_update")
+async def _prepare_weight_update(
+    request: Request, body: Annotated[FinishWeightUpdateRequest | None, Body()] = None
+) -> dict[str, Any]:
+    """Whether `/finish_weight_update` would succeed now: `ready`, or its error (nothing moves).
+
+    Read on the event loop, which no weight-update call runs on while it is read, so the check
+    and the front's commit that follows see the same transaction.
+    """
+    weights = request.app.state.serve.engine.engine.weights
+    check_finish(weights, body.weight_version if body else None)
+    return {"ready": True}
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Stops this process when `parent_pid` is no longer its parent (the front died).
+
+    A daemon thread polls the parent id; on a change it sends this process SIGTERM (the server's
+    graceful shutdown), and exits outright if that has not ended it within a grace period.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            if _stop.wait(_PARENT_POLL_S):
+                return
+        logger.error("the data-parallel front (pid %d) is gone: shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not _stop.wait(_ORPHAN_GRACE_S):
+            os._exit(1)
+
+    _stop = threading.Event()  # never set: the thread ends with the process
+    if os.getppid() != parent_pid:  # the front died before this process got here
+        os._exit(1)
+    threading.Thread(target=watch, name="weightsync-parent-watch", daemon=True).start()
