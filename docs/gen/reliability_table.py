@@ -89,9 +89,7 @@ def tables(record: dict[str, Any]) -> str:
 
 def soak_table() -> str:
     """The committed soak results, one column per run."""
-    runs = {
-        path.stem: json.loads(path.read_text()) for path in sorted(SOAK_RESULTS.glob("*.json"))
-    }
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted(SOAK_RESULTS.glob("*.json"))}
     if not runs:
         return ""
     lines = [

@@ -20,7 +20,7 @@ from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import _RequestRefused
 from weightsync.serve._fleet import Fleet, raise_failures
 from weightsync.serve._fleet_app import FleetState
-from weightsync.serve.rl_routes import (
+from weightsync.serve._rl_routes import (
     AbortRequestsRequest,
     FinishWeightUpdateRequest,
     InitWeightTransferRequest,

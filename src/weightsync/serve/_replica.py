@@ -24,7 +24,7 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve.rl_routes import FinishWeightUpdateRequest
+from weightsync.serve._rl_routes import FinishWeightUpdateRequest
 
 logger = logging.getLogger("weightsync.serve")
 
