@@ -16,9 +16,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
 
+from weightsync.engine._transaction import non_finite_names
 from weightsync.engine.weights import LiveWeights
 from weightsync.errors import (
     IncompleteWeightUpdateError,
+    NonFiniteWeightsError,
     TornWeightsError,
     WeightUpdateStateError,
     WeightValidationError,
@@ -44,6 +46,8 @@ def check_finish(weights: LiveWeights, weight_version: Any) -> None:
         WeightValidationError: `weight_version` is not a string, an int or None.
         WeightUpdateStateError: No transaction is open.
         IncompleteWeightUpdateError: Announced weights have not landed.
+        NonFiniteWeightsError: The engine refuses non-finite weights and one landed with a NaN
+            or an infinity (the transaction stays open here: the front aborts it everywhere).
         TornWeightsError: Weights torn by an earlier failure would remain after the finish.
     """
     if weight_version is not None and (
@@ -64,6 +68,13 @@ def check_finish(weights: LiveWeights, weight_version: Any) -> None:
             f"finish_weight_update: {len(missing)} announced weights have not landed "
             f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
             "with abort_weight_update()"
+        )
+    bad = non_finite_names(weights.model.named_weights(), txn.landed)
+    if weights.refuse_non_finite and bad:
+        raise NonFiniteWeightsError(
+            f"finish_weight_update refused: {len(bad)} weights hold a NaN or an infinity "
+            f"(e.g. {bad[:3]}); the version stays {weights.weight_version!r}: check the "
+            "trainer's weights (a diverged step, a bad cast), then send a finite update"
         )
     torn = sorted(weights.torn_names - txn.landed)
     if torn:

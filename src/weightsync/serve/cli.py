@@ -134,18 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.data_parallel_size > 1:
         return _serve_data_parallel(args, transfer_config, sock)
     try:
-        engine_config = EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_model_len=args.max_model_len,
-            seed=args.seed if args.sampling_seed is None else args.sampling_seed,
-            weight_update_staging=args.weight_update_staging,
-            refuse_non_finite_weights=args.refuse_non_finite_weights,
-            device=args.device,
-        )
+        engine_config = _engine_config(args)
         # The event loop that serves HTTP needs a core of its own, or every stream waits on
         # the forward pass.
         torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
@@ -175,6 +164,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_as_replica(app, args.parent_pid)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's scheduler, cache, seed and device options, from the command line."""
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
+        seed=args.seed if args.sampling_seed is None else args.sampling_seed,
+        weight_update_staging=args.weight_update_staging,
+        refuse_non_finite_weights=args.refuse_non_finite_weights,
+        device=args.device,
+    )
 
 
 def _serve_as_replica(app: FastAPI, parent_pid: int | None) -> None:

@@ -3,7 +3,8 @@
 import pytest
 
 from weightsync import LlamaForCausalLM
-from weightsync.engine.weights import LiveWeights, _Transaction
+from weightsync.engine._transaction import Transaction as _Transaction
+from weightsync.engine.weights import LiveWeights
 from weightsync.serve._fleet import replica_argv, replica_device
 from weightsync.serve._replica import check_finish
 from weightsync.serve.cli import parse_serve_args
@@ -13,6 +14,9 @@ CASES = {
     "parts missing": _Transaction(explicit=True, announced={"a", "b"}, landed={"a"}),
     "torn elsewhere": _Transaction(explicit=True, announced={"a"}, landed={"a"}),
     "whole": _Transaction(explicit=True, announced={"a"}, landed={"a"}),
+    "non-finite": _Transaction(
+        explicit=True, announced={"lm_head.weight"}, landed={"lm_head.weight"}
+    ),
 }
 
 
@@ -27,6 +31,9 @@ def test_the_check_refuses_exactly_what_finish_refuses_and_changes_nothing(case)
             else _Transaction(explicit=True, announced=set(txn.announced), landed=set(txn.landed))
         )
         live.torn_names = {"b"} if case == "torn elsewhere" else set()
+        if case == "non-finite":
+            live.refuse_non_finite = True
+            dict(live.model.named_weights())["lm_head.weight"].view(-1)[0] = float("nan")
         return live
 
     checked, finished = weights(), weights()
