@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -181,6 +182,14 @@ class NCCLTrainerSendWeightsArgs:
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
 
 
+def _send_failure(
+    group: BroadcastGroup, exc: Exception, *, partially_applied: bool
+) -> WeightTransferError | WeightValidationError:
+    """The weightsync error a failed send raises (a validation error stays one)."""
+    error = broadcast.transfer_failed(group, exc, partially_applied=partially_applied)
+    return WeightValidationError(str(error)) if isinstance(exc, WeightValidationError) else error
+
+
 def trainer_send_weights(
     iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs
 ) -> TransferStats:
@@ -234,11 +243,13 @@ def trainer_send_weights(
         window.drain()
     except Exception as exc:
         window.clear()  # in-flight work pins the group's connections open
+        # So do the finished frames of the failure's traceback (a pending wait holds its work):
+        # drop their locals, so that a caller keeping the error does not keep the sockets.
+        traceback.clear_frames(exc.__traceback__)
         trainer._closed = True
-        error = broadcast.transfer_failed(group, exc, partially_applied=sent > 0)
-        if isinstance(exc, WeightValidationError):
-            raise WeightValidationError(str(error)) from exc
-        raise error from exc
+        # Raised without binding it to a local: a local would hold the exception in this frame,
+        # which its traceback holds, a cycle that keeps the group's sockets until a full collection.
+        raise _send_failure(group, exc, partially_applied=sent > 0) from exc
     stats.seconds = time.perf_counter() - start
     logger.info(
         "sent %d tensors, %.1f MB to %d workers in %.3f s (%.2f GB/s, %d of %d buckets in place)",
