@@ -1,5 +1,10 @@
 """`EngineProcess`: a `weightsync serve` child driven over HTTP; errors keep their class."""
 
+import os
+import select
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -135,3 +140,32 @@ def test_a_hugging_face_config_gives_zero_weights_of_that_shape():
         assert process.weight_digests() == weight_checksums(zeros)
     finally:
         process.close()
+
+
+def test_a_killed_trainer_leaves_no_server_behind(tmp_path):
+    # A trainer process holding an EngineProcess is killed outright (no close, no atexit): its
+    # server, now nobody's child, must notice and exit on its own.
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys\n"
+        "from weightsync.trainer.engine_process import EngineProcess\n"
+        "engine = EngineProcess('debug', timeout_s=60)\n"
+        "print(engine.pid, flush=True)\n"
+        "sys.stdin.read()\n"  # holds the server until killed
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = trainer.stdout.readline()  # bounded: EngineProcess gives up after 60 s
+        assert line.strip().isdigit(), f"the trainer did not start its engine: {line!r}"
+        server_pid = int(line)
+        server = os.pidfd_open(server_pid)  # readable once the server has exited
+    finally:
+        trainer.kill()
+        trainer.wait(60)
+    try:
+        readable, _, _ = select.select([server], [], [], 30)
+        assert readable, f"the server (pid {server_pid}) outlived its killed trainer by 30 s"
+    finally:
+        os.close(server)

@@ -45,7 +45,7 @@ DEFAULT_REPLICA_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, before it is killed
 # Options the front sets for each replica itself rather than passing its own on.
 _NOT_PASSED_ON = {"command", "host", "port", "api_key", "admin_api_key", "worker_index", "device",
-                  "data_parallel_size", "parent_pid", "num_threads", "weight_transfer_config"}  # fmt: skip
+                  "data_parallel_size", "parent_pid", "replica", "num_threads", "weight_transfer_config"}  # fmt: skip
 
 
 def replica_argv(args: argparse.Namespace, transfer: WeightTransferConfig | None) -> list[str]:
@@ -95,7 +95,7 @@ class Replica:
         command = [sys.executable, "-m", "weightsync.serve.cli", "serve", *argv,
                    "--host", "127.0.0.1", "--port", "0", "--worker-index", str(worker_index),
                    "--num-threads", str(threads), "--device", device,
-                   "--parent-pid", str(os.getpid())]  # fmt: skip
+                   "--parent-pid", str(os.getpid()), "--replica"]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, env=env,

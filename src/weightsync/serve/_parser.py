@@ -73,8 +73,11 @@ def _add_data_parallel_arguments(serve: argparse.ArgumentParser) -> None:
                     "KV cache and scheduler, and its own transfer rank (worker index "
                     "--worker-index + i; with --device cuda, GPU i); /pause and weight "
                     "updates act on all of them (default: %(default)s)")  # fmt: skip
-    # Set by a data-parallel front on the replicas it starts: a replica stops when its front dies.
+    # Set by whoever starts this server as its child (a data-parallel front, an `EngineProcess`):
+    # the server stops when that process dies, even killed outright.
     dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    # Set by a data-parallel front on its replicas: they also answer its finish check.
+    dp.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
 
 
 def _add_model_arguments(serve: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 A `weightsync serve --data-parallel-size N` front starts N plain `weightsync serve` children. Each
 one also gets the route below, which the front calls on every replica before any of them moves
 its weight version (all or none), and a watch on its parent, so that no replica outlives a front
-that was killed (SIGKILL leaves no time to stop its children).
+that was killed (SIGKILL leaves no time to stop its children). A trainer's `EngineProcess` gives
+its server the same watch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from weightsync.serve._rl_routes import FinishWeightUpdateRequest
 
 logger = logging.getLogger("weightsync.serve")
 
-# How often a replica checks that its front is alive, in seconds; and how long it then gives its
+# How often a child server checks that its parent is alive, in seconds; and how long it then gives its
 # own graceful shutdown (abort requests, stop the engine) before it exits regardless.
 _PARENT_POLL_S = 0.2
 _ORPHAN_GRACE_S = 10.0
@@ -100,7 +101,7 @@ async def _prepare_weight_update(
 
 
 def watch_parent(parent_pid: int) -> None:
-    """Stops this process when `parent_pid` is no longer its parent (the front died).
+    """Stops this process when `parent_pid` is no longer its parent (the front or trainer died).
 
     A daemon thread polls the parent id; on a change it sends this process SIGTERM (the server's
     graceful shutdown), and exits outright if that has not ended it within a grace period.
@@ -110,12 +111,13 @@ def watch_parent(parent_pid: int) -> None:
         while os.getppid() == parent_pid:
             if _stop.wait(_PARENT_POLL_S):
                 return
-        logger.error("the data-parallel front (pid %d) is gone: shutting down", parent_pid)
+        logger.error("the process that started this server (pid %d) is gone: shutting down",
+                     parent_pid)  # fmt: skip
         os.kill(os.getpid(), signal.SIGTERM)
         if not _stop.wait(_ORPHAN_GRACE_S):
             os._exit(1)
 
     _stop = threading.Event()  # never set: the thread ends with the process
-    if os.getppid() != parent_pid:  # the front died before this process got here
+    if os.getppid() != parent_pid:  # the parent died before this process got here
         os._exit(1)
     threading.Thread(target=watch, name="weightsync-parent-watch", daemon=True).start()

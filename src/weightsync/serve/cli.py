@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
         return _fail(str(exc), status=2)
     app = create_app(AsyncEngine(engine), config)
-    _serve_as_replica(app, args.parent_pid)
+    _serve_as_child(app, args.parent_pid, replica=args.replica)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
 
@@ -182,12 +182,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _serve_as_replica(app: FastAPI, parent_pid: int | None) -> None:
-    """When started by a data-parallel front: its finish check, and an exit when it dies."""
-    if parent_pid is not None:
-        from weightsync.serve._replica import router, watch_parent
+def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> None:
+    """An exit when the parent that started this server dies; a replica's finish check."""
+    from weightsync.serve._replica import router, watch_parent
 
+    if replica:
         app.include_router(router)
+    if parent_pid is not None:
         watch_parent(parent_pid)
 
 

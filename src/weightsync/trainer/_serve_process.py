@@ -66,7 +66,9 @@ class ServeProcess:
                 "--dtype", dtype, "--worker-index", str(worker_index), "--device", device,
                 "--log-level", "warning", *_serve_args(engine_config),
                 # One compute thread: the trainer and the other engines share the cores.
-                "--num-threads", "1"]  # fmt: skip
+                "--num-threads", "1",
+                # The server exits with this process, even one killed outright.
+                "--parent-pid", str(os.getpid())]  # fmt: skip
         if isinstance(model, dict):  # the shapes only: zero weights until the first update
             self._tempdir = tempfile.TemporaryDirectory(prefix="weightsync-model-")
             (Path(self._tempdir.name) / "config.json").write_text(json.dumps(model))
@@ -114,6 +116,11 @@ class ServeProcess:
             if match := _LISTENING.search(line):
                 return match.group(1)
         raise EngineStateError(f"weightsync serve did not start within {self.timeout_s} s")
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        return self._process.pid
 
     @property
     def log(self) -> str:

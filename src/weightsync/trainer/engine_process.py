@@ -38,7 +38,8 @@ class EngineProcess:
     Its methods mirror `LLMEngine`'s and block until the server answered; requests run in the
     server between calls, so the trainer computes while the engine generates. It satisfies
     [`EngineClient`][weightsync.trainer.client.EngineClient]. Close it (or use `with`) to stop
-    the server.
+    the server; should this process die without closing it (killed, say), the server notices
+    within a second and stops itself.
 
     Args:
         model: A preset name (`"debug"`, `"tiny"`, `"small"`) with weights drawn from `seed`, or a
@@ -96,6 +97,11 @@ class EngineProcess:
         )
         self._rollouts = Rollouts(self.base_url, headers={}, timeout_s=timeout_s)
         self._results: dict[str, Future[RequestOutput]] = {}
+
+    @property
+    def pid(self) -> int:
+        """The server's process id. The server exits when this process does, even killed."""
+        return self._server.pid
 
     @property
     def log(self) -> str:
