@@ -70,8 +70,10 @@ def check_finish(weights: LiveWeights, weight_version: Any) -> None:
             f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
             "with abort_weight_update()"
         )
-    bad = non_finite_names(weights.model.named_weights(), txn.landed)
-    if weights.refuse_non_finite and bad:
+    # A pass over every landed weight: only an engine that refuses non-finite weights pays it.
+    if weights.refuse_non_finite and (
+        bad := non_finite_names(weights.model.named_weights(), txn.landed)
+    ):
         raise NonFiniteWeightsError(
             f"finish_weight_update refused: {len(bad)} weights hold a NaN or an infinity "
             f"(e.g. {bad[:3]}); the version stays {weights.weight_version!r}: check the "
