@@ -172,6 +172,28 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server):
     httpx.post(url + "/resume")
 
 
+def test_a_refused_arm_pause_leaves_the_armed_one_and_pause_still_lands_there(server):
+    # A refused /arm_pause used to replace the event that /pause waits on, so that a /pause
+    # after it waited for a pause that had already landed: forever.
+    url = server.base_url
+    httpx.post(url + "/pause?mode=keep")
+    body = {"prompt": "a", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == ": accepted"
+        assert httpx.post(url + "/arm_pause", params={"after_tokens": 3}).status_code == 200
+        refused = httpx.post(url + "/arm_pause", params={"after_tokens": -1})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "after_tokens"
+        httpx.post(url + "/resume")
+        paused = httpx.post(url + "/pause?mode=keep", timeout=30)  # was: no answer, ever
+        assert paused.json() == {"status": "paused"}
+        last = httpx.get(url + "/engine_stats").json()["last_pause"]
+        assert last["mode"] == "keep"
+        httpx.post(url + "/resume")
+        assert list(lines)[-1] == "data: [DONE]"
+
+
 @pytest.fixture
 def fresh_server():  # no transfer engine yet: a busy refusal has no trainer to tell
     server = Server("debug", "--port", "0")

@@ -17,7 +17,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from weightsync import AsyncEngine, EngineStateError, WeightUpdateStateError, weight_checksums
+from weightsync import (
+    AsyncEngine,
+    EngineStateError,
+    InvalidRequestError,
+    WeightUpdateStateError,
+    weight_checksums,
+)
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import _RequestRefused
@@ -162,18 +168,20 @@ async def _arm_pause(
         )
     state = _state(request)
     loop = asyncio.get_running_loop()
-    started = state.armed_pause_started = asyncio.Event()
+    started = asyncio.Event()
 
     def on_pause() -> None:  # called on the stepping thread
         loop.call_soon_threadsafe(started.set)
 
+    try:
+        armed = ArmedPause(after_tokens, mode, clear_cache, on_pause)  # type: ignore[arg-type]
+    except InvalidRequestError as exc:  # the mode was checked above: it is `after_tokens`
+        raise _RequestRefused(400, str(exc), param="after_tokens") from None
+    # Only a pause that was armed replaces the event `/pause` waits on: a refused one leaves
+    # the pause armed before it, and its event, as they were.
+    state.armed_pause_started = started
     # The stepping thread reads it at its next step: one assignment, nothing half-set.
-    state.engine.engine.scheduler.armed_pause = ArmedPause(
-        after_tokens,
-        mode,  # type: ignore[arg-type]  # checked above
-        clear_cache,
-        on_pause,
-    )
+    state.engine.engine.scheduler.armed_pause = armed
     return {"status": "armed"}
 
 
