@@ -26,7 +26,14 @@ __all__ = [
 
 
 class WeightSyncError(Exception):
-    """Base class of every error weightsync raises on purpose."""
+    """Base class of every error weightsync raises on purpose.
+
+    Attributes:
+        param: The request field or query parameter at fault, when a server's error answer
+            named one (`HTTPEngineClient` keeps it); else None.
+    """
+
+    param: str | None = None
 
 
 class WeightValidationError(WeightSyncError, ValueError):

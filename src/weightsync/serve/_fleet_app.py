@@ -15,6 +15,7 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ class FleetState:
         live: Each running completion's id -> the index of the replica running it.
         transaction: `"explicit"` between `/start_weight_update` and its end, `"implicit"`
             while a bare multi-part `/update_weights` is open, else None.
+        update_id: The `update_id` of the implicit transaction's messages (IPC), if any.
+        seen_update_ids: The `update_id`s of the latest implicit transactions.
         lock: Serializes the weight-update calls, so a finish's check and commit see the
             same transactions.
     """
@@ -53,6 +56,8 @@ class FleetState:
     config: ServerConfig
     live: dict[str, int] = field(default_factory=dict)
     transaction: str | None = None
+    update_id: str | None = None
+    seen_update_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=1024))
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def abort_all(self) -> int:
@@ -155,6 +160,10 @@ def _identify(state: FleetState, raw: bytes, chat: bool) -> tuple[bytes, dict[st
     if not isinstance(body, dict):  # a replica answers it with its own 400
         body = {}
     completion_id = body.get("request_id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if not isinstance(completion_id, str):  # a list or a dict cannot even be looked up
+        raise _RequestRefused(
+            400, f"request_id must be a string, got {completion_id!r}", param="request_id"
+        )
     if completion_id in state.live:
         raise _RequestRefused(
             400, f"request_id {completion_id!r} is already running; use a unique id",

@@ -11,11 +11,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
 
-from weightsync.errors import IncompleteWeightUpdateError
+from weightsync.errors import (
+    IncompleteWeightUpdateError,
+    NonFiniteWeightsError,
+    ReplicaUnavailableError,
+    TornWeightsError,
+    WeightSyncError,
+    WeightValidationError,
+)
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import _RequestRefused
 from weightsync.serve._fleet import Fleet, raise_failures
@@ -67,6 +75,12 @@ async def _pause(
     makes the call fail naming it, and the others stay paused.
     """
     _check_mode(mode)
+    if timeout_s is not None and not 0 < timeout_s < math.inf:  # NaN fails both
+        raise _RequestRefused(
+            400,
+            f"query parameter 'timeout_s' must be a number of seconds > 0, got {timeout_s!r}",
+            param="timeout_s",
+        )
     params: dict[str, Any] = {"mode": mode, "clear_cache": str(clear_cache).lower()}
     if wait_for_inflight_requests is not None:
         params["wait_for_inflight_requests"] = str(wait_for_inflight_requests).lower()
@@ -181,26 +195,73 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> dict[
     """Delivers one update message to every replica at once (a broadcast needs them all in).
 
     A bare message (no `/start_weight_update` before it) becomes a transaction on every replica,
-    finished on all of them, or none, once its last part landed. `stats` are replica 0's.
+    finished on all of them, or none, once its last part landed. A message every replica
+    refused moved nothing: the transaction goes on, as on one engine. `stats` are replica 0's.
     """
     state = _state(request)
+    info = body.update_info
     async with state.lock:
-        bare = state.transaction is None
-        if bare:
-            await _start_all(state, None)
-            state.transaction = "implicit"
+        state.fleet.require_alive()
+        if state.transaction == "implicit" and _announces_another_update(state, info):
+            # As on one engine: the sender gave up on the bare update in progress and announces
+            # a new one, so the abandoned one ends (restored or torn) and the new one begins.
+            await _abort_all(state)
+        opened = state.transaction is None
+        if opened:
+            await _start_bare(state, info)
+            state.transaction, state.update_id = "implicit", info.get("update_id")
+            state.seen_update_ids.append(state.update_id)
+        outcomes = await state.fleet.each("POST", "/update_weights", body=body.model_dump())
         try:
-            answers = await state.fleet.all("POST", "/update_weights", body=body.model_dump())
+            answers = raise_failures(outcomes)
             if state.transaction == "implicit" and await _all_ready(
                 state, None, parts_to_come=True
             ):
                 await _commit(state, None)
         except BaseException:
-            if state.transaction == "implicit":
-                await state.fleet.each("POST", "/abort_weight_update")
-                state.transaction = None
+            refused = all(isinstance(o, WeightValidationError) for o in outcomes)
+            if state.transaction == "implicit" and (opened or not refused):
+                await _abort_all(state)
             raise
     return {"message": "Weights updated", "stats": answers[0]["stats"]}
+
+
+async def _start_bare(state: FleetState, info: dict[str, Any]) -> None:
+    """Opens a bare update's transaction on every replica; if one refuses, the trainer learns why.
+
+    A broadcast's trainer waits in the update's handshake for every replica, as one engine's
+    would: each replica joins it only to reject the update, so the trainer fails at once with
+    the reason and its group stays usable (a dead replica cannot join: the trainer times out).
+    """
+    try:
+        await _start_all(state, None)
+    except ReplicaUnavailableError:
+        raise
+    except WeightSyncError as exc:
+        body = {"update_info": info, "reason": str(exc)[:4000]}
+        await state.fleet.each("POST", "/refuse_weight_update", body=body)
+        raise
+
+
+def _announces_another_update(state: FleetState, info: dict[str, Any]) -> bool:
+    """Whether `info` is an IPC announcement of a new update, not the bare one in progress.
+
+    An id seen before is a late or repeated announcement: the replicas refuse it themselves,
+    and the update in progress goes on.
+    """
+    update_id = info.get("update_id")
+    return (
+        isinstance(update_id, str)
+        and info.get("ipc_handles") is None
+        and update_id != state.update_id
+        and update_id not in state.seen_update_ids
+    )
+
+
+async def _abort_all(state: FleetState) -> None:
+    """Ends the transaction on every replica (each one restores or marks what it touched)."""
+    state.transaction = state.update_id = None
+    await state.fleet.each("POST", "/abort_weight_update")
 
 
 async def _all_ready(state: FleetState, version: Any, *, parts_to_come: bool = False) -> bool:
@@ -221,7 +282,7 @@ async def _all_ready(state: FleetState, version: Any, *, parts_to_come: bool = F
 
 
 async def _commit(state: FleetState, version: Any) -> None:
-    state.transaction = None
+    state.transaction = state.update_id = None
     await state.fleet.all("POST", "/finish_weight_update", body={"weight_version": version})
 
 
@@ -233,7 +294,12 @@ async def _finish_weight_update(
     state = _state(request)
     version = body.weight_version if body is not None else None
     async with state.lock:
-        await _all_ready(state, version)
+        try:
+            await _all_ready(state, version)
+        except (NonFiniteWeightsError, TornWeightsError):
+            # One engine ends its transaction on these; so does the fleet, on every replica.
+            await _abort_all(state)
+            raise
         await _commit(state, version)
     return {"message": "Weight update finished"}
 
@@ -244,7 +310,7 @@ async def _abort_weight_update(request: Request) -> dict[str, Any]:
     state = _state(request)
     async with state.lock:
         answers = await state.fleet.all("POST", "/abort_weight_update")
-        state.transaction = None
+        state.transaction = state.update_id = None
     return {"message": "Weight update aborted", "aborted": any(a["aborted"] for a in answers)}
 
 

@@ -9,6 +9,7 @@ its server the same watch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -16,10 +17,12 @@ import threading
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.engine._transaction import non_finite_names
 from weightsync.engine.weights import LiveWeights
 from weightsync.errors import (
+    EngineStateError,
     IncompleteWeightUpdateError,
     NonFiniteWeightsError,
     TornWeightsError,
@@ -100,6 +103,30 @@ async def _prepare_weight_update(
     weights = request.app.state.serve.engine.engine.weights
     check_finish(weights, body.weight_version if body else None)
     return {"ready": True}
+
+
+class RefuseWeightUpdateRequest(BaseModel):
+    """`/refuse_weight_update`: the update message a front refuses, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    update_info: dict[str, Any]
+    reason: str = Field(max_length=4000)
+
+
+@router.post("/refuse_weight_update")
+async def _refuse_weight_update(
+    request: Request, body: RefuseWeightUpdateRequest
+) -> dict[str, Any]:
+    """Joins the update's handshake only to reject it, as a busy engine does its own updates.
+
+    The front calls it on every replica when it cannot open a bare update's transaction: a
+    broadcast's trainer waits in the handshake for every rank, and this way learns the reason
+    at once, its group still usable. Without a group (ipc) nothing waits, and nothing happens.
+    """
+    weights = request.app.state.serve.engine.engine.weights
+    reason = EngineStateError(body.reason)
+    await asyncio.to_thread(weights.refuse, body.update_info, reason)  # bounded by the group
+    return {"refused": True}
 
 
 def watch_parent(parent_pid: int) -> None:

@@ -63,6 +63,13 @@ def error_from_answer(call: str, status: int, text: str) -> WeightSyncError:
     except (ValueError, KeyError, TypeError):
         error, error_type, message = {}, "", text[:500]
     message = f"{call} -> {status}: {message}"
+    built = _error_of(error_type, status, message, error)
+    if isinstance(error.get("param"), str):
+        built.param = error["param"]  # a front passes its replica's answer on whole
+    return built
+
+
+def _error_of(error_type: str, status: int, message: str, error: dict[str, Any]) -> WeightSyncError:
     cls = _ERRORS.get(error_type)
     if cls is not None and issubclass(cls, WeightTransferError):
         return cls(message, partially_applied=bool(error.get("partially_applied")))
