@@ -238,7 +238,7 @@ class BroadcastWeightSender(WeightSender):
         # Engines join on threads of their own while the trainer forms the group on this one.
         joins = in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
         try:
-            group.connect()
+            group.connect(joining=joins)  # a join that fails ends the wait with its error
         except Exception:
             group.close()  # engines still joining fail at once instead of at their timeout
             with contextlib.suppress(Exception):  # the group's error is the one to raise

@@ -293,6 +293,10 @@ class BroadcastGroup:
         except Exception:  # a dead or stopped trainer takes the store with it: nothing to read
             return None
 
+    def has(self, keys: list[str]) -> bool:
+        """Whether every key is in the store (the trainer's: it hosts the store, so this is local)."""
+        return bool(self._call("checking the transfer store", lambda: self._store.check(keys)))
+
     def claim_rank(self, claimant: str) -> None:
         """Registers this rank in the store for `claimant`; another claimant is refused.
 

@@ -13,7 +13,8 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,19 +75,27 @@ class TrainerGroup:
         """1 + the number of workers."""
         return self._info.world_size
 
-    def connect(self) -> None:
+    def connect(self, *, joining: Sequence[Future[Any]] = ()) -> None:
         """Blocks until every worker joined (idempotent).
+
+        Args:
+            joining: The workers' join calls, when this process made them (on threads, as
+                `BroadcastWeightSender` does): one that fails ends the wait at once, with its
+                error (a server that refused the join, or that nothing listens for).
 
         Raises:
             WeightTransferTimeout: Some worker did not join within `timeout_s`; the message
                 includes the errors workers reported while joining.
             WeightTransferError: The group was closed after a failure.
+            Exception: A join call of `joining` failed; its error.
         """
         if self._closed:
             raise WeightTransferError(
                 "this trainer group was closed after a failure: call trainer_init again"
             )
         try:
+            if joining:
+                self._await_workers(joining)
             self._group.connect()
         except WeightTransferError as exc:
             errors = [
@@ -97,6 +106,21 @@ class TrainerGroup:
             if errors:
                 raise type(exc)(f"{exc}; workers reported: {'; '.join(errors)}") from exc
             raise
+
+    def _await_workers(self, joining: Sequence[Future[Any]]) -> None:
+        """Waits until every worker claimed its rank in the store, or one of `joining` failed.
+
+        Forming the group blocks, uninterruptibly, until every rank is in or `timeout_s` passed:
+        it starts only once every worker is at the rendezvous, so that a worker whose join
+        failed before it got there fails this call at once rather than at the timeout.
+        """
+        keys = [f"rank/{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + self._group.timeout_s
+        while not self._group.has(keys) and time.monotonic() < deadline:
+            for call in joining:
+                if call.done() and (error := call.exception()) is not None:
+                    raise error
+            wait(joining, timeout=0.02, return_when=FIRST_EXCEPTION)  # or a store check again
 
     def close(self) -> None:
         """Closes the group and its store; workers blocked on it fail at once. Safe to call twice.

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
@@ -114,3 +115,17 @@ def test_a_send_refused_by_an_open_transaction_leaves_that_transaction_alone(pol
         busy.abort_weight_update()
         sender.send(policy.named_weights(), weight_version=1)
     assert busy.weight_version == free.weight_version == 1
+
+
+def test_an_engine_refusing_to_join_fails_connect_at_once_with_its_reason():
+    # Forming the group would wait out `timeout_s` for a worker that never comes; the engine's
+    # own refusal must end it instead (a timeout would be a WeightTransferTimeout, no reason).
+    refusing = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(num_kv_blocks=64),
+        weight_transfer_config=WeightTransferConfig(backend="ipc"),
+    )
+    sender = BroadcastWeightSender([refusing], backend="gloo", timeout_s=60)
+    with pytest.raises(WeightValidationError, match="IPCWeightTransferInitInfo"):
+        sender.connect()
+    sender.close()
