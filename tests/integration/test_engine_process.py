@@ -169,3 +169,13 @@ def test_a_killed_trainer_leaves_no_server_behind(tmp_path):
         assert readable, f"the server (pid {server_pid}) outlived its killed trainer by 30 s"
     finally:
         os.close(server)
+
+
+def test_a_closed_engine_says_so():
+    process = EngineProcess("debug", engine_config=EngineConfig(num_kv_blocks=64), timeout_s=60)
+    process.close()
+    with pytest.raises(EngineStateError, match="closed"):
+        process.generate(["hi"], greedy(2))
+    with pytest.raises(EngineStateError, match="closed"):
+        process.pause_generation(mode="keep")
+    process.close()  # twice is harmless

@@ -141,7 +141,8 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_refuses_rl_calls(s
     assert unstreamed[0]["choices"][0]["finish_reason"] == "error"
     health = httpx.get(f"{server.base_url}/health", timeout=WAIT_S)
     assert health.status_code == 503
-    assert "replica 0" in health.json()["error"]["message"]
+    message = health.json()["error"]["message"]
+    assert "replica 0" in message and "killed by signal 9" in message
     assert [r["alive"] for r in health.json()["error"]["replicas"]] == [False, True, True]
     for path in ("/pause", "/start_weight_update", "/resume"):
         refused = httpx.post(f"{server.base_url}{path}", timeout=WAIT_S)

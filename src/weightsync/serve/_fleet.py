@@ -154,9 +154,13 @@ class Replica:
 
     def unavailable(self) -> ReplicaUnavailableError:
         """The error of a call this replica cannot take: it exited."""
-        tail = "".join(self._log[-3:]).strip()
+        # Its last warnings, errors or traceback lines say why; routine INFO lines do not.
+        said = [line for line in self._log if not line.startswith(("INFO", "DEBUG"))]
+        tail = "".join(said[-3:]).strip()
+        status = self.exit_status
+        how = f", killed by signal {-status}" if status is not None and status < 0 else ""
         return ReplicaUnavailableError(
-            f"{self.name} exited (status {self.exit_status}){': ' + tail if tail else ''}; the "
+            f"{self.name} exited (status {status}{how}){': ' + tail if tail else ''}; the "
             "other replicas serve completions, but pause and weight updates need every replica: "
             "restart the server"
         )

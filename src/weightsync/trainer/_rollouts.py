@@ -59,6 +59,8 @@ class Rollouts:
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> tuple[Future[None], Future[RequestOutput]]:
         """Starts one request; returns (accepted by the engine, final output) futures."""
+        if self._loop.is_closed():
+            raise EngineStateError("the engine was closed: create a new one to generate")
         accepted: Future[None] = Future()
         final = asyncio.run_coroutine_threadsafe(
             self._stream(request_id, prompt, params, accepted), self._loop

@@ -149,6 +149,8 @@ class HTTPEngineClient:
         body: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
+        if self._http.is_closed:
+            raise EngineStateError(f"{method} {path}: this client was closed; create a new one")
         try:
             response = self._http.request(
                 method,
