@@ -117,3 +117,8 @@ def test_validate_specs_lists_every_problem_at_once():
     assert "'b': model has bfloat16[3], update has float16[3]" in message
     assert "unknown name 'zz'" in message
     validate_specs(incoming[:0], expected)  # an empty update (or a subset) is fine
+
+
+def test_an_update_info_of_something_else_than_tensors_names_the_weight():
+    with pytest.raises(WeightValidationError, match=r"'a' is a str, not a torch.Tensor"):
+        WeightTransferUpdateInfo.from_named_tensors([("a", "not a tensor")])

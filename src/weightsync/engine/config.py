@@ -144,3 +144,17 @@ class EngineConfig:
                 "max_model_len"
             )
         return max_model_len
+
+
+def _check_optional(name: str, value: object, cls: type) -> None:
+    """Refuses `value` unless it is None or a `cls` (a dict where a config belongs, say).
+
+    Raises:
+        EngineConfigError: Naming `name`, the class expected and the one given.
+    """
+    if value is not None and not isinstance(value, cls):
+        raise EngineConfigError(
+            f"LLMEngine: {name} must be None or an instance of {cls.__name__}, got "
+            f"{type(value).__name__}: "
+            f"build one, e.g. {cls.__name__}(**settings)"
+        )

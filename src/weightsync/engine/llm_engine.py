@@ -23,7 +23,7 @@ import torch
 from weightsync.config import WeightTransferConfig
 from weightsync.engine._isolation import run_batch
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
-from weightsync.engine.config import EngineConfig
+from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
@@ -60,8 +60,8 @@ class LLMEngine:
         worker_index: This engine's index among a transfer group's workers.
 
     Raises:
-        EngineConfigError: Inconsistent limits (e.g. a KV cache smaller than one sequence), or
-            a device this machine does not have.
+        EngineConfigError: A config of the wrong type, inconsistent limits (e.g. a KV cache
+            smaller than one sequence), or a device this machine does not have.
 
     >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
     >>> out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -81,6 +81,8 @@ class LLMEngine:
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
     ) -> None:
+        _check_optional("engine_config", engine_config, EngineConfig)
+        _check_optional("weight_transfer_config", weight_transfer_config, WeightTransferConfig)
         self.config = config = engine_config or EngineConfig()
         self.device = config.resolve_device()
         if isinstance(model, str):
@@ -89,8 +91,7 @@ class LLMEngine:
                 if model in PRESETS
                 else load_hf_directory(model, dtype=dtype)
             )
-        # Before LiveWeights exists: the transfer backend receives into these parameters, so
-        # updates land in the device's memory, never through the host.
+        # Before LiveWeights: updates are received into these parameters, on the device.
         self.model = model.to(self.device).eval()
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         self.tokenizer = tokenizer = tokenizer or ByteTokenizer()

@@ -66,6 +66,10 @@ class InputProcessor:
                     f"({prompt[exc.start : exc.end]!r}); send text that encodes as UTF-8"
                 ) from None
         else:
+            if not isinstance(prompt, list | tuple):
+                raise InvalidRequestError(
+                    f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+                )
             text, token_ids = None, list(prompt)
             if not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size

@@ -21,11 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-# The transfer errors were defined here first; `X as X` keeps their old import path working.
-from weightsync.errors import WeightSyncError as WeightSyncError
-from weightsync.errors import WeightTransferError as WeightTransferError
-from weightsync.errors import WeightTransferTimeout as WeightTransferTimeout
-from weightsync.errors import WeightValidationError as WeightValidationError
+from weightsync.errors import WeightSyncError, WeightValidationError
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._dtypes import WIRE_DTYPES
 
@@ -88,7 +84,11 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        """Returns the spec of `tensor` under `name`."""
+        """Returns the spec of `tensor` under `name` (`WeightValidationError` if no tensor)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightValidationError(
+                f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor"
+            )
         return cls(name, tensor.dtype, tuple(tensor.shape))
 
     @property

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightSyncError, WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, unpack_bucket
@@ -29,7 +29,6 @@ from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
-    WeightSyncError,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,

@@ -18,12 +18,8 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.sequence import Sequence
-from weightsync.transfer.base import (
-    TransferStats,
-    WeightTransferEngine,
-    WeightTransferError,
-    WeightTransferUpdateInfo,
-)
+from weightsync.errors import WeightTransferError
+from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
 from weightsync.transfer.registry import register_engine
 
 # Engine behaviour tests run in float64: greedy decoding then compares token for token with a

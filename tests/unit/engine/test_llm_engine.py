@@ -165,3 +165,17 @@ def test_device_option_is_checked_and_places_the_engine(debug_model):
     assert engine.device == torch.device("cpu")
     assert all(cache.device.type == "cpu" for cache in engine.runner.kv_caches)
     assert engine.generate(PROMPTS[:1], greedy(3))[0].outputs[0].token_ids
+
+
+def test_a_config_of_the_wrong_type_and_a_prompt_of_the_wrong_type_are_named():
+    with pytest.raises(
+        EngineConfigError, match="engine_config must be None or an instance of EngineConfig"
+    ):
+        LLMEngine("debug", engine_config={"num_kv_blocks": 64})
+    with pytest.raises(
+        EngineConfigError, match="weight_transfer_config must be None or an instance of"
+    ):
+        LLMEngine("debug", weight_transfer_config={"backend": "gloo"})
+    engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
+    with pytest.raises(InvalidRequestError, match="a string or a list of token ids, got NoneType"):
+        engine.generate([None], SamplingParams(max_tokens=2))

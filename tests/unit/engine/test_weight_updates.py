@@ -23,7 +23,7 @@ from weightsync.engine.errors import (
     InvalidRequestError,
     TornWeightsError,
 )
-from weightsync.transfer.base import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
 
 N = 16
 MAX_TOKENS = 24
