@@ -56,11 +56,12 @@ class _Run:
     def __init__(self, state: ServerState, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
         if body.model is not None and body.model != state.config.model_name:
-            raise _RequestRefused(
-                400,
+            raise _RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
+                404,
                 f"model {body.model!r} is not served here; this server serves "
                 f"{state.config.model_name!r} (see GET /v1/models)",
                 param="model",
+                error_type="NotFound",
             )
         self.state = state
         self.body = body
@@ -79,6 +80,14 @@ class _Run:
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chatcmpl" else "prompt"
                 raise _RequestRefused(400, str(exc), param=param) from None
+        limit = state.engine.engine.max_model_len
+        if (longest := max(map(len, self.prompt_ids), default=0)) + max_tokens > limit:
+            raise _RequestRefused(  # as vLLM refuses it, rather than cutting the output short
+                400,
+                f"max_tokens {max_tokens} and a prompt of {longest} tokens exceed max_model_len "
+                f"{limit}: ask for at most {limit - longest} tokens, or shorten the prompt",
+                param="max_tokens",
+            )
         # Choice i*n + j is prompt i's choice j, as OpenAI numbers them.
         self.choices: list[tuple[str, list[int], SamplingParams]] = [
             (f"{self.id}-{i * body.n + j}", ids, body.sampling_params(max_tokens, logprobs, j))
