@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "WEIGHTSYNC_ADMIN_API_KEY"
@@ -132,9 +133,16 @@ def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV of identical prompt prefixes")  # fmt: skip
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says what is wrong in one line, without the usage block above it (`--help` has that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser(version: str = "") -> argparse.ArgumentParser:
     """The `weightsync` command's parser (the CLI reference page is generated from it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="weightsync",
         description="Live weight updates for LLM inference engines.",
         epilog="Run 'weightsync serve --help' for the server's options.",

@@ -201,9 +201,14 @@ def _serve_data_parallel(
     from weightsync.serve._server import serve_forever
     from weightsync.serve.app import ServerConfig
 
-    size = args.data_parallel_size
+    size, cores = args.data_parallel_size, os.cpu_count() or 2
+    if size > cores:
+        logger.warning("%d replicas share %d cores: each computes slowly and starts slowly; "
+                       "fewer replicas serve faster here", size, cores)  # fmt: skip
     # The replicas share the cores: each takes its part of them, one left to serving HTTP.
-    threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // size)
+    threads = args.num_threads or max(1, (cores - 1) // size)
+    # The front's calls to its replicas are its own business: not a log line each.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = ServerConfig(
             model_name=args.served_model_name or args.model,
