@@ -6,6 +6,7 @@ The public API, re-exported from the modules that define it: the engine, the tra
 ([`weightsync.errors`][weightsync.errors]). Every other module is private (`_name`).
 """
 
+import weightsync._quiet_numpy  # noqa: F401  (first: it must run before torch is imported)
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
 from weightsync.engine import (
     AsyncEngine,
