@@ -39,7 +39,7 @@ Everything random is seeded (`--seed`), and every pause lands at token `--land-a
 speed of either process, so a run is reproducible. `--land-at 0` pauses whenever the trainer is
 ready instead, as a production loop would: the split then depends on timing.
 
-Run it: `python examples/rlhf/async_rl.py` (about 15 seconds on 2 CPU cores).
+Run it: `python examples/rlhf/async_rl.py` (15 to 30 seconds on 2 CPU cores, by CPU).
 
 Hardware: CPUs only, with `gloo`. With two or more GPUs the trainer computes on `cuda:0` and
 sends over `nccl` to an engine that computes on `cuda:1`, where its updates land.
