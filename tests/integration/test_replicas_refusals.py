@@ -137,6 +137,31 @@ def test_a_late_announcement_leaves_the_bare_update_in_progress_going_on(server,
     post(url, "/resume")
 
 
+def test_stray_announcements_leave_the_bare_update_in_progress_going_on(server, session):
+    # Two strays arrive while a bare update runs: the announcement of an earlier explicit
+    # update, and a fresh one naming a weight the model lacks. One engine refuses both and goes
+    # on; the front used to take either for a new update and drop the one in progress (torn).
+    url = server.base_url
+    post(url, "/pause", params={"mode": "keep"})
+    post(url, "/start_weight_update")
+    earlier = send(url, session, LlamaForCausalLM.from_preset("debug", seed=18), None)
+    post(url, "/finish_weight_update", json={"weight_version": "explicit"})
+    fresh = {**earlier[0], "update_id": "fresh-stray", "names": ["no.such.weight"]}
+    strays: list[httpx.Response] = []
+
+    def announce_strays(info: dict) -> None:
+        if info["ipc_handles"] is not None and not strays:
+            for stray in (earlier[0], fresh):
+                strays.append(httpx.post(f"{url}/update_weights", json={"update_info": stray}))
+
+    policy = LlamaForCausalLM.from_preset("debug", seed=19)
+    send(url, session, policy, "bare", on_delivered=announce_strays)
+    assert [r.status_code for r in strays] == [400, 400]
+    assert versions(url) == ["bare"] * N
+    assert_every_replica_holds(url, policy)
+    post(url, "/resume")
+
+
 def test_a_finish_refused_for_nans_ends_the_transaction_on_every_replica(server, session):
     url = server.base_url
     before = versions(url)

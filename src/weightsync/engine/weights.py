@@ -154,6 +154,14 @@ class LiveWeights:
             )
         self.transaction = Transaction(explicit=True, resume_after=resume_after)
 
+    def check(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> None:
+        """Refuses, as `update` would, a malformed message or one not matching the model.
+
+        Changes nothing: a data-parallel front asks every replica before it acts on the message.
+        """
+        transfer = self._require_transfer("update_weights")
+        transfer.check_update(transfer.parse_update_info(update_info))
+
     def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
 

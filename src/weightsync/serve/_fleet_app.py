@@ -47,7 +47,7 @@ class FleetState:
         transaction: `"explicit"` between `/start_weight_update` and its end, `"implicit"`
             while a bare multi-part `/update_weights` is open, else None.
         update_id: The `update_id` of the implicit transaction's messages (IPC), if any.
-        seen_update_ids: The `update_id`s of the latest implicit transactions.
+        seen_update_ids: The latest `update_id`s of the messages passed on (IPC).
         lock: Serializes the weight-update calls, so a finish's check and commit see the
             same transactions.
     """
@@ -57,7 +57,7 @@ class FleetState:
     live: dict[str, int] = field(default_factory=dict)
     transaction: str | None = None
     update_id: str | None = None
-    seen_update_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=1024))
+    seen_update_ids: deque[str] = field(default_factory=lambda: deque(maxlen=1024))
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def abort_all(self) -> int:

@@ -204,13 +204,16 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> dict[
         state.fleet.require_alive()
         if state.transaction == "implicit" and _announces_another_update(state, info):
             # As on one engine: the sender gave up on the bare update in progress and announces
-            # a new one, so the abandoned one ends (restored or torn) and the new one begins.
+            # a new one, so the abandoned one ends (restored or torn) and the new one begins;
+            # but only once every replica found the announcement sound (a refusal moves nothing).
+            await state.fleet.all("POST", "/check_weight_update", body=body.model_dump())
             await _abort_all(state)
         opened = state.transaction is None
         if opened:
             await _start_bare(state, info)
             state.transaction, state.update_id = "implicit", info.get("update_id")
-            state.seen_update_ids.append(state.update_id)
+        if _is_announcement(info):  # of an explicit update too: a late one is not a new one
+            state.seen_update_ids.append(info["update_id"])
         outcomes = await state.fleet.each("POST", "/update_weights", body=body.model_dump())
         try:
             answers = raise_failures(outcomes)
@@ -249,13 +252,16 @@ def _announces_another_update(state: FleetState, info: dict[str, Any]) -> bool:
     An id seen before is a late or repeated announcement: the replicas refuse it themselves,
     and the update in progress goes on.
     """
-    update_id = info.get("update_id")
     return (
-        isinstance(update_id, str)
-        and info.get("ipc_handles") is None
-        and update_id != state.update_id
-        and update_id not in state.seen_update_ids
+        _is_announcement(info)
+        and info["update_id"] != state.update_id
+        and info["update_id"] not in state.seen_update_ids
     )
+
+
+def _is_announcement(info: dict[str, Any]) -> bool:
+    """Whether `info` is an IPC announcement (handles null) with a well-formed `update_id`."""
+    return isinstance(info.get("update_id"), str) and info.get("ipc_handles") is None
 
 
 async def _abort_all(state: FleetState) -> None:

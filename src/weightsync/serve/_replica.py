@@ -30,7 +30,7 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._rl_routes import FinishWeightUpdateRequest
+from weightsync.serve._rl_routes import FinishWeightUpdateRequest, UpdateWeightsRequest
 
 logger = logging.getLogger("weightsync.serve")
 
@@ -102,6 +102,13 @@ async def _prepare_weight_update(
     """
     weights = request.app.state.serve.engine.engine.weights
     check_finish(weights, body.weight_version if body else None)
+    return {"ready": True}
+
+
+@router.post("/check_weight_update")
+async def _check_weight_update(request: Request, body: UpdateWeightsRequest) -> dict[str, Any]:
+    """Whether `/update_weights` would take this message's format and tensors (nothing moves)."""
+    request.app.state.serve.engine.engine.weights.check(body.update_info)
     return {"ready": True}
 
 
