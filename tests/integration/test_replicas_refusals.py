@@ -88,6 +88,13 @@ def assert_every_replica_holds(url: str, policy) -> None:
     assert [r["mismatches"] for r in checked["replicas"]] == [[]] * N
 
 
+def assert_landed_then_resume(url: str, policy, version) -> None:
+    """Every replica took `policy`'s weights under `version`; generation resumes."""
+    assert versions(url) == [version] * N
+    assert_every_replica_holds(url, policy)
+    post(url, "/resume")
+
+
 def test_a_retried_part_of_a_bare_update_is_refused_and_the_update_lands(server, session):
     url = server.base_url
     post(url, "/pause", params={"mode": "keep"})
@@ -101,9 +108,7 @@ def test_a_retried_part_of_a_bare_update_is_refused_and_the_update_lands(server,
     sent = send(url, session, policy, "retried", on_delivered=retry_the_first_part)
     assert len(sent) > 3
     assert refusals[0].status_code == 400  # every replica refused it: nothing moved anywhere
-    assert versions(url) == ["retried"] * N
-    assert_every_replica_holds(url, policy)
-    post(url, "/resume")
+    assert_landed_then_resume(url, policy, "retried")
 
 
 def test_an_update_given_up_is_replaced_by_the_next_one_on_every_replica(server, session):
@@ -114,9 +119,7 @@ def test_an_update_given_up_is_replaced_by_the_next_one_on_every_replica(server,
         send(url, session, given_up, "given-up", stop_before=3)
     policy = LlamaForCausalLM.from_preset("debug", seed=13)
     send(url, session, policy, "next")  # was: refused, and the first one aborted (torn)
-    assert versions(url) == ["next"] * N
-    assert_every_replica_holds(url, policy)
-    post(url, "/resume")
+    assert_landed_then_resume(url, policy, "next")
 
 
 def test_a_late_announcement_leaves_the_bare_update_in_progress_going_on(server, session):
@@ -132,9 +135,7 @@ def test_a_late_announcement_leaves_the_bare_update_in_progress_going_on(server,
     policy = LlamaForCausalLM.from_preset("debug", seed=15)
     send(url, session, policy, "second", on_delivered=announce_the_old_update_again)
     assert late[0].status_code == 400
-    assert versions(url) == ["second"] * N
-    assert_every_replica_holds(url, policy)
-    post(url, "/resume")
+    assert_landed_then_resume(url, policy, "second")
 
 
 def test_stray_announcements_leave_the_bare_update_in_progress_going_on(server, session):
@@ -157,9 +158,7 @@ def test_stray_announcements_leave_the_bare_update_in_progress_going_on(server, 
     policy = LlamaForCausalLM.from_preset("debug", seed=19)
     send(url, session, policy, "bare", on_delivered=announce_strays)
     assert [r.status_code for r in strays] == [400, 400]
-    assert versions(url) == ["bare"] * N
-    assert_every_replica_holds(url, policy)
-    post(url, "/resume")
+    assert_landed_then_resume(url, policy, "bare")
 
 
 def test_a_finish_refused_for_nans_ends_the_transaction_on_every_replica(server, session):
