@@ -241,3 +241,37 @@ def test_a_busy_replica_refuses_a_bare_broadcast_at_once_and_the_group_stays_usa
     finally:
         group.close()
         server.kill()
+
+
+def test_a_finish_refused_for_torn_weights_keeps_what_landed_as_one_engine_does():
+    # Without staging: an aborted update leaves weights torn; an update covering part of them
+    # is refused at finish (the rest is still torn) but, as on one engine, what it landed is no
+    # longer torn, so an update covering the rest completes the repair. The front used to abort
+    # the refused one everywhere, tearing its weights again.
+    server = Server("debug", "--port", "0", "--data-parallel-size", str(N),
+                    "--weight-transfer-config.backend", "ipc", "--num-kv-blocks", "64")  # fmt: skip
+    url = server.base_url
+    session = ipc_trainer_init(bucket_size_bytes=BUCKET)
+    try:
+        post(url, "/init_weight_transfer_engine", json={"init_info": session.init_info})
+        policy = LlamaForCausalLM.from_preset("debug", seed=20)
+        post(url, "/start_weight_update")
+        with pytest.raises(WeightSyncError, match="gave up"):
+            send(url, session, policy, None, stop_before=4)  # the announcement and 3 parts
+        assert post(url, "/abort_weight_update")["aborted"]
+        held = dict(policy.named_weights())
+        torn = sorted(held)[:1], sorted(held)[1:]  # then covered in two updates
+        for covered, expected in zip(torn, (409, 200), strict=True):
+            post(url, "/start_weight_update")
+            sent: list[dict] = []
+            ipc_trainer_send_weights(
+                [(name, held[name]) for name in covered],
+                IPCTrainerSendWeightsArgs(session, deliver_to(url, sent)),
+            )
+            finish = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "v"})
+            assert finish.status_code == expected, finish.text
+        assert versions(url) == ["v"] * N
+        assert_every_replica_holds(url, policy)
+    finally:
+        session.close()
+        server.kill()

@@ -260,6 +260,7 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
         The app, ready for uvicorn.
     """
     from weightsync.serve._fleet_routes import router as rl_router
+    from weightsync.serve._fleet_updates import router as update_router
     from weightsync.serve.app import _BodyLimit
 
     state = FleetState(fleet, config)
@@ -302,4 +303,5 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
 
     app.include_router(_v1)
     app.include_router(rl_router)
+    app.include_router(update_router)
     return app

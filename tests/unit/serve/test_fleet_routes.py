@@ -54,8 +54,12 @@ def test_finish_commits_on_none_when_one_replica_would_refuse():
     assert answer.status_code == 409
     assert answer.json()["error"]["type"] == "TornWeightsError"
     assert "replica 1" in answer.json()["error"]["message"]
-    assert all("/prepare_weight_update" in r.calls for r in replicas)
-    assert not any("/finish_weight_update" in r.calls for r in replicas)
+    # Only the replica refused for torn weights is told to finish, which it refuses in turn
+    # (as one engine's finish does); those that would have committed abort: no version moves.
+    assert all(r.calls[0] == "/prepare_weight_update" for r in replicas)
+    assert replicas[1].calls[-1] == "/finish_weight_update"
+    assert [replicas[0].calls[-1], replicas[2].calls[-1]] == ["/abort_weight_update"] * 2
+    assert not any("/finish_weight_update" in r.calls for r in (replicas[0], replicas[2]))
 
 
 def test_finish_commits_on_every_replica_once_all_are_ready():
