@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, pack_bucket
@@ -116,10 +116,16 @@ class TrainerGroup:
         """
         keys = [f"rank/{rank}" for rank in range(1, self.world_size)]
         deadline = time.monotonic() + self._group.timeout_s
-        while not self._group.has(keys) and time.monotonic() < deadline:
+        while not self._group.has(keys):
             for call in joining:
                 if call.done() and (error := call.exception()) is not None:
                     raise error
+            if time.monotonic() > deadline:  # the same bound as the group's: not twice it
+                missing = [k for k in keys if not self._group.has([k])]
+                raise WeightTransferTimeout(
+                    f"forming the group timed out after {self._group.timeout_s:g} s (timeout_s): "
+                    f"{', '.join(missing)} never joined; those workers are stuck or unreachable"
+                )
             wait(joining, timeout=0.02, return_when=FIRST_EXCEPTION)  # or a store check again
 
     def close(self) -> None:

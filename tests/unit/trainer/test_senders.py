@@ -1,5 +1,7 @@
 """Weight senders into in-process engines: broadcast over gloo, IPC through shared memory."""
 
+import socket
+
 import pytest
 import torch
 
@@ -7,7 +9,13 @@ from weightsync.config import WeightTransferConfig
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.errors import WeightTransferError, WeightUpdateStateError, WeightValidationError
+from weightsync.errors import (
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightUpdateStateError,
+    WeightValidationError,
+)
+from weightsync.trainer.http_client import HTTPEngineClient
 from weightsync.trainer.senders import (
     BroadcastWeightSender,
     IPCWeightSender,
@@ -129,3 +137,19 @@ def test_an_engine_refusing_to_join_fails_connect_at_once_with_its_reason():
     with pytest.raises(WeightValidationError, match="IPCWeightTransferInitInfo"):
         sender.connect()
     sender.close()
+
+
+def test_an_engine_that_never_joins_times_out_once_naming_its_rank():
+    # A server that takes the connection but never answers: its join neither succeeds nor
+    # fails before the group's timeout. The wait for workers and the group's own rendezvous
+    # share that one bound (it used to be spent twice), and the error names the missing rank.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        host, port = silent.getsockname()
+        never = HTTPEngineClient(f"http://{host}:{port}", timeout_s=5)
+        sender = BroadcastWeightSender([never], backend="gloo", timeout_s=1)
+        with pytest.raises(WeightTransferTimeout, match="rank/1 never joined"):
+            sender.connect()
+        sender.close()
+        never.close()
