@@ -26,6 +26,7 @@ from weightsync.errors import (
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._fleet import raise_failures
 from weightsync.serve._fleet_app import FleetState
+from weightsync.serve._fleet_routes import _state
 from weightsync.serve._rl_routes import (
     FinishWeightUpdateRequest,
     StartWeightUpdateRequest,
@@ -34,11 +35,6 @@ from weightsync.serve._rl_routes import (
 )
 
 router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
-
-
-def _state(request: Request) -> FleetState:
-    state: FleetState = request.app.state.serve
-    return state
 
 
 @router.post("/start_weight_update", operation_id="start_weight_update")
@@ -97,12 +93,14 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> dict[
                 state, None, parts_to_come=True
             ):
                 await _commit(state, None)
-        except TornWeightsError:
-            await _end_torn(state, None)  # the implicit transaction's finish was refused
-            raise
-        except BaseException:
+        except BaseException as exc:
+            delivered = not any(isinstance(o, BaseException) for o in outcomes)
             refused = all(isinstance(o, WeightValidationError) for o in outcomes)
-            if state.transaction == "implicit" and (opened or not refused):
+            if state.transaction != "implicit":
+                raise
+            if delivered and isinstance(exc, TornWeightsError):
+                await _end_torn(state, None)  # the implicit transaction's finish was refused
+            elif opened or not refused:
                 await _abort_all(state)
             raise
     return {"message": "Weights updated", "stats": answers[0]["stats"]}
