@@ -155,6 +155,5 @@ def _check_optional(name: str, value: object, cls: type) -> None:
     if value is not None and not isinstance(value, cls):
         raise EngineConfigError(
             f"LLMEngine: {name} must be None or an instance of {cls.__name__}, got "
-            f"{type(value).__name__}: "
-            f"build one, e.g. {cls.__name__}(**settings)"
+            f"{type(value).__name__}: build one, e.g. {cls.__name__}(**settings)"
         )

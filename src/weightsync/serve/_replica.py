@@ -34,8 +34,8 @@ from weightsync.serve._rl_routes import FinishWeightUpdateRequest, UpdateWeights
 
 logger = logging.getLogger("weightsync.serve")
 
-# How often a child server checks that its parent is alive, in seconds; and how long it then gives its
-# own graceful shutdown (abort requests, stop the engine) before it exits regardless.
+# How often a child server checks that its parent is alive, in seconds; and how long it then
+# gives its own graceful shutdown (abort requests, stop the engine) before it exits regardless.
 _PARENT_POLL_S = 0.2
 _ORPHAN_GRACE_S = 10.0
 
