@@ -53,13 +53,16 @@ def test_wait_lets_running_requests_finish_and_queues_new_ones():
             await asyncio.gather(*(s.wait_tokens(1) for s in streams))
             await engine.pause_generation(mode="wait")
             assert await engine.is_paused() and engine.engine.scheduler.num_unfinished == 0
+            steps = engine.num_steps
             for stream in streams:
-                stream.check_consistent()
+                # The final output is handed to the stream before the pause returns; its consumer
+                # takes it when it next runs: wait for that, then read what it received.
                 final = await stream.final()
+                stream.check_consistent()
                 assert final.outputs[0].finish_reason == "length"
                 assert final.outputs[0].token_ids == expected_tokens(engine, stream)
+            assert engine.num_steps == steps  # the finals came from steps run before the pause
             late = start_streams(engine, 2, 4)
-            steps = engine.num_steps
             await engine.wait_until_idle()  # the loop saw the late requests and runs nothing
             assert engine.num_steps == steps and not any(s.outputs for s in late)
             await engine.resume_generation()
