@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from docs_support import DOCS, ROOT, BuiltSite
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 SRC = ROOT / "src"
 EXAMPLES = sorted((ROOT / "examples" / "rlhf").glob("*.py"))
@@ -126,15 +128,31 @@ def test_pause_resume_log_is_current(tmp_path: Path):
     ), f"stale: run python examples/rlhf/pause_resume.py --log {committed.relative_to(ROOT)}"
 
 
-def test_docs_requirements_match_the_docs_extra():
+def _locked(path: Path) -> dict[str, set[str]]:
+    """A lock's pins: name -> versions (a name pinned per Python version may have several)."""
+    pins: dict[str, set[str]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, version = line.partition(";")[0].strip().partition("==")
+            pins.setdefault(canonicalize_name(name), set()).add(version)
+    return pins
+
+
+def test_docs_requirements_are_the_docs_extra_at_the_dev_locks_versions():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
         "optional-dependencies"
     ]["docs"]
-    lines = (DOCS / "requirements.txt").read_text(encoding="utf-8").splitlines()
-    requirements = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    assert requirements == extra
-    assert not any(r.split(">")[0].split("<")[0].split("=")[0] == "torch" for r in requirements)
+    docs = _locked(DOCS / "requirements.txt")
+    dev = _locked(ROOT / "requirements" / "dev.lock")
+    stale = "stale: run requirements/lock"
+    for requirement in map(Requirement, extra):
+        versions = docs.get(canonicalize_name(requirement.name))
+        assert versions, f"{requirement.name} of the docs extra is not pinned ({stale})"
+        assert all(requirement.specifier.contains(v) for v in versions), (requirement, stale)
+    different = {name: v for name, v in docs.items() if not v <= dev.get(name, set())}
+    assert not different, f"docs/requirements.txt pins these unlike dev.lock ({stale})"
+    assert "torch" not in docs
 
 
 @pytest.mark.parametrize(
