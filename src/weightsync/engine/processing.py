@@ -6,7 +6,6 @@ from collections import abc
 
 import torch
 
-from weightsync.engine._isolation import fail_request
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.scheduler import ScheduledSequence
@@ -191,7 +190,7 @@ class OutputProcessor:
                 delta = item.seq.append_token(token, weight_version, token_logprobs)
                 self._check_stop(item.seq, token, delta)
             except Exception as exc:  # this request's text or stop check: it alone ends
-                fail_request(item.seq, exc)
+                item.seq.fail(exc)
             changed.append(item.seq)
         return changed
 

@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from weightsync.serve._errors import _RequestRefused
+from weightsync.serve._errors import RequestRefused
 
 
 def _check_bearer(request: Request, keys: list[str], what: str, flag: str) -> None:
@@ -14,7 +14,7 @@ def _check_bearer(request: Request, keys: list[str], what: str, flag: str) -> No
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if not header:
-        raise _RequestRefused(
+        raise RequestRefused(
             401,
             f"{what} need an API key: send the header 'Authorization: Bearer <key>' with the "
             f"key given to {flag}",
@@ -23,7 +23,7 @@ def _check_bearer(request: Request, keys: list[str], what: str, flag: str) -> No
     # Every key is compared, in constant time, so the answer's timing says nothing about them.
     matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
     if scheme.lower() != "bearer" or not any(matches):
-        raise _RequestRefused(
+        raise RequestRefused(
             401,
             f"{what}: the key in the Authorization header is wrong (expected 'Bearer <key>' with "
             f"the key given to {flag})",

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI-compatible routes of one engine: `/v1/completions`, `/v1/chat/completions`.
 
 A request with `n` choices per prompt runs as one engine request per choice. Streams are
 server-sent events, one chunk per engine step that changed a choice, then `data: [DONE]`. Each
@@ -25,7 +25,8 @@ from weightsync import (
     WeightSyncError,
 )
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._errors import _RequestRefused, error_body, status_of
+from weightsync.serve._control import EngineControl
+from weightsync.serve._errors import RequestRefused, error_body, status_of
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
 from weightsync.serve._protocol import (
     ChatCompletionRequest,
@@ -34,7 +35,6 @@ from weightsync.serve._protocol import (
     apply_chat_template,
 )
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
-from weightsync.serve.app import ServerState
 
 __all__ = ["router"]
 
@@ -42,21 +42,13 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 """The `/v1` routes; each needs the API key when the server has one."""
 
 
-@router.get("/models", operation_id="list_models")
-async def _list_models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
-    state: ServerState = request.app.state.serve
-    model = {"id": state.config.model_name, "object": "model", "owned_by": "weightsync"}
-    return {"object": "list", "data": [{**model, "created": 0}]}
-
-
 class _Run:
     """The engine requests of one completion request: started together, streamed together."""
 
-    def __init__(self, state: ServerState, body: _SamplingFields, prompts: list[str | list[int]],
+    def __init__(self, state: EngineControl, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
         if body.model is not None and body.model != state.config.model_name:
-            raise _RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
+            raise RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
                 404,
                 f"model {body.model!r} is not served here; this server serves "
                 f"{state.config.model_name!r} (see GET /v1/models)",
@@ -67,7 +59,7 @@ class _Run:
         self.body = body
         self.id = body.request_id or f"{kind}-{uuid.uuid4().hex}"
         if self.id in state.live:
-            raise _RequestRefused(
+            raise RequestRefused(
                 400,
                 f"request_id {self.id!r} is already running; use a unique id",
                 param="request_id",
@@ -76,13 +68,13 @@ class _Run:
         self.prompt_ids: list[list[int]] = []
         for prompt in prompts:  # refuse a bad prompt before anything starts
             try:
-                self.prompt_ids.append(state.engine.engine.input_processor.tokenize(prompt)[1])
+                self.prompt_ids.append(state.engine.tokenize(prompt))
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chatcmpl" else "prompt"
-                raise _RequestRefused(400, str(exc), param=param) from None
-        limit = state.engine.engine.max_model_len
+                raise RequestRefused(400, str(exc), param=param) from None
+        limit = state.engine.max_model_len
         if (longest := max(map(len, self.prompt_ids), default=0)) + max_tokens > limit:
-            raise _RequestRefused(  # as vLLM refuses it, rather than cutting the output short
+            raise RequestRefused(  # as vLLM refuses it, rather than cutting the output short
                 400,
                 f"max_tokens {max_tokens} and a prompt of {longest} tokens exceed max_model_len "
                 f"{limit}: ask for at most {limit - longest} tokens, or shorten the prompt",
@@ -239,7 +231,7 @@ async def _create_completion(
     body: CompletionRequest, request: Request
 ) -> JSONResponse | EventStream:
     """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
-    state: ServerState = request.app.state.serve
+    state: EngineControl = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
     base = {"id": run.id, "object": "text_completion", "created": run.created,
             "model": state.config.model_name}  # fmt: skip
@@ -272,7 +264,7 @@ async def _create_chat_completion(
     body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
-    state: ServerState = request.app.state.serve
+    state: EngineControl = request.app.state.serve
     prompt = apply_chat_template(body.messages)
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
     model = state.config.model_name

@@ -11,7 +11,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from weightsync.serve.app import ServerState
+from weightsync.serve._control import ControlSurface
 
 logger = logging.getLogger("weightsync.serve")
 
@@ -55,7 +55,7 @@ class _Server(uvicorn.Server):
     and `[DONE]`, then the server stops and the app shuts the engine down.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ControlSurface) -> None:
         super().__init__(config)
         self._state = state
         self._loop: asyncio.AbstractEventLoop | None = None

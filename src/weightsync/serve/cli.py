@@ -125,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status=2,
         )
     from weightsync.serve._server import bind, serve_forever
-    from weightsync.serve.app import ServerConfig, create_app
+    from weightsync.serve.app import create_app
+    from weightsync.serve.config import ServerConfig
 
     try:
         sock = bind(args.host, args.port)
@@ -150,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             dtype=_DTYPES[args.dtype],
             worker_index=args.worker_index,
+            finish_bare_updates=not args.replica,  # a replica's front finishes them, on all
         )
         config = ServerConfig(
             model_name=args.served_model_name or args.model,
@@ -184,7 +186,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> None:
     """An exit when the parent that started this server dies; a replica's finish check."""
-    from weightsync.serve._replica import router, watch_parent
+    from weightsync.serve._replica import router
+    from weightsync.trainer._serve_process import watch_parent
 
     if replica:
         app.include_router(router)
@@ -197,9 +200,9 @@ def _serve_data_parallel(
 ) -> int:
     """Starts `--data-parallel-size` replicas and serves the front over them until stopped."""
     from weightsync.serve._fleet import Fleet, replica_argv
-    from weightsync.serve._fleet_app import create_fleet_app
+    from weightsync.serve._front import create_fleet_app
     from weightsync.serve._server import serve_forever
-    from weightsync.serve.app import ServerConfig
+    from weightsync.serve.config import ServerConfig
 
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:

@@ -56,6 +56,10 @@ class EngineClient(Protocol):
     def resume_generation(self) -> None:
         """Resumes generation."""
 
+    def get_world_size(self) -> int:
+        """Transfer workers behind this engine: 1, or one per replica of a data-parallel server."""
+        ...
+
 
 def call_each(
     engines: Sequence[_T],

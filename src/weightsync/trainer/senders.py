@@ -182,8 +182,10 @@ class WeightSender(ABC):
 class BroadcastWeightSender(WeightSender):
     """Sends over a trainer-rooted broadcast group: `nccl` (CUDA tensors) or `gloo` (CPU).
 
-    The trainer is rank 0 and engine `i` rank `1 + i`, so engine `i` must have been created with
-    `worker_index=i`. Arguments after `engines` are those of
+    The trainer is rank 0 and the engines' workers follow in order: an engine is one worker,
+    a data-parallel server as many as its `get_world_size()` says (one per replica). So the
+    engines before one hold its first worker index: an engine after two single engines was
+    created with `worker_index=2`. Arguments after `engines` are those of
     [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
 
     Args:
@@ -196,8 +198,7 @@ class BroadcastWeightSender(WeightSender):
         **wire_fields: The same, as keywords (`bucket_size_bytes=...`), instead of `wire`.
 
     Raises:
-        WeightValidationError: A bad argument, or an engine whose `worker_index` is not its
-            position in `engines`.
+        WeightValidationError: A bad argument.
     """
 
     def __init__(
@@ -212,13 +213,6 @@ class BroadcastWeightSender(WeightSender):
     ) -> None:
         super().__init__(engines)
         self.wire = WireParams.build(wire, **wire_fields)
-        for index, engine in enumerate(self.engines):
-            declared = _worker_index(engine)
-            if declared is not None and declared != index:
-                raise WeightValidationError(
-                    f"engines[{index}] has worker_index {declared}, but the broadcast gives "
-                    f"engine i rank 1 + i: create engine {index} with worker_index={index}"
-                )
         self.backend = backend
         self._group_kwargs: dict[str, Any] = {
             "backend": backend,
@@ -228,12 +222,30 @@ class BroadcastWeightSender(WeightSender):
         self.group: TrainerGroup | None = None
 
     def connect(self) -> None:
-        """Creates the group and joins every engine to it.
+        """Creates the group, as large as the engines' workers, and joins every engine to it.
 
         Raises:
+            WeightValidationError: An engine's `worker_index` is not the number of workers
+                of the engines before it.
             WeightTransferTimeout: Some engine did not join within `timeout_s`.
         """
-        group = trainer_init(world_size=1 + len(self.engines), wire=self.wire, **self._group_kwargs)
+        sizes = call_each(
+            self.engines,
+            lambda engine: engine.get_world_size(),
+            timeout_s=self.wire.client_timeout_s,
+            what="get_world_size",
+        )
+        first = 0
+        for index, (engine, size) in enumerate(zip(self.engines, sizes, strict=True)):
+            declared = getattr(engine, "worker_index", None)
+            if isinstance(declared, int) and declared != first:
+                raise WeightValidationError(
+                    f"engines[{index}] has worker_index {declared}, but the engines before it "
+                    f"hold {first} workers, so its first rank is 1 + {first}: create it with "
+                    f"worker_index={first}"
+                )
+            first += size
+        group = trainer_init(world_size=1 + first, wire=self.wire, **self._group_kwargs)
         request = {"init_info": group.init_info}
         # Engines join on threads of their own while the trainer forms the group on this one.
         joins = in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
@@ -359,14 +371,6 @@ class IPCWeightSender(WeightSender):
         """Unlinks every segment of the session. Safe to call twice."""
         self._connected = False
         self.session.close()
-
-
-def _worker_index(engine: EngineClient) -> int | None:
-    """The transfer worker index an engine was created with, when it says."""
-    index = getattr(engine, "worker_index", None)
-    if index is None:  # an in-process LLMEngine keeps it on its weights
-        index = getattr(getattr(engine, "weights", None), "worker_index", None)
-    return index if isinstance(index, int) else None
 
 
 def create_weight_sender(

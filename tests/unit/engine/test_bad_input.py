@@ -148,13 +148,13 @@ CASES = [
         "finish-version-bool",
         lambda ctx: ctx.engine.finish_weight_update(True),
         WeightValidationError,
-        "weight_version must be a string, an int or None",
+        "weight_version must be a string of at most 256 characters or a 64-bit int",
     ),
     Case(
         "finish-version-list",
         lambda ctx: ctx.engine.finish_weight_update(["v"]),
         WeightValidationError,
-        "weight_version must be a string, an int or None",
+        "weight_version must be a string of at most 256 characters or a 64-bit int",
     ),
     Case(
         "update-envelope-missing",
@@ -263,6 +263,6 @@ def test_bad_python_input_is_refused_and_changes_nothing(ctx, case, record_prope
     assert final is not None
     assert final.outputs[0].token_ids == ctx.expected.outputs[0].token_ids
     assert engine.weight_version == version
-    assert engine.weights.transaction is None and not engine.weights.is_torn
+    assert engine.weight_update is None and not engine.weights.is_torn
     for name, tensor in engine.model.named_weights():
         assert torch.equal(tensor, ctx.weights[name]), name
