@@ -228,3 +228,46 @@ def test_a_late_message_of_a_finished_update_is_refused_and_changes_nothing(
         session.close()
     record_property("status", 400)
     record_property("message", answer.json()["error"]["message"][:160])
+
+
+def test_a_finish_after_a_refused_update_is_refused_and_the_version_stays(
+    server, control, record_property
+):
+    """A finish whose transaction's only update was refused: refused, the version stays."""
+    # It used to move the version to the new label, with no weight of the update landed.
+    session = ipc_trainer_init()
+    try:
+        control.post("/init_weight_transfer_engine", json={"init_info": session.init_info})
+        before = state(control)
+        assert control.post("/start_weight_update").status_code == 200
+        bad = WeightTransferUpdateInfo(names=["no.such.weight"], dtype_names=["float32"],
+                                       shapes=[[2]]).to_dict()  # fmt: skip
+        refused = control.post("/update_weights", json={"update_info": bad})
+        assert refused.status_code == 400, refused.text
+        finish = control.post("/finish_weight_update", json={"weight_version": "v-never"})
+        assert finish.status_code == 409, finish.text
+        assert finish.json()["error"]["type"] == "IncompleteWeightUpdateError"
+        assert "send it again, or end the update" in finish.json()["error"]["message"]
+        assert control.post("/abort_weight_update").json()["aborted"] is True
+        assert state(control) == before  # weights and version as before the update
+        # Sent again and accepted, the update finishes: the refusal is behind it.
+        assert control.post("/start_weight_update").status_code == 200
+        sent: list[dict[str, Any]] = []
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            sent.append(update_info)
+            if len(sent) == 1:  # a refused message first; then the update, whole
+                assert control.post("/update_weights", json={"update_info": bad}).status_code == 400
+            answer = control.post("/update_weights", json={"update_info": update_info})
+            assert answer.status_code == 200, answer.text
+
+        ipc_trainer_send_weights(policy_pairs(seed=5), IPCTrainerSendWeightsArgs(session, deliver))
+        assert (
+            control.post("/finish_weight_update", json={"weight_version": "v2"}).status_code == 200
+        )
+        assert state(control)[1] == "v2"
+        assert control.post("/resume").status_code == 200
+    finally:
+        session.close()
+    record_property("status", finish.status_code)
+    record_property("message", finish.json()["error"]["message"][:160])

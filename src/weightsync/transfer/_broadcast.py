@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer._bucket_io import DirectRegion
 from weightsync.transfer._group import BroadcastGroup, BroadcastWork
 from weightsync.transfer.base import TensorSpec, dtype_name
-from weightsync.transfer.packing import Bucket, Slot, plan_buckets
+from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
 from weightsync.transfer.wire import WireParams
 
 __all__ = [

@@ -23,7 +23,6 @@ import torch
 
 from weightsync.errors import WeightSyncError, WeightValidationError
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._dtypes import WIRE_DTYPES
 
 __all__ = [
     "LoadWeightsFn",
@@ -43,6 +42,37 @@ The tensors may be views of a reusable transfer buffer: copy them before returni
 """
 
 
+# The dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
+# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
+_WIRE_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+    "complex128",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+)
+_WIRE_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in _WIRE_DTYPE_NAMES
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Returns the wire name of `dtype` (`torch.bfloat16` -> `"bfloat16"`).
 
@@ -53,9 +83,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     'bfloat16'
     """
     name = str(dtype).removeprefix("torch.")
-    if WIRE_DTYPES.get(name) is not dtype:
+    if _WIRE_DTYPES.get(name) is not dtype:
         raise WeightValidationError(
-            f"dtype {dtype} cannot be transferred; supported: {', '.join(WIRE_DTYPES)}"
+            f"dtype {dtype} cannot be transferred; supported: {', '.join(_WIRE_DTYPES)}"
         )
     return name
 
@@ -66,10 +96,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     Raises:
         WeightValidationError: `name` is not a supported dtype name.
     """
-    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    dtype = _WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise WeightValidationError(
-            f"unknown dtype name {name!r}; expected one of: {', '.join(WIRE_DTYPES)}"
+            f"unknown dtype name {name!r}; expected one of: {', '.join(_WIRE_DTYPES)}"
         )
     return dtype
 

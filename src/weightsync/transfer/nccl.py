@@ -15,14 +15,14 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from weightsync.errors import WeightSyncError, WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._bucket_io import direct_region, unpack_bucket
+from weightsync.transfer._checks import is_int
 from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer.base import (
@@ -33,11 +33,8 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import Bucket
+from weightsync.transfer.packing import Bucket, direct_region, unpack_bucket
 from weightsync.transfer.wire import WireParams
-
-if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
-    pass
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -47,12 +44,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_WIRE = WireParams()
-_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_DEFAULT_WIRE = WireParams()  # the one place the wire's defaults are set
+_WIRE_KEYS = ("backend", "world_size", *_DEFAULT_WIRE.to_dict())
 
 
 @dataclass
@@ -93,7 +86,7 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         check_port(self.master_port, allow_zero=False)
         for key, low in (("world_size", 2), ("rank_offset", 1)):
             value = getattr(self, key)
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
         self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
 

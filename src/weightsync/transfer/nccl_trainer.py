@@ -23,7 +23,6 @@ import torch
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import BroadcastGroup
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
@@ -34,7 +33,7 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-from weightsync.transfer.packing import Bucket
+from weightsync.transfer.packing import Bucket, direct_region, pack_bucket
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
