@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -271,3 +272,41 @@ def test_a_finish_after_a_refused_update_is_refused_and_the_version_stays(
         session.close()
     record_property("status", finish.status_code)
     record_property("message", finish.json()["error"]["message"][:160])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_client_that_leaves_a_non_streamed_completion_stops_its_compute(
+    no_leftovers, replicas, record_property
+):
+    """A non-streamed completion (3 choices) whose client leaves: every choice is aborted."""
+    # It used to run on to max_tokens (hundreds of steps after the client was gone).
+    server = Server("debug", "--port", "0", "--data-parallel-size", str(replicas))
+    try:
+        body = json.dumps({"prompt": "go", "max_tokens": 400, "n": 3, "ignore_eos": True})
+        host, port = server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as client:
+            client.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            wait_until(lambda: stats(server)["num_unfinished"] == 3)
+        # The client is gone. Its choices end long before 400 steps could have run.
+        wait_until(lambda: stats(server)["num_unfinished"] == 0)
+        steps = stats(server)["num_steps"]
+        assert steps < 400, steps
+        record_property("message", f"aborted after {steps} engine steps of 400")
+    finally:
+        server.stop()
+        server.kill()
+
+
+def stats(server: Server) -> dict[str, Any]:
+    return httpx.get(f"{server.base_url}/engine_stats", timeout=60).json()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Polls a server-side count that has no event to await, until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.02)

@@ -108,6 +108,11 @@ CASES: list[tuple[str, str, str, Any, int, str, str]] = [
      400, "InvalidRequestError", "at most 256 characters"),
     ("relabel-version-null", "POST", "/update_weight_version", {"new_version": None}, 400,
      "InvalidRequestError", "new_version"),
+    # Every token carries the label: a 4000-digit int used to be taken, bloating every answer.
+    ("relabel-version-huge-int", "POST", "/update_weight_version",
+     b'{"new_version": ' + b"9" * 4000 + b"}", 400, "InvalidRequestError", "new_version"),
+    ("finish-version-huge-int", "POST", "/finish_weight_update",
+     b'{"weight_version": ' + b"9" * 4000 + b"}", 400, "InvalidRequestError", "weight_version"),
     ("start-not-checkpoint-format", "POST", "/start_weight_update",
      {"is_checkpoint_format": False}, 400, "InvalidRequestError", "is_checkpoint_format"),
     ("init-info-port-text", "POST", "/init_weight_transfer_engine",

@@ -26,7 +26,7 @@ from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._fleet import Fleet, Replica
 from weightsync.serve._fleet_control import FleetControl
-from weightsync.serve._http import build_app
+from weightsync.serve._http import build_app, unless_disconnected
 from weightsync.serve.config import ServerConfig
 
 logger = logging.getLogger("weightsync.serve")
@@ -155,13 +155,33 @@ def _broken_off(shape: _Shape, *, stream: bool) -> Response:
 
 
 async def _completion(request: Request, path: str, chat: bool) -> Response:
-    """Sends a completion request to the least-loaded replica and relays its answer."""
+    """Sends a completion request to the least-loaded replica and relays its answer.
+
+    A client that leaves before a non-streamed answer cancels the call to the replica, whose
+    server then aborts the request (a stream's client that leaves closes the relay, likewise).
+    """
     state: FleetControl = request.app.state.serve
     raw, body, shape = _identify(state, await request.body(), chat)
     replica = state.fleet.pick()
-    assert replica.http is not None
     replica.open_requests += 1
     state.live[shape.completion_id] = replica.index
+    relayed = False
+    try:
+        answer = await unless_disconnected(
+            request, _forward(state, replica, path, raw, shape, stream=bool(body.get("stream")))
+        )
+        relayed = isinstance(answer, StreamingResponse)  # the relay releases it when it ends
+        return answer if answer is not None else Response(status_code=499)
+    finally:
+        if not relayed:
+            _release(state, replica, shape.completion_id)
+
+
+async def _forward(
+    state: FleetControl, replica: Replica, path: str, raw: bytes, shape: _Shape, *, stream: bool
+) -> Response:
+    """The replica's answer: a relayed stream, its whole answer, or error finishes if it died."""
+    assert replica.http is not None
     try:
         upstream = await replica.http.send(
             replica.http.build_request(
@@ -170,15 +190,13 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
             stream=True,
         )
     except httpx.ConnectError as exc:  # it never reached the replica: nothing started
-        _release(state, replica, shape.completion_id)
         raise replica.unavailable() if not replica.alive else RequestRefused(
             503, f"{replica.name}: POST {path} failed: {exc!r}",
             error_type="ReplicaUnavailableError",
         ) from exc  # fmt: skip
     except httpx.HTTPError as exc:  # the replica broke off while it held the request
-        _release(state, replica, shape.completion_id)
         logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
-        return _broken_off(shape, stream=bool(body.get("stream")))
+        return _broken_off(shape, stream=stream)
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
             _relay(state, replica, upstream, shape),
@@ -190,7 +208,6 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
     except httpx.HTTPError:
         return _broken_off(shape, stream=False)
     finally:
-        _release(state, replica, shape.completion_id)
         await upstream.aclose()
     return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
 

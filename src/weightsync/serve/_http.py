@@ -9,11 +9,12 @@ their apps here, so both answer the same RL routes with the same errors.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -27,6 +28,35 @@ from weightsync.serve._rl_routes import router as rl_router
 from weightsync.serve.config import ServerConfig
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """Awaits `work`, unless the client disconnects first: then cancels it and returns None.
+
+    A request its client gave up on must not go on costing compute: cancelling a completion's
+    work ends its engine requests, as leaving a stream does.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # its clean-up (aborts) has run
+    logger.info("the client left before the answer: its requests were aborted")
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client disconnects (the body was read: nothing else comes before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_app(

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from weightsync import (
     CompletionOutput,
@@ -27,6 +27,7 @@ from weightsync import (
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
+from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
 from weightsync.serve._protocol import (
     ChatCompletionRequest,
@@ -227,9 +228,7 @@ async def _stream(
 
 
 @router.post("/completions", response_model=None, operation_id="create_completion")
-async def _create_completion(
-    body: CompletionRequest, request: Request
-) -> JSONResponse | EventStream:
+async def _create_completion(body: CompletionRequest, request: Request) -> Response | EventStream:
     """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
     state: EngineControl = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
@@ -250,7 +249,9 @@ async def _create_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_stream(run, ChunkFrame(base), choice, include_usage))
-    finals = await run.finals()
+    finals = await unless_disconnected(request, run.finals())
+    if finals is None:
+        return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
     return JSONResponse({
         **base,
@@ -262,7 +263,7 @@ async def _create_completion(
 @router.post("/chat/completions", response_model=None, operation_id="create_chat_completion")
 async def _create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> JSONResponse | EventStream:
+) -> Response | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
     state: EngineControl = request.app.state.serve
     prompt = apply_chat_template(body.messages)
@@ -287,7 +288,9 @@ async def _create_chat_completion(
         frame = ChunkFrame({"id": run.id, "object": "chat.completion.chunk",
                             "created": run.created, "model": model})  # fmt: skip
         return EventStream(_stream(run, frame, choice, include_usage))
-    finals = await run.finals()
+    finals = await unless_disconnected(request, run.finals())
+    if finals is None:
+        return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
     choices = [
         {
