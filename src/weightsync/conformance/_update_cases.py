@@ -1,0 +1,450 @@
+"""Cases of the weight-update routes that need no trainer.
+
+The transaction's order rules, init payloads refused before any rendezvous, version labels, the
+weight checker, and the routes around them (`/shutdown_weight_transfer_engine`,
+`/start_draft_weight_update`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from weightsync.conformance._case import Case, Run
+from weightsync.conformance._pause_cases import prompt
+from weightsync.conformance._probe import (
+    Answer,
+    CaseFailed,
+    Probe,
+    expect_ok,
+    expect_refusal,
+)
+
+_STARTED = "Weight update started"
+_FINISHED = "Weight update finished"
+# vLLM's checksum keys: `dp{i}:pp{j}:pcp{k}:tp{l}:` then the parameter's name.
+_VLLM_KEY = re.compile(r"^dp\d+:pp\d+:pcp\d+:tp\d+:")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# SHA-256 of no bytes: the digest of a weight that holds none.
+_EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+# An update message of the shape every backend's update info has (no trainer behind it).
+_UPDATE_INFO = {"names": ["conformance.weight"], "dtype_names": ["float32"], "shapes": [[1]]}
+_STATE = (400, 409)
+
+
+def _finish(probe: Probe) -> Answer:
+    return probe.call("POST", "/finish_weight_update", json_body={})
+
+
+@contextmanager
+def _paused(probe: Probe) -> Iterator[None]:
+    """A keep pause around the block, as a trainer's update runs; resumed afterwards."""
+    expect_ok(probe.call("POST", "/pause", params={"mode": "keep"}), status="paused")
+    try:
+        yield
+    finally:
+        probe.call("POST", "/resume")
+
+
+@contextmanager
+def _update(probe: Probe) -> Iterator[None]:
+    """A started weight update; a finish is sent afterwards whatever the block did."""
+    expect_ok(probe.call("POST", "/start_weight_update"), message=_STARTED)
+    try:
+        yield
+    finally:
+        _finish(probe)
+
+
+def _finish_without_start(probe: Probe) -> str:
+    return expect_refusal(_finish(probe), (409,))
+
+
+def _update_without_start(probe: Probe) -> str:
+    answer = probe.call("POST", "/update_weights", json_body={"update_info": _UPDATE_INFO})
+    return expect_refusal(answer, _STATE)
+
+
+def _start_finish(probe: Probe) -> str:
+    with _paused(probe):
+        expect_ok(probe.call("POST", "/start_weight_update"), message=_STARTED)
+        expect_ok(_finish(probe), message=_FINISHED)
+    return "start and finish (no message between) each answer 200"
+
+
+def _start_twice(probe: Probe) -> str:
+    with _paused(probe), _update(probe):
+        detail = expect_refusal(probe.call("POST", "/start_weight_update"), (409,))
+        # The refused start leaves the first update open: its finish succeeds.
+        expect_ok(_finish(probe), message=_FINISHED)
+    return detail
+
+
+def _finish_with_version(probe: Probe) -> str:
+    with _paused(probe), _update(probe):
+        answer = probe.call("POST", "/finish_weight_update", json_body={"weight_version": "c-1"})
+        expect_ok(answer, message=_FINISHED)
+    expect_ok(probe.call("GET", "/weight_info"), weight_version="c-1")
+    return "finish {weight_version: 'c-1'} -> weight_info 'c-1'"
+
+
+def _finish_int_version(probe: Probe) -> str:
+    with _paused(probe), _update(probe):
+        answer = probe.call("POST", "/finish_weight_update", json_body={"weight_version": 7})
+        detail = expect_refusal(answer, (400, 422), mentions="weight_version")
+        # A malformed finish leaves the update open: a plain finish ends it.
+        expect_ok(_finish(probe), message=_FINISHED)
+    return detail
+
+
+def _update_refused(update_info: Any, mentions: str = "") -> Run:
+    def run(probe: Probe) -> str:
+        with _paused(probe), _update(probe):
+            answer = probe.call("POST", "/update_weights", json_body={"update_info": update_info})
+            return expect_refusal(answer, _STATE, mentions=mentions)
+
+    return run
+
+
+def _update_list_shaped(probe: Probe) -> str:
+    """The list form (one entry per worker rank) is answered as the dict form is."""
+    with _paused(probe), _update(probe):
+        single = probe.call("POST", "/update_weights", json_body={"update_info": _UPDATE_INFO})
+    with _paused(probe), _update(probe):
+        listed = probe.call("POST", "/update_weights", json_body={"update_info": [_UPDATE_INFO]})
+    expect_refusal(single, _STATE)
+    expect_refusal(listed, _STATE)
+    if listed.status != single.status:
+        raise CaseFailed(f"dict: {single.describe()}; list: {listed.describe()}")
+    return f"both forms: {single.status} (no trainer behind either)"
+
+
+def _init_refused(init_info: Any, mentions: str = "") -> Run:
+    def run(probe: Probe) -> str:
+        answer = probe.call("POST", "/init_weight_transfer_engine", json_body=init_info)
+        return expect_refusal(answer, (400, 422), mentions=mentions)
+
+    return run
+
+
+def _vllm_init_info(**changes: Any) -> dict[str, Any]:
+    """VLLM 0.32's worker init info (what its trainer sends), with `changes`."""
+    info = {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2,
+    }  # fmt: skip
+    return {"init_info": {**info, **changes}}
+
+
+def _version_string(probe: Probe) -> str:
+    answer = probe.call("POST", "/update_weight_version", json_body={"new_version": "c-2"})
+    expect_ok(answer, success=True, new_version="c-2")
+    expect_ok(probe.call("GET", "/weight_info"), weight_version="c-2")
+    return "{success: true, new_version: 'c-2'}; weight_info 'c-2'"
+
+
+def _version_int(probe: Probe) -> str:
+    answer = probe.call("POST", "/update_weight_version", json_body={"new_version": 5})
+    return expect_refusal(answer, (400, 422), mentions="new_version")
+
+
+def _version_missing(probe: Probe) -> str:
+    answer = probe.call("POST", "/update_weight_version", json_body={})
+    return expect_refusal(answer, (400, 422), mentions="new_version")
+
+
+def _weight_info(probe: Probe) -> str:
+    version = expect_ok(probe.call("GET", "/weight_info"), weight_version=...)["weight_version"]
+    if version is not None and not isinstance(version, str):
+        raise CaseFailed(f"weight_version {version!r} is neither a string nor null")
+    return f"weight_version {version!r}"
+
+
+def _shutdown(probe: Probe) -> str:
+    for _ in range(2):
+        answer = probe.call("POST", "/shutdown_weight_transfer_engine")
+        expect_ok(answer, message="Weight transfer shut down")
+    return "answers {message: 'Weight transfer shut down'}, twice"
+
+
+def _shutdown_during_update(probe: Probe) -> str:
+    with _paused(probe), _update(probe):
+        return expect_refusal(probe.call("POST", "/shutdown_weight_transfer_engine"), (409,))
+
+
+def _draft(probe: Probe) -> str:
+    answer = probe.call("POST", "/start_draft_weight_update")
+    try:
+        return expect_refusal(answer, _STATE, mentions="draft")
+    finally:
+        if answer.status == 200:
+            _finish(probe)
+
+
+def checksums(probe: Probe) -> dict[str, str]:
+    """The server's `{key: digest}`, or `CaseFailed`."""
+    sums = expect_ok(probe.call("POST", "/weight_checker", json_body={"action": "checksum"}),
+                     checksums=...)["checksums"]  # fmt: skip
+    if not isinstance(sums, dict) or not sums:
+        raise CaseFailed(f"checksums is not a non-empty object: {sums!r}"[:200])
+    bad = [key for key, digest in sums.items() if not _SHA256_HEX.fullmatch(str(digest))]
+    if bad:
+        raise CaseFailed(f"digests that are not SHA-256 hex: {bad[:3]}")
+    return dict(sums)
+
+
+def _compare(probe: Probe, baseline: dict[str, str]) -> dict[str, Any]:
+    answer = probe.call(
+        "POST", "/weight_checker", json_body={"action": "compare", "baseline": baseline}
+    )
+    return expect_ok(answer, match=..., mismatches=...)
+
+
+def _checksum(probe: Probe) -> str:
+    sums = checksums(probe)
+    form = "vLLM's dp:pp:pcp:tp: prefix" if all(map(_VLLM_KEY.match, sums)) else "bare names"
+    return f"{len(sums)} SHA-256 digests, keys in {form} (e.g. {next(iter(sums))!r})"
+
+
+def _checksum_covers_bytes(probe: Probe) -> str:
+    sums = checksums(probe)
+    empty = sorted(key for key, digest in sums.items() if digest == _EMPTY_DIGEST)
+    if empty:
+        raise CaseFailed(
+            f"{len(empty)} of {len(sums)} digests are of zero bytes, so compare cannot see "
+            f"them change (e.g. {empty[0]!r})"
+        )
+    return f"{len(sums)} digests, none of an empty weight"
+
+
+def _compare_same(probe: Probe) -> str:
+    body = _compare(probe, checksums(probe))
+    if body["match"] is not True or body["mismatches"] != []:
+        raise CaseFailed(f"its own checksums do not match: {body}")
+    return str(body)
+
+
+def _compare_changed(probe: Probe) -> str:
+    sums = checksums(probe)
+    changed = sorted(sums)[0]
+    extra = "conformance.not_a_weight"
+    body = _compare(probe, {**sums, changed: "0" * 64, extra: "0" * 64})
+    if body["match"] is not False or sorted(body["mismatches"]) != sorted([changed, extra]):
+        raise CaseFailed(f"expected mismatches [{changed!r}, {extra!r}], got {body}")
+    return f"a changed digest and an unknown key: {body}"
+
+
+def _compare_vllm_keys(probe: Probe) -> str:
+    sums = checksums(probe)
+    prefixed = {(k if _VLLM_KEY.match(k) else f"dp0:pp0:pcp0:tp0:{k}"): d for k, d in sums.items()}
+    body = _compare(probe, prefixed)
+    if body["match"] is not True:
+        raise CaseFailed(f"a baseline keyed as vLLM keys it does not match: {body}"[:300])
+    return "a baseline with vLLM's dp0:pp0:pcp0:tp0: keys matches"
+
+
+def _compare_without_baseline(probe: Probe) -> str:
+    answer = probe.call("POST", "/weight_checker", json_body={"action": "compare"})
+    return expect_refusal(answer, (400, 422), mentions="baseline")
+
+
+def _checker_bad_action(probe: Probe) -> str:
+    answer = probe.call("POST", "/weight_checker", json_body={"action": "conformance"})
+    return expect_refusal(answer, (400, 422), mentions="action")
+
+
+def _reset_cycle(probe: Probe) -> str:
+    before = checksums(probe)
+    expect_ok(probe.call("POST", "/weight_checker", json_body={"action": "reset"}),
+              status="reset")  # fmt: skip
+    body = _compare(probe, before)
+    if body["match"] is not False or not body["mismatches"]:
+        raise CaseFailed(f"after reset, compare against the weights before it says {body}")
+    return f"after reset, {len(body['mismatches'])} of {len(before)} weights differ"
+
+
+def _generation_during_update(probe: Probe) -> str:
+    """A request while an update is open: refused, or held until the finish; never a crash."""
+    answers: list[Answer] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(probe.completion(prompt=prompt(9), max_tokens=4)),
+        daemon=True,
+    )
+    with _paused(probe):
+        expect_ok(probe.call("POST", "/start_weight_update"), message=_STARTED)
+        try:
+            probe.call("POST", "/resume")  # a trainer that resumes too early
+            thread.start()
+            thread.join(1.0)
+            early = list(answers)
+        finally:
+            _finish(probe)
+            probe.call("POST", "/resume")  # where the early resume was refused
+        thread.join(probe.timeout_s)
+    alive = probe.call("GET", "/health")
+    if alive.status != 200:
+        raise CaseFailed(f"the server broke: {alive.describe()}")
+    if early:
+        if early[0].status == 200:
+            raise CaseFailed("served while the update was open, before its finish")
+        return "refused during the update: " + expect_refusal(early[0], (409, 503))
+    if not answers:
+        raise CaseFailed(
+            f"the request got no answer within {probe.timeout_s:g} s of the finish and resume"
+        )
+    if answers[0].status == 200:
+        return "held until the finish, then answered 200"
+    return "refused during the update: " + expect_refusal(answers[0], (409, 503))
+
+
+CASES = [
+    Case(
+        "weight_info",
+        "weight_info answers {weight_version: string or null}",
+        _weight_info,
+        note="vLLM labels versions with strings only",
+    ),
+    Case(
+        "update_weight_version.string",
+        "a string label is taken and weight_info shows it",
+        _version_string,
+    ),
+    Case(
+        "update_weight_version.int",
+        "a non-string label is a typed 400 naming new_version",
+        _version_int,
+    ),
+    Case(
+        "update_weight_version.missing", "no new_version is a typed 400 naming it", _version_missing
+    ),
+    Case(
+        "transaction.finish_without_start",
+        "a finish with no update open is a typed 409",
+        _finish_without_start,
+    ),
+    Case(
+        "transaction.update_without_start",
+        "an update message with no transfer engine joined is a typed 400/409",
+        _update_without_start,
+    ),
+    Case(
+        "transaction.start_finish",
+        "start then finish answer vLLM's bodies, before any init_weight_transfer_engine",
+        _start_finish,
+    ),
+    Case(
+        "transaction.start_twice",
+        "a second start while one is open is a typed 409 and leaves the first open",
+        _start_twice,
+    ),
+    Case(
+        "transaction.finish_version",
+        "finish's weight_version becomes weight_info's",
+        _finish_with_version,
+    ),
+    Case(
+        "transaction.finish_int_version",
+        "a non-string weight_version is a typed 400 and leaves the update open",
+        _finish_int_version,
+    ),
+    Case(
+        "transaction.update_mismatched_lengths",
+        "names/dtype_names/shapes of different lengths are a typed 400/409",
+        _update_refused({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1]]}),
+    ),
+    Case(
+        "transaction.update_unknown_key",
+        "an unknown update_info key is a typed 400/409",
+        _update_refused({**_UPDATE_INFO, "conformance": 1}),
+    ),
+    Case(
+        "transaction.update_no_group",
+        "an update with no transfer engine joined is a typed 400/409",
+        _update_refused(_UPDATE_INFO),
+    ),
+    Case(
+        "transaction.update_list_shaped",
+        "update_info as a list (one entry per worker rank) is answered as the dict form",
+        _update_list_shaped,
+    ),
+    Case(
+        "init.missing_init_info",
+        "no init_info is a typed 400 naming it",
+        _init_refused({}, "init_info"),
+    ),
+    Case(
+        "init.init_info_not_object",
+        "an init_info that is not an object is a typed 400",
+        _init_refused({"init_info": [1]}, "init_info"),
+    ),
+    Case(
+        "init.unknown_key",
+        "an unknown init_info key is a typed 400 naming it (before any rendezvous)",
+        _init_refused(_vllm_init_info(conformance=1), "conformance"),
+    ),
+    Case(
+        "init.vllm_keys_checked",
+        "vLLM's init keys are known; a world_size that leaves no "
+        "rank for the worker is a typed 400 naming it (before any rendezvous)",
+        _init_refused(_vllm_init_info(world_size=1), "world_size"),
+    ),
+    Case(
+        "shutdown_weight_transfer_engine",
+        "answers vLLM's body, also with nothing to shut",
+        _shutdown,
+    ),
+    Case(
+        "shutdown_weight_transfer_engine.during_update",
+        "shutting down during an update is a typed 409",
+        _shutdown_during_update,
+    ),
+    Case("start_draft_weight_update", "with no draft model, a typed 400/409 that says so", _draft),
+    Case("weight_checker.checksum", "checksum answers {checksums: {key: SHA-256 hex}}", _checksum),
+    Case(
+        "weight_checker.checksums_cover_bytes",
+        "no digest is of an empty weight (what compare cannot see change)",
+        _checksum_covers_bytes,
+    ),
+    Case(
+        "weight_checker.compare_same",
+        "its own checksums match: {match: true, mismatches: []}",
+        _compare_same,
+    ),
+    Case(
+        "weight_checker.compare_changed",
+        "a changed digest and an unknown key are the mismatches",
+        _compare_changed,
+    ),
+    Case(
+        "weight_checker.compare_vllm_keys",
+        "a baseline keyed as vLLM keys (dp0:pp0:pcp0:tp0:name) is compared by name",
+        _compare_vllm_keys,
+    ),
+    Case(
+        "weight_checker.compare_without_baseline",
+        "compare without a baseline is a typed 400",
+        _compare_without_baseline,
+    ),
+    Case(
+        "weight_checker.bad_action",
+        "an unknown action is a typed 400 naming it",
+        _checker_bad_action,
+    ),
+    Case(
+        "weight_checker.reset_cycle",
+        "after reset, compare against the weights before it "
+        "lists mismatches (reset overwrites the weights)",
+        _reset_cycle,
+        kind="destructive",
+    ),
+    Case(
+        "transaction.generation_during_update",
+        "a request while an update is open is "
+        "refused or held until the finish; the server survives",
+        _generation_during_update,
+        kind="hazard",
+    ),
+]
