@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from weightsync.conformance import (
+    _checker_cases,
     _openai_cases,
     _pause_cases,
     _sleep_cases,
@@ -110,6 +111,7 @@ CASES: tuple[Case, ...] = (
     *_BASICS,
     *_pause_cases.CASES,
     *_update_cases.CASES,
+    *_checker_cases.CASES,
     *_sleep_cases.CASES,
     *_openai_cases.CASES,
 )

@@ -5,14 +5,13 @@ A request in flight is a streamed greedy completion the case watches while it pa
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from weightsync.conformance._case import Case, Run
 from weightsync.conformance._probe import (
-    Answer,
+    Background,
     CaseFailed,
     Probe,
     StreamRecord,
@@ -161,22 +160,17 @@ def _deprecated_wait_flag(probe: Probe) -> str:
 
 def _request_while_paused(probe: Probe) -> str:
     expect_ok(probe.call("POST", "/pause", params={"mode": "abort"}), status="paused")
-    answers: list[Answer] = []
-    thread = threading.Thread(
-        target=lambda: answers.append(probe.completion(prompt=prompt(5), max_tokens=4)),
-        daemon=True,
-    )
     try:
-        thread.start()
-        thread.join(_WATCH_S)
-        if answers:  # answered while paused: only a refusal is sound
-            return "refused while paused: " + expect_refusal(answers[0], (409, 503))
+        request = Background(lambda: probe.completion(prompt=prompt(5), max_tokens=4))
+        early = request.wait(_WATCH_S)
+        if early is not None:  # answered while paused: only a refusal is sound
+            return "refused while paused: " + expect_refusal(early, (409, 503))
     finally:
         _resume(probe)
-    thread.join(probe.timeout_s)
-    if not answers:
+    answer = request.wait(probe.timeout_s)
+    if answer is None:
         raise CaseFailed(f"no answer within {probe.timeout_s:g} s of the resume")
-    expect_ok(answers[0], choices=...)
+    expect_ok(answer, choices=...)
     return "queued while paused, answered 200 after the resume"
 
 

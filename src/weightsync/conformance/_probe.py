@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,6 +277,37 @@ def _take_line(line: str, record: StreamRecord) -> None:
             record.finish_reason = reason
         if record.chunks >= 2:  # a token streamed beyond the first: the request is running
             record.first_chunk.set()
+
+
+class Background:
+    """A call run on a thread (a request a case sends while it does something else).
+
+    Args:
+        call: The call; its answer, or the `ServerDown` it raised, is kept.
+    """
+
+    def __init__(self, call: Callable[[], Answer]) -> None:
+        self._answers: list[Answer] = []
+        self._down: list[ServerDown] = []
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Answer]) -> None:
+        try:
+            self._answers.append(call())
+        except ServerDown as exc:
+            self._down.append(exc)
+
+    def wait(self, timeout_s: float) -> Answer | None:
+        """The answer, once it came within `timeout_s`; None while it has not.
+
+        Raises:
+            ServerDown: The call found the server gone.
+        """
+        self._thread.join(timeout_s)
+        if self._down:
+            raise self._down[0]
+        return self._answers[0] if self._answers else None
 
 
 def expect_ok(answer: Answer, **fields: Any) -> dict[str, Any]:
