@@ -298,6 +298,15 @@ class Background:
         except ServerDown as exc:
             self._down.append(exc)
 
+    def seen(self) -> str:
+        """What the call got so far, in words (for a case's detail)."""
+        if self._down:
+            return "a refused connection"
+        if self._answers:
+            answer = self._answers[0]
+            return f"{answer.status} {_short(answer.body)}" if answer.status else str(answer.error)
+        return "no answer yet"
+
     def wait(self, timeout_s: float) -> Answer | None:
         """The answer, once it came within `timeout_s`; None while it has not.
 

@@ -18,6 +18,7 @@ from weightsync.conformance._probe import (
     Background,
     CaseFailed,
     Probe,
+    ServerDown,
     expect_ok,
     expect_refusal,
 )
@@ -182,17 +183,22 @@ def _draft(probe: Probe) -> str:
 
 def _generation_during_update(probe: Probe) -> str:
     """A request while an update is open: refused, or held until the finish; never a crash."""
-    with _paused(probe):
-        expect_ok(probe.call("POST", "/start_weight_update"), message=_STARTED)
-        try:
-            probe.call("POST", "/resume")  # a trainer that resumes too early
-            request = Background(lambda: probe.completion(prompt=prompt(9), max_tokens=4))
-            early = request.wait(_EARLY_S)
-        finally:
-            _finish(probe)
-            probe.call("POST", "/resume")  # where the early resume was refused
-        answer = early or request.wait(probe.timeout_s)
-    alive = probe.call("GET", "/health")
+    request: Background | None = None
+    try:
+        with _paused(probe):
+            expect_ok(probe.call("POST", "/start_weight_update"), message=_STARTED)
+            try:
+                probe.call("POST", "/resume")  # a trainer that resumes too early
+                request = Background(lambda: probe.completion(prompt=prompt(9), max_tokens=4))
+                early = request.wait(_EARLY_S)
+            finally:
+                _finish(probe)
+                probe.call("POST", "/resume")  # where the early resume was refused
+            answer = early or request.wait(probe.timeout_s)
+        alive = probe.call("GET", "/health")
+    except ServerDown as exc:
+        seen = request.seen() if request is not None else "nothing"
+        raise ServerDown(f"{exc} (the request sent during the update got {seen})") from exc
     if alive.status != 200:
         raise CaseFailed(f"the server broke: {alive.describe()}")
     if answer is None:
