@@ -86,7 +86,7 @@ def _stream_token_ids(probe: Probe) -> str:
     if answer.status != 200 or not isinstance(answer.body, str):
         raise CaseFailed(f"expected a 200 event stream, got {answer.describe()}")
     streamed: list[int] = []
-    for line in answer.body.splitlines():
+    for line in answer.body.split("\n"):  # not splitlines: text may hold U+2028
         if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
             for choice in json.loads(line[5:]).get("choices") or []:
                 streamed += choice.get("token_ids") or []

@@ -72,6 +72,7 @@ class FakeServer:
         sleep_queues_requests: A completion while asleep waits for the wake up.
         empty_digests: Half of the checksums are of zero bytes (vLLM on CPU).
         wait_flag_means_abort: `wait_for_inflight_requests=true` is ignored (an abort pause).
+        raw_line_separators: Streamed text holds U+2028 unescaped, as vLLM's may.
     """
 
     api_key: str | None = None
@@ -84,6 +85,7 @@ class FakeServer:
     sleep_queues_requests: bool = False
     empty_digests: bool = False
     wait_flag_means_abort: bool = False
+    raw_line_separators: bool = False
     untimed_requests: list[str] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _running: dict[str, _Request] = field(default_factory=dict)
@@ -250,7 +252,8 @@ class FakeServer:
         def event(choice: dict[str, Any], **extra: Any) -> bytes:
             chunk = {"id": request.id, "object": "text_completion",
                      "choices": [{"index": 0, **choice}] if choice else [], **extra}  # fmt: skip
-            return f"data: {json.dumps(chunk)}\n\n".encode()
+            data = json.dumps(chunk, ensure_ascii=not self.raw_line_separators)
+            return f"data: {data}\n\n".encode()
 
         reason = "length"
         try:
@@ -263,7 +266,7 @@ class FakeServer:
                     token = self.greedy(request.prompt, request.done)
                     request.done += 1
                 extra = {"token_ids": [token]} if body.get("return_token_ids") else {}
-                yield event({"text": "x", "finish_reason": None, **extra})
+                yield event({"text": "x\u2028", "finish_reason": None, **extra})
                 time.sleep(_TOKEN_S)
             yield event({"text": "", "finish_reason": reason})
             yield event({}, usage={"completion_tokens": request.done})

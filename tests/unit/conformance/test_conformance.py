@@ -143,6 +143,11 @@ def test_the_deprecated_wait_flag_passes_as_abort_or_wait_and_says_which():
         assert (result.outcome, result.detail.startswith(word)) == ("passed", True)
 
 
+def test_streamed_text_with_a_line_separator_is_read_whole():
+    """vLLM streams U+2028 unescaped; splitting lines as str.splitlines does cut the JSON."""
+    assert failed(run(FakeServer(raw_line_separators=True))) == {}
+
+
 def test_a_crash_fails_its_case_and_skips_every_later_one():
     report = run(FakeServer(crash_on="/sleep"))
     names = [r.name for r in report.cases]
