@@ -8,7 +8,10 @@ the sound answer, a typed 4xx `{"error": {"message", "type", "param", "code"}}`,
 fails those cases; a case whose rule deliberately differs from vLLM says so in its `note`.
 
 The check needs no trainer and never joins a rendezvous: every init payload it sends is one a
-server must refuse before connecting anywhere, and every call has a timeout. It changes the
+server must refuse before connecting anywhere, and every call has a timeout. Run it against a
+server no trainer has joined: its update messages name no real weight, which a sound server
+refuses before it receives a byte, but a server with a live transfer group might wait for the
+bytes (vLLM's NCCL receive has no timeout). It changes the
 server's state while it runs (pauses, sleeps, version labels, which it puts back) and, unless
 `keep_weights`, overwrites the served weights at the end (`weight_checker` reset, sleep level
 2): run it against a server you can restart. Cases that crashed vLLM 0.32 run last; once a
