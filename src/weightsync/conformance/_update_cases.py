@@ -128,7 +128,7 @@ def _init_refused(init_info: Any, mentions: str = "") -> Run:
 
 
 def _vllm_init_info(**changes: Any) -> dict[str, Any]:
-    """VLLM 0.32's worker init info (what its trainer sends), with `changes`."""
+    """The worker init info of vLLM 0.32 (what its trainer sends), with `changes`."""
     info = {
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
         "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2,
