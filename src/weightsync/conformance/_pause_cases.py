@@ -44,7 +44,7 @@ def _in_flight(probe: Probe, seed: int, max_tokens: int) -> Iterator[StreamRecor
     """A running streamed completion; the server is resumed when the block ends."""
     with probe.stream(prompt(seed), max_tokens) as record:
         try:
-            wait_until(record.first_chunk, probe.timeout_s, "the stream's second token")
+            wait_until(record.running, probe.timeout_s, "the stream's second token")
             if record.ended.is_set():
                 raise CaseFailed(f"the stream ended before the pause: {record.describe()}")
             yield record

@@ -85,6 +85,8 @@ class StreamRecord:
         done: Whether `data: [DONE]` arrived.
         error: A transport or decoding error that ended the stream.
         error_body: The body of a non-200 answer.
+        running: Set once a second chunk came (the request is running) or the stream ended.
+        ended: Set once the stream ended, whole or not.
     """
 
     status: int | None = None
@@ -95,7 +97,7 @@ class StreamRecord:
     done: bool = False
     error: str | None = None
     error_body: Any = None
-    first_chunk: threading.Event = field(default_factory=threading.Event)
+    running: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
 
     def describe(self) -> str:
@@ -160,7 +162,6 @@ class Probe:
         *,
         params: Any = None,
         json_body: Any = None,
-        content: bytes | None = None,
         timeout_s: float | None = None,
         key: str | None = "default",
     ) -> Answer:
@@ -170,12 +171,10 @@ class Probe:
             ServerDown: The connection was refused: the server is gone.
         """
         headers = self.headers(path, key=key)
-        if content is not None:
-            headers["content-type"] = "application/json"
         started = time.perf_counter()
         try:
             response = self._client.request(
-                method, path, params=params, json=json_body, content=content, headers=headers,
+                method, path, params=params, json=json_body, headers=headers,
                 timeout=timeout_s or self.timeout_s,
             )  # fmt: skip
         except httpx.ConnectError as exc:
@@ -250,7 +249,7 @@ class Probe:
         except (httpx.HTTPError, ValueError) as exc:
             record.error = type(exc).__name__
         finally:
-            record.first_chunk.set()
+            record.running.set()
             record.ended.set()
 
 
@@ -275,7 +274,7 @@ def _take_line(line: str, record: StreamRecord) -> None:
         if reason:
             record.finish_reason = reason
         if record.chunks >= 2:  # a token streamed beyond the first: the request is running
-            record.first_chunk.set()
+            record.running.set()
 
 
 class Background:
