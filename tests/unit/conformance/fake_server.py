@@ -27,8 +27,8 @@ import httpx
 VOCAB = 1000
 MAX_MODEL_LEN = 2048
 _TOKEN_S = 0.002  # the toy's time per token: streams must be running when a case pauses
-_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "packed",
-              "packed_buffer_size_bytes", "packed_num_buffers", "nccl_unique_id_b64"}  # fmt: skip
+_INIT_KEYS = frozenset({"master_address", "master_port", "rank_offset", "world_size", "packed",
+              "packed_buffer_size_bytes", "packed_num_buffers", "nccl_unique_id_b64"})  # fmt: skip
 _UPDATE_KEYS = {"names", "dtype_names", "shapes"}
 _FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
            "top_p", "top_k", "min_p", "seed", "n", "stream", "stream_options", "logprobs",
@@ -73,6 +73,8 @@ class FakeServer:
         empty_digests: Half of the checksums are of zero bytes (vLLM on CPU).
         wait_flag_means_abort: `wait_for_inflight_requests=true` is ignored (an abort pause).
         raw_line_separators: Streamed text holds U+2028 unescaped, as vLLM's may.
+        known_init_keys: The init_info keys taken (default vLLM's); others are refused by name,
+            listing the known ones, as weightsync's refusal does.
     """
 
     api_key: str | None = None
@@ -86,6 +88,7 @@ class FakeServer:
     empty_digests: bool = False
     wait_flag_means_abort: bool = False
     raw_line_separators: bool = False
+    known_init_keys: frozenset[str] = _INIT_KEYS
     untimed_requests: list[str] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _running: dict[str, _Request] = field(default_factory=dict)
@@ -324,8 +327,9 @@ class FakeServer:
         info = (body or {}).get("init_info")
         if not isinstance(info, dict):
             raise _Refused(400, "field 'init_info' must be an object", "init_info", _REQUEST)
-        if unknown := sorted(set(info) - _INIT_KEYS):
-            raise _Refused(400, f"unknown init_info keys {unknown}", "init_info")
+        if unknown := sorted(set(info) - self.known_init_keys):
+            raise _Refused(400, f"unknown init_info keys {unknown}; expected keys: "
+                           f"{sorted(self.known_init_keys)}", "init_info")  # fmt: skip
         if info.get("world_size", 0) <= info.get("rank_offset", 1):
             raise _Refused(400, "world_size leaves no rank for this worker", "world_size")
         raise AssertionError("the check never sends an init that would rendezvous")

@@ -121,6 +121,14 @@ def test_abort_by_id_that_aborts_nothing_fails_by_id_and_unknown_id():
     assert "the stream ran on" in failed(report)["abort_requests.by_id"]
 
 
+def test_refusing_vllms_init_keys_as_unknown_fails_even_when_the_message_lists_world_size():
+    weightsync_keys = frozenset({"backend", "bucket_size_bytes", "master_address", "master_port",
+                                 "num_buffers", "packed", "rank_offset", "timeout_s", "world_size"})  # fmt: skip
+    report = run(FakeServer(known_init_keys=weightsync_keys))
+    assert set(failed(report)) == {"init.vllm_keys_checked"}
+    assert failed(report)["init.vllm_keys_checked"].startswith("vLLM's init keys refused")
+
+
 def test_a_request_queued_while_asleep_fails_within_the_bound():
     report = run(FakeServer(sleep_queues_requests=True))
     assert failed(report) == {
