@@ -1,5 +1,7 @@
 """The `weightsync` command: `weightsync serve [MODEL]` runs an engine behind HTTP.
 
+`weightsync conformance URL` checks a server against vLLM's contract (`weightsync.conformance`).
+
 ```
 weightsync serve tiny --port 8000 --weight-transfer-config '{"backend": "gloo"}'
 weightsync serve ./my-llama --weight-transfer-config.backend nccl --admin-api-key "$KEY"
@@ -116,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, transfer_config = parse_serve_args(list(sys.argv[1:] if argv is None else argv))
     except WeightSyncError as exc:
         return _fail(str(exc), status=2)
+    if args.command == "conformance":
+        from weightsync.conformance._command import run_command
+
+        return run_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not args.admin_api_key and not _is_loopback(args.host):
         return _fail(
