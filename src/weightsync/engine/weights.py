@@ -186,6 +186,9 @@ class LiveWeights:
         self._on_write = on_write or (lambda: None)
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
         self._transfer: WeightTransferEngine | None = None
+        # While asleep, the weights take no update; discarded ones hold no memory until woken.
+        self._asleep = False
+        self._discarded: list[tuple[torch.UntypedStorage, int]] = []
 
     @property
     def is_torn(self) -> bool:
@@ -244,7 +247,9 @@ class LiveWeights:
         self._transfer.init_transfer_engine(init_info)
 
     def _require_transfer(self, call: str) -> WeightTransferEngine:
-        if self._transfer is None:
+        if (
+            self._transfer is None or not self._transfer.is_initialized
+        ):  # a refused init joined nothing
             raise EngineStateError(
                 f"{call} needs a transfer engine: call "
                 "init_weight_transfer_engine({'init_info': ...}) first"
@@ -266,11 +271,14 @@ class LiveWeights:
     def start(self) -> None:
         """Opens a transaction (`start_weight_update`).
 
+        Needs no transfer engine, as vLLM's: a transaction with no message is a relabel (its
+        finish moves the version, no byte changes).
+
         Raises:
-            EngineStateError: No transfer engine was initialized.
+            EngineStateError: The weights are asleep.
             WeightUpdateStateError: A transaction is already open.
         """
-        self._require_transfer("start_weight_update")
+        self._require_awake("start_weight_update")
         if self._transaction is not None:
             raise WeightUpdateStateError(
                 "start_weight_update: a weight update is already in progress: finish it with "
@@ -292,6 +300,7 @@ class LiveWeights:
             WeightTransferError: The transfer failed after bytes moved; the transaction is
                 over, its weights torn (or restored, with staging).
         """
+        self._require_awake("update_weights")
         transfer = self._require_transfer("update_weights")
         try:
             info = transfer.parse_update_info(update_info)
@@ -580,3 +589,53 @@ class LiveWeights:
         """Shuts the transfer engine down. Safe to call twice."""
         if self._transfer is not None:
             self._transfer.shutdown()
+
+    # --- sleep --------------------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the weights sleep: they take no update until `wake`."""
+        return self._asleep
+
+    def sleep(self, *, discard: bool) -> None:
+        """Puts the weights to sleep (vLLM's `sleep`): no update lands until `wake`.
+
+        Args:
+            discard: Free the weights' memory (sleep level 2). They are allocated again at
+                `wake`, holding nothing valid: torn until an update covering them lands.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "sleep: a weight update is in progress: finish it with finish_weight_update(...) "
+                "or end it with abort_weight_update() first"
+            )
+        self._asleep = True
+        if discard and not self._discarded:
+            storages = {
+                p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()
+            }
+            for storage in storages.values():
+                self._discarded.append((storage, storage.nbytes()))
+                storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
+            self._on_write()
+            logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
+
+    def wake(self) -> None:
+        """Wakes the weights; discarded ones come back as memory to fill, torn until then."""
+        for storage, nbytes in self._discarded:
+            storage.resize_(nbytes)
+        if self._discarded:
+            self.torn_names |= {name for name, _ in self.model.named_weights()}
+            logger.warning("weights woken after being discarded: torn until an update lands")
+        self._discarded = []
+        self._asleep = False
+
+    def _require_awake(self, call: str) -> None:
+        if self._asleep:
+            raise EngineStateError(
+                f"{call}: the weights are asleep; wake them first: wake_up() (over HTTP, "
+                "POST /wake_up, or /wake_up?tags=weights to wake the weights alone)"
+            )
