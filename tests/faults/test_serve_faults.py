@@ -228,3 +228,43 @@ def test_a_late_message_of_a_finished_update_is_refused_and_changes_nothing(
         session.close()
     record_property("status", 400)
     record_property("message", answer.json()["error"]["message"][:160])
+
+
+def test_a_segment_truncated_after_it_was_mapped_is_refused_and_the_server_lives(
+    server, control, record_property
+):
+    """A mapped segment truncated by its owner, named again: refused with a 400, no SIGBUS."""
+    session = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET_BYTES * 4, num_buffers=2)
+    try:
+        init = {"init_info": session.init_info}
+        assert control.post("/init_weight_transfer_engine", json=init).status_code == 200
+        messages: list[dict[str, Any]] = []
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            messages.append(update_info)
+            answer = control.post("/update_weights", json={"update_info": update_info})
+            assert answer.status_code == 200, answer.text
+
+        assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+        ipc_trainer_send_weights(policy_pairs(seed=9), IPCTrainerSendWeightsArgs(session, deliver))
+        landed = state(control)
+        # The server keeps the buffers mapped for the next update; their owner shrinks one,
+        # and a later update's part names it again, past its new end.
+        part = messages[1]
+        name = part["ipc_handles"][-1]["segment"]
+        assert part["ipc_handles"][-1]["offset"] >= 4096
+        os.truncate(f"/dev/shm/{name}", 4096)
+        later = [{**info, "update_id": "a-later-update"} for info in (messages[0], part)]
+        assert control.post("/update_weights", json={"update_info": later[0]}).status_code == 200
+        answer = control.post("/update_weights", json={"update_info": later[1]})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "WeightValidationError"
+        assert f"reaches past the end of {name} (4096 bytes)" in error["message"]
+        assert server.proc.poll() is None and control.get("/health").status_code == 200
+        assert control.post("/abort_weight_update").json()["aborted"] is True
+        assert state(control) == landed  # refused before any byte moved
+    finally:
+        session.close()
+    record_property("status", answer.status_code)
+    record_property("message", error["message"][:160])

@@ -60,7 +60,12 @@ class RegionCache:
             raise WeightValidationError(f"{where}: {exc}") from None
 
     def _attach(self, name: str, where: str) -> torch.Tensor:
-        """Returns the mapping of segment `name`, reusing a cached one while it is still current."""
+        """Returns the mapping of segment `name`, reusing a cached one while it is still current.
+
+        Current means the same segment at the same size: a segment its owner truncated since is
+        mapped again at its new size, so that a record reaching past the new end is refused
+        (`IPCHandle.view`) instead of read, which would kill this process with SIGBUS.
+        """
         if self._session is None or not shm.segment_belongs_to(name, self._session):
             raise WeightValidationError(
                 f"{where}.segment {name!r} is not a segment of session {self._session}: "
