@@ -124,15 +124,16 @@ class RefuseWeightUpdateRequest(BaseModel):
 async def _refuse_weight_update(
     request: Request, body: RefuseWeightUpdateRequest
 ) -> dict[str, Any]:
-    """Joins the update's handshake only to reject it, as a busy engine does its own updates.
+    """Answers the update's handshake with a refusal, as a busy engine does its own updates.
 
     The front calls it on every replica when it cannot open a bare update's transaction: a
     broadcast's trainer waits in the handshake for every rank, and this way learns the reason
-    at once, its group still usable. Without a group (ipc) nothing waits, and nothing happens.
+    at once, its group still usable. The refusal never waits for the trainer. Without a group
+    (ipc) nothing waits, and nothing happens.
     """
     weights = request.app.state.serve.engine.engine.weights
     reason = EngineStateError(body.reason)
-    await asyncio.to_thread(weights.refuse, body.update_info, reason)  # bounded by the group
+    await asyncio.to_thread(weights.refuse, body.update_info, reason)  # store reads only
     return {"refused": True}
 
 

@@ -267,7 +267,8 @@ class BroadcastWeightSender(WeightSender):
         # Engines receive on threads of their own while the trainer sends on this one.
         receives = in_threads(self.engines, lambda e: e.update_weights(request))
         try:
-            stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
+            args = NCCLTrainerSendWeightsArgs(self.group, update_info, receiving=receives)
+            stats = trainer_send_weights(pairs, args)
         except WeightValidationError:
             # Rejected in the handshake: nothing moved and the group stays usable.
             with contextlib.suppress(Exception):

@@ -280,18 +280,43 @@ class BroadcastGroup:
 
         return self._read(f"reading {key!r} from the transfer store", read, limit)
 
-    def try_get(self, key: str) -> Any:
-        """Returns the value under `key` if present and the store answers in time, else None."""
+    def lookup(self, key: str) -> Any:
+        """Returns the value under `key`, or None when there is none yet; never waits for one.
+
+        Raises:
+            WeightTransferError: The store cannot be read (its host, the trainer, is gone).
+            WeightTransferTimeout: The store did not answer within the group's timeout.
+        """
 
         def read() -> Any:
             if not self._store.check([key]):
                 return None
             return json.loads(self._store.get(key))
 
+        return self._read(f"reading {key!r} from the transfer store", read, self.timeout_s)
+
+    def try_get(self, key: str) -> Any:
+        """Returns the value under `key` if present and the store answers in time, else None."""
         try:
-            return self._read(f"reading {key!r}", read, self.timeout_s)
+            return self.lookup(key)
         except Exception:  # a dead or stopped trainer takes the store with it: nothing to read
             return None
+
+    def set_once(self, key: str, value: Any) -> Any:
+        """Stores `value` under `key` unless a value is there already; returns the one stored.
+
+        Two ranks racing to answer for the same key thus agree on one answer.
+        """
+        text = json.dumps(value)
+
+        def swap() -> Any:
+            return json.loads(self._store.compare_set(key, "", text))
+
+        return self._read(f"writing {key!r} to the transfer store", swap, self.timeout_s)
+
+    def delete(self, key: str) -> None:
+        """Removes `key` from the store (nothing happens when it is not there)."""
+        self._call(f"deleting {key!r} from the transfer store", lambda: self._store.delete_key(key))
 
     def has(self, keys: list[str]) -> bool:
         """Whether every key is in the store (the trainer's: it hosts the store, so this is local)."""
@@ -360,7 +385,7 @@ class BroadcastGroup:
         """Sums `tensor` over all ranks, in place, and waits for it."""
         pg = self._require_pg()
         work = self._call("all-reduce", lambda: pg.allreduce([tensor], dist.AllreduceOptions()))
-        BroadcastWork(work, "all-reduce of the update status", self.timeout_s).wait()
+        BroadcastWork(work, "all-reduce", self.timeout_s).wait()
 
     def close(self, *, release_store: bool = False) -> None:
         """Drops the process group; peers blocked on this rank then fail fast.

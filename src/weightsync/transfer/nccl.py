@@ -24,6 +24,7 @@ from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, unpack_bucket
 from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._handshake import WorkerHandshake, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer.base import (
     LoadWeightsFn,
@@ -162,7 +163,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool[torch.Tensor] | None = None
-        self._seq = 0
+        self._handshake: WorkerHandshake | None = None
         # Who claims this worker's rank: the same engine retrying its join may claim it again.
         self._claimant = uuid.uuid4().hex
 
@@ -229,7 +230,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             group.set(f"init_error/{rank}", f"{type(exc).__name__}: {exc}")
             group.close()
             raise
-        self._group, self._info, self._seq = group, info, 0
+        self._group, self._info, self._handshake = group, info, WorkerHandshake(group)
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
     def receive_weights(
@@ -239,29 +240,30 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
     ) -> TransferStats:
         """Receives one update (see the base class); validation happens before any byte moves.
 
-        After a failure the group is closed: call `init_transfer_engine` again for the next update.
+        A message this worker refuses is answered at once, whether or not the trainer is
+        broadcasting yet (see `refuse_update`); an accepted one waits, `timeout_s` at most, for
+        the trainer's update. After a failure the group is closed: call `init_transfer_engine`
+        again for the next update.
         """
-        group, info = self._group, self._info
-        if group is None or info is None or not group.is_connected:
+        group, info, handshake = self._group, self._info, self._handshake
+        if group is None or info is None or handshake is None or not group.is_connected:
             raise WeightTransferError(
                 "the transfer engine is not initialized (or its group closed after a failure): "
                 "call init_transfer_engine(init_info) first"
             )
         start = time.perf_counter()
-        self._seq += 1
-        specs: list[TensorSpec] | None = None
-        problem: WeightValidationError | None = None
+        send = send_identity(update_info)
         try:
             specs = self.check_update(self.parse_update_info(update_info))
         except WeightValidationError as exc:
-            problem = exc
+            self._refuse(send, str(exc))
+            raise
         try:
-            broadcast.handshake(group, self._seq, specs, problem)
+            handshake.join(send, specs)
         except WeightValidationError:
             raise
         except WeightTransferError as exc:
             raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
-        assert specs is not None
         stats = TransferStats(
             num_tensors=len(specs),
             num_bytes=sum(s.nbytes for s in specs),
@@ -303,21 +305,30 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
         reason: WeightSyncError,
     ) -> None:
-        """Joins the update's handshake only to reject it with `reason` (see the base class).
+        """Answers the update's handshake with `reason` (see the base class); never waits.
 
-        Blocks until the trainer reaches the handshake of this update, or the group's timeout.
+        The trainer learns it at once if it broadcasts this message's update now, or as soon as
+        it starts to; a message of no update the trainer sends is refused here alone, and the
+        group stays usable either way.
         """
         group = self._group
         if group is None or not group.is_connected:
             return  # no group: the trainer cannot be waiting on this rank
-        self._seq += 1
-        problem = WeightValidationError(f"{type(reason).__name__}: {reason}")
+        self._refuse(send_identity(update_info), f"{type(reason).__name__}: {reason}")
+
+    def _refuse(self, send: str, reason: str) -> None:
+        """Tells the trainer, through the store, that this worker refuses the message of `send`."""
+        assert self._handshake is not None and self._group is not None
         try:
-            broadcast.handshake(group, self._seq, None, problem)
-        except WeightValidationError:
-            pass  # the rejection went round: every rank fails this update with it
-        except WeightTransferError as exc:
-            raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
+            self._handshake.refuse(send, reason)
+        except WeightTransferError as exc:  # the store went with the trainer: leave its group
+            logger.warning(
+                "worker rank %d refused an update but cannot tell the trainer (%s): leaving "
+                "the group",
+                self._group.rank,
+                exc,
+            )
+            self.shutdown()
 
     def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
@@ -359,7 +370,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         """Leaves the group and frees the bucket buffers. Safe to call twice."""
         if self._group is not None:
             self._group.close()
-        self._group, self._info, self._pool = None, None, None
+        self._group, self._info, self._pool, self._handshake = None, None, None, None
 
 
 class NCCLWeightTransferEngine(_BroadcastWeightTransferEngine):

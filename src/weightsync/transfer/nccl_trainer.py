@@ -26,6 +26,7 @@ from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._handshake import open_update, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
@@ -205,11 +206,17 @@ class NCCLTrainerSendWeightsArgs:
             tensor the iterator yields is checked against it, in order.
         post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to send
             (e.g. to gather a sharded parameter); by default the pair's tensor.
+        receiving: The workers' calls that hand them `update_info` (their `update_weights`),
+            in worker order, when this process made them on threads: one that fails before
+            the worker answered the handshake is that worker's refusal, at once (a server that
+            refused the request itself, or that nothing listens for). Optional: a worker's own
+            refusal reaches the trainer through the group's store either way.
     """
 
     group: TrainerGroup
     update_info: Mapping[str, Any] | WeightTransferUpdateInfo
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+    receiving: Sequence[Future[Any]] = ()
 
 
 def _send_failure(
@@ -246,7 +253,7 @@ def trainer_send_weights(
     trainer.connect()
     group, info = trainer._group, trainer._info
     start = time.perf_counter()
-    specs = _handshake(trainer, trainer_args.update_info)
+    specs = _handshake(trainer, trainer_args.update_info, trainer_args.receiving)
     buckets = broadcast.plan(specs, info.wire)
     tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     stats = TransferStats(
@@ -295,7 +302,9 @@ def trainer_send_weights(
 
 
 def _handshake(
-    trainer: TrainerGroup, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+    trainer: TrainerGroup,
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+    receiving: Sequence[Future[Any]],
 ) -> list[TensorSpec]:
     """Announces the update to every worker; returns its specs once all of them accepted it."""
     specs: list[TensorSpec] | None = None
@@ -306,7 +315,15 @@ def _handshake(
         problem = exc  # told to the workers in the handshake, then raised
     trainer._seq += 1
     try:
-        broadcast.handshake(trainer._group, trainer._seq, specs, problem)
+        open_update(
+            trainer._group,
+            trainer._seq,
+            send_identity(update_info),
+            specs,
+            problem,
+            receiving=receiving,
+            rank_offset=trainer._info.rank_offset,
+        )
     except WeightValidationError:
         raise
     except WeightTransferError as exc:
