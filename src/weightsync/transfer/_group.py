@@ -12,6 +12,7 @@ import datetime
 import gc
 import json
 import os
+import resource
 import socket
 import threading
 from collections.abc import Callable
@@ -25,13 +26,66 @@ import torch.distributed as dist
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.wire import WireParams
 
-__all__ = ["BroadcastGroup", "BroadcastWork", "bind_listener", "check_backend", "check_port"]
+__all__ = [
+    "INIT_ERRORS",
+    "BroadcastGroup",
+    "BroadcastWork",
+    "bind_listener",
+    "check_backend",
+    "check_port",
+    "check_world_size",
+]
 
 _BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 _T = TypeVar("_T")
 # A store read gets its own limit plus this, so that torch's own timeout, when it has one, and
 # its clearer message come first.
 _STORE_GRACE_S = 1.0
+
+
+INIT_ERRORS = "init_errors"
+"""Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
+
+# A rank keeps up to two connections per other rank: the group's store (the trainer hosts it and
+# every worker connects to it) and the transfer link (gloo links every pair of ranks). A process
+# keeps this many files free for everything else it opens.
+_LINKS_PER_PEER = 2
+_FILES_KEPT_FREE = 64
+
+
+def _world_size_limit() -> tuple[int, int]:
+    """The largest world size this process can be a rank of, and its open-file limit.
+
+    Every connection is a file; a world larger than the limit allows fails, on some rank, only
+    after everyone waited for it (and rank 0 would first allocate for every rank).
+    """
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files == resource.RLIM_INFINITY:
+        files = 1 << 20  # the kernel's own ceiling on open files (fs.nr_open) by default
+    return 1 + max(0, (files - _FILES_KEPT_FREE) // _LINKS_PER_PEER), files
+
+
+def check_world_size(world_size: object) -> int:
+    """Returns `world_size` after checking that a group of that size can exist here.
+
+    Raises:
+        WeightValidationError: Not an int >= 2, or larger than this process's open-file limit
+            allows (the message gives the limit and how to raise it).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+        raise WeightValidationError(
+            f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
+        )
+    limit, files = _world_size_limit()
+    if world_size > limit:
+        raise WeightValidationError(
+            f"world_size {world_size} is more than any group this process can be a rank of: a "
+            f"rank keeps up to {_LINKS_PER_PEER} connections per other rank (the group's store "
+            f"and its transfer link) and this process may open {files} files (RLIMIT_NOFILE), "
+            f"so world_size can be at most {limit}: use fewer workers, or raise the limit "
+            "(ulimit -n) on every host"
+        )
+    return world_size
 
 
 def check_backend(backend: str) -> torch.device:
@@ -169,10 +223,7 @@ class BroadcastGroup:
         world_size: int,
         timeout_s: float,
     ) -> None:
-        if not isinstance(world_size, int) or world_size < 2:
-            raise WeightValidationError(
-                f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
-            )
+        check_world_size(world_size)
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise WeightValidationError(
                 f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
@@ -339,26 +390,33 @@ class BroadcastGroup:
 
     # --- collectives --------------------------------------------------------------------------
 
-    def connect(self) -> None:
-        """Forms the process group; blocks until every rank has joined or the timeout passes."""
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Forms the process group; blocks until every rank has joined or the timeout passes.
+
+        Args:
+            timeout_s: Limit of the rendezvous in seconds: what is left of the caller's own
+                `timeout_s` (default: the group's). Collectives keep the group's timeout.
+        """
         if self._pg is not None:
             return
+        limit_s = self.timeout_s if timeout_s is None else max(timeout_s, 0.001)
+        limit = datetime.timedelta(seconds=limit_s)
         prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
+        what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
         if self.backend == "gloo":
+            # gloo bounds its rendezvous by this timeout; every collective passes its own.
             self._pg = self._call(
-                f"forming the gloo group (rank {self.rank} of {self.world_size})",
-                lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self._timeout),
+                what, lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
             )
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
             self._pg = self._call(
-                f"forming the NCCL group (rank {self.rank} of {self.world_size})",
-                lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options),
+                what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
             )
             # NCCL connects lazily; a tiny collective makes the rendezvous happen (and time out) here.
             probe = torch.zeros(1, device=self.device)
-            self.all_reduce(probe)
+            self.all_reduce(probe, timeout_s=limit_s)
 
     @property
     def is_connected(self) -> bool:
@@ -378,14 +436,43 @@ class BroadcastGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
+        options.timeout = self._timeout
         work = self._call(what, lambda: pg.broadcast([tensor], options))
         return BroadcastWork(work, what, self.timeout_s)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums `tensor` over all ranks, in place, and waits for it."""
+    def all_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> None:
+        """Sums `tensor` over all ranks, in place, and waits for it (`timeout_s`: the group's)."""
         pg = self._require_pg()
-        work = self._call("all-reduce", lambda: pg.allreduce([tensor], dist.AllreduceOptions()))
-        BroadcastWork(work, "all-reduce", self.timeout_s).wait()
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=limit_s)
+        work = self._call("all-reduce", lambda: pg.allreduce([tensor], options))
+        BroadcastWork(work, "all-reduce", limit_s).wait()
+
+    def append(self, key: str, value: Any) -> None:
+        """Appends a JSON-safe value to the list under `key` (one store call, however many)."""
+        line = json.dumps(value) + "\n"
+        self._call(
+            f"appending to {key!r} in the transfer store", lambda: self._store.append(key, line)
+        )
+
+    def read_list(self, key: str, limit_s: float) -> list[Any]:
+        """The values appended under `key` (none if the store has none or does not answer)."""
+
+        def read() -> list[Any]:
+            if not self._store.check([key]):
+                return []
+            text = bytes(self._store.get(key)).decode("utf-8", "replace")
+            values = []
+            for line in text.splitlines():
+                with contextlib.suppress(ValueError):
+                    values.append(json.loads(line))
+            return values
+
+        try:
+            return self._read(f"reading {key!r}", read, limit_s)
+        except Exception:  # a dead or stopped store: nothing to read
+            return []
 
     def close(self, *, release_store: bool = False) -> None:
         """Drops the process group; peers blocked on this rank then fail fast.

@@ -10,6 +10,7 @@ one private base. The trainer side is in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ from weightsync.errors import WeightSyncError, WeightTransferError, WeightValida
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, unpack_bucket
-from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
 from weightsync.transfer._handshake import WorkerHandshake, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer.base import (
@@ -195,6 +196,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 f"rank_offset ({info.rank_offset}) + worker_index ({self.worker_index}) = {rank} "
                 f"is outside world_size {info.world_size}: world_size must be 1 + the number of workers"
             )
+        deadline = time.monotonic() + info.timeout_s  # one timeout_s for the whole join
         group = BroadcastGroup(
             backend=info.backend,
             master_address=info.master_address,
@@ -204,7 +206,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             timeout_s=info.timeout_s,
         )
         try:
-            trainer_wire = group.get("wire")
+            trainer_wire = group.get("wire", timeout_s=max(deadline - time.monotonic(), 0.001))
             if not isinstance(trainer_wire, dict):  # a value from the network: check its type
                 raise WeightValidationError(
                     f"the store at {info.master_address}:{info.master_port} holds no trainer's "
@@ -225,9 +227,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                     "the trainer's TrainerGroup.init_info unchanged"
                 )
             group.claim_rank(self._claimant)
-            group.connect()
+            group.connect(timeout_s=deadline - time.monotonic())
         except Exception as exc:
-            group.set(f"init_error/{rank}", f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):  # the store may be gone: the error matters
+                group.append(INIT_ERRORS, f"rank {rank}: {type(exc).__name__}: {exc}"[:4000])
             group.close()
             raise
         self._group, self._info, self._handshake = group, info, WorkerHandshake(group)

@@ -25,7 +25,7 @@ from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup
 from weightsync.transfer._handshake import open_update, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
 from weightsync.transfer._sender import AnnouncedTensors
@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_ERRORS_SHOWN = 5
+_REPORT_READ_S = 1.0  # the reasons are in this process's own store: a read is instant
 
 
 class TrainerGroup:
@@ -77,7 +80,7 @@ class TrainerGroup:
         return self._info.world_size
 
     def connect(self, *, joining: Sequence[Future[Any]] = ()) -> None:
-        """Blocks until every worker joined (idempotent).
+        """Blocks until every worker joined, `timeout_s` at most in all (idempotent).
 
         Args:
             joining: The workers' join calls, when this process made them (on threads, as
@@ -94,21 +97,28 @@ class TrainerGroup:
             raise WeightTransferError(
                 "this trainer group was closed after a failure: call trainer_init again"
             )
+        if self._group.is_connected:
+            return
+        # One timeout_s for the whole call: waiting for the workers, then the rendezvous.
+        deadline = time.monotonic() + self._group.timeout_s
         try:
             if joining:
-                self._await_workers(joining)
-            self._group.connect()
+                self._await_workers(joining, deadline)
+            self._group.connect(timeout_s=deadline - time.monotonic())
         except WeightTransferError as exc:
-            errors = [
-                f"rank {r}: {e}"
-                for r in range(1, self._info.world_size)
-                if (e := self._group.try_get(f"init_error/{r}")) is not None
-            ]
+            # One read of what the workers reported, however many they are.
+            errors = [str(e) for e in self._group.read_list(INIT_ERRORS, _REPORT_READ_S)]
             if errors:
-                raise type(exc)(f"{exc}; workers reported: {'; '.join(errors)}") from exc
+                shown = "; ".join(errors[:_ERRORS_SHOWN])
+                more = (
+                    f" (and {len(errors) - _ERRORS_SHOWN} more)"
+                    if len(errors) > _ERRORS_SHOWN
+                    else ""
+                )
+                raise type(exc)(f"{exc}; workers reported: {shown}{more}") from exc
             raise
 
-    def _await_workers(self, joining: Sequence[Future[Any]]) -> None:
+    def _await_workers(self, joining: Sequence[Future[Any]], deadline: float) -> None:
         """Waits until every worker claimed its rank in the store, or one of `joining` failed.
 
         Forming the group blocks, uninterruptibly, until every rank is in or `timeout_s` passed:
@@ -116,7 +126,6 @@ class TrainerGroup:
         failed before it got there fails this call at once rather than at the timeout.
         """
         keys = [f"rank/{rank}" for rank in range(1, self.world_size)]
-        deadline = time.monotonic() + self._group.timeout_s
         while not self._group.has(keys):
             for call in joining:
                 if call.done() and (error := call.exception()) is not None:
@@ -168,7 +177,9 @@ def trainer_init(
         **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
 
     Raises:
-        WeightValidationError: A bad argument, or `nccl` without CUDA.
+        WeightValidationError: A bad argument, `nccl` without CUDA, or a `world_size` larger
+            than this process's open-file limit allows (every rank keeps up to two connections
+            per other rank); the message gives the limit.
 
     >>> group = trainer_init(world_size=2, backend="gloo")
     >>> sorted(group.init_info)[:3]
