@@ -395,6 +395,18 @@ class LLMEngine:
         """
         return self._gate.abort()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer and frees what it held, as vLLM's call of that name.
+
+        A trainer calls it when it closes: the group's connections and port, or the mappings
+        of its shared memory, go now. A later `init_weight_transfer_engine` joins a new
+        transfer (of any backend). The weights and their version stay.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        self.weights.release_transfer_engine()
+
     def shutdown(self) -> None:
         """Releases the transfer engine. Safe to call twice."""
         self.weights.shutdown()

@@ -285,6 +285,13 @@ async def _abort_weight_update(request: Request) -> dict[str, Any]:
     return {"message": "Weight update aborted", "aborted": aborted}
 
 
+@router.post("/shutdown_weight_transfer_engine", operation_id="shutdown_weight_transfer_engine")
+async def _shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
+    """Leaves the trainer's transfer and frees what it held (vLLM's client calls it on close)."""
+    await _engine(request).shutdown_weight_transfer_engine()
+    return {"message": "Weight transfer engine shut down"}
+
+
 @router.post("/update_weight_version", operation_id="update_weight_version")
 async def _update_weight_version(
     request: Request, body: UpdateWeightVersionRequest

@@ -233,6 +233,10 @@ class HTTPEngineClient:
         """`POST /abort_weight_update`: ends the transaction on purpose; whether one was open."""
         return bool(self._call("POST", "/abort_weight_update")["aborted"])
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """`POST /shutdown_weight_transfer_engine`: the server leaves the trainer's transfer."""
+        self._call("POST", "/shutdown_weight_transfer_engine")
+
     @property
     def weight_version(self) -> WeightVersion:
         """`GET /weight_info`: the version of the server's weights."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.trainer._calls import collect, in_threads
+from weightsync.trainer._calls import collect, in_threads, release_transfers
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
@@ -283,10 +283,16 @@ class BroadcastWeightSender(WeightSender):
         return stats
 
     def close(self) -> None:
-        """Closes the group (engines blocked on it fail at once) and frees its port."""
+        """Closes the group and has every engine leave it. Safe to call twice.
+
+        Engines blocked on the group fail at once, its port is free when this returns, and each
+        engine's `shutdown_weight_transfer_engine` frees what it held (bounded, never raising).
+        """
         self._connected = False
-        if self.group is not None:
-            self.group.close()
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 class IPCWeightSender(WeightSender):
@@ -357,9 +363,15 @@ class IPCWeightSender(WeightSender):
         return ipc_trainer_send_weights(weights, args)
 
     def close(self) -> None:
-        """Unlinks every segment of the session. Safe to call twice."""
-        self._connected = False
+        """Unlinks every segment of the session and has every engine leave it. Safe to call twice.
+
+        Each engine's `shutdown_weight_transfer_engine` unmaps the session's memory (bounded,
+        never raising).
+        """
+        joined, self._connected = self._connected, False
         self.session.close()
+        if joined:
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 def _worker_index(engine: EngineClient) -> int | None:

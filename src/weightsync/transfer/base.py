@@ -406,6 +406,16 @@ class WeightTransferEngine(ABC):
         """
         return None
 
+    def release_gone(self) -> bool:
+        """Releases what the trainer left behind, now that it is gone; returns whether to look again.
+
+        A receiver acts only when called, but its trainer may close or die between two calls:
+        a backend then frees what it still holds for it (mappings of segments the trainer
+        unlinked, a group whose trainer no longer answers) from a watch of its own, every
+        second, rather than at the next init. The default holds nothing and returns False.
+        """
+        return False
+
     @abstractmethod
     def shutdown(self) -> None:
         """Releases the backend's resources. Safe to call twice."""

@@ -51,6 +51,7 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._cuda_ipc import synchronize
 from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer._ipc_regions import RegionCache
+from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -218,6 +219,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         # Every send has a new update_id, so an announcement of one seen before is late or
         # repeated; the most recent ones are enough to tell.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
+        self._watch: Watch | None = None  # runs release_gone between updates
 
     @property
     def is_initialized(self) -> bool:
@@ -243,7 +245,16 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.shutdown()
         self._session = info.session
         self._mappings = RegionCache(info.session)
+        self._watch = Watch(self.release_gone, name="weightsync-ipc-watch")
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
+
+    def release_gone(self) -> bool:
+        """Unmaps the segments their trainer released (it closed its session, or died).
+
+        See the base class; returns whether the session is still joined.
+        """
+        self._mappings.drop_gone()
+        return self._session is not None
 
     def receive_weights(
         self,
@@ -388,7 +399,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._mappings.clear()
 
     def shutdown(self) -> None:
-        """Drops every mapping and the session. Safe to call twice."""
-        self._session, self._progress = None, None
+        """Drops every mapping and the session, and stops the watch. Safe to call twice."""
+        if self._watch is not None:
+            self._watch.stop()
+        self._session, self._progress, self._watch = None, None, None
         self._announced.clear()
         self._mappings = RegionCache()

@@ -11,12 +11,14 @@ one private base. The trainer side is in
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -27,6 +29,7 @@ from weightsync.transfer._bucket_io import direct_region, unpack_bucket
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
 from weightsync.transfer._handshake import WorkerHandshake, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
+from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -55,6 +58,23 @@ _WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffe
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_EngineT = TypeVar("_EngineT", bound="_BroadcastWeightTransferEngine")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _exclusive(
+    method: Callable[Concatenate[_EngineT, _P], _R],
+) -> Callable[Concatenate[_EngineT, _P], _R]:
+    """Runs an engine method holding the engine's lock, which the watch never waits for."""
+
+    def run(self: _EngineT, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._busy:
+            return method(self, *args, **kwargs)
+
+    return functools.wraps(method)(run)  # type: ignore[return-value]
 
 
 @dataclass
@@ -165,6 +185,9 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool[torch.Tensor] | None = None
         self._handshake: WorkerHandshake | None = None
+        self._watch: Watch | None = None  # runs release_gone between updates
+        # Held by every call that uses the group; the watch never waits for it.
+        self._busy = threading.RLock()
         # Who claims this worker's rank: the same engine retrying its join may claim it again.
         self._claimant = uuid.uuid4().hex
 
@@ -173,6 +196,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         """Whether this worker is in a live group."""
         return self._group is not None and self._group.is_connected
 
+    @_exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
@@ -234,8 +258,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             group.close()
             raise
         self._group, self._info, self._handshake = group, info, WorkerHandshake(group)
+        self._watch = Watch(self.release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
+    @_exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -303,6 +329,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         )
         return stats
 
+    @_exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -369,8 +396,40 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             assert self._pool is not None
             self._pool.give_back(item.buffer_index)
 
+    def release_gone(self) -> bool:
+        """Leaves the group if its trainer is gone (its store does not answer); see the base class.
+
+        The group's connections and listening port are freed now, not at the next init. An
+        update in progress finds out for itself: the watch never waits for it. Returns whether
+        the group is still joined.
+        """
+        if not self._busy.acquire(blocking=False):
+            return True
+        try:
+            group = self._group
+            if group is None:
+                return False
+            try:
+                group.lookup("wire")  # the trainer wrote it when it made the group
+            except WeightTransferError as exc:
+                reason = str(exc).splitlines()[0][:300]  # torch appends its C++ stack
+                logger.info("worker rank %d: the trainer's group is gone (%s): leaving it",
+                            group.rank, reason)  # fmt: skip
+                self._leave()
+                return False
+            return True
+        finally:
+            self._busy.release()
+
+    @_exclusive
     def shutdown(self) -> None:
-        """Leaves the group and frees the bucket buffers. Safe to call twice."""
+        """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
+        if self._watch is not None:
+            self._watch.stop()
+        self._watch = None
+        self._leave()
+
+    def _leave(self) -> None:
         if self._group is not None:
             self._group.close()
         self._group, self._info, self._pool, self._handshake = None, None, None, None

@@ -14,6 +14,7 @@ from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
+    EngineStateError,
     IncompleteWeightUpdateError,
     TornWeightsError,
     WeightTransferError,
@@ -390,3 +391,41 @@ def test_a_weight_version_that_is_not_a_string_or_an_int_is_refused(local_source
     assert engine.weights.transaction is not None  # still open: finish it properly
     engine.finish_weight_update("v1")
     assert engine.weight_version == "v1"
+
+
+def test_shutting_the_transfer_engine_down_unmaps_and_a_later_init_starts_afresh(session, policy):
+    engine = ipc_engine(session)
+    for message in record(session, policy.items(), weight_version="v1"):
+        engine.update_weights(message)
+    mappings = engine.weights._transfer._mappings
+    assert engine.weight_version == "v1" and mappings.open_segments != []
+    engine.start_weight_update()
+    with pytest.raises(WeightUpdateStateError, match="shutdown_weight_transfer_engine: a weight"):
+        engine.shutdown_weight_transfer_engine()  # the update in progress stays
+    engine.abort_weight_update()
+    engine.shutdown_weight_transfer_engine()
+    assert mappings.open_segments == [] and engine.weight_version == "v1"
+    assert engine.weights._transfer is None  # forgotten: the next init may name any backend
+    with pytest.raises(EngineStateError, match=r"call init_weight_transfer_engine"):
+        engine.start_weight_update()  # no transfer to update through until the next init
+    again = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET, num_buffers=16)
+    try:
+        engine.init_weight_transfer_engine({"init_info": again.init_info})
+        for message in record(again, policy.items(), weight_version="v2"):
+            engine.update_weights(message)
+        assert engine.weight_version == "v2"
+    finally:
+        engine.shutdown()
+        again.close()
+
+
+def test_the_async_engine_shuts_its_transfer_engine_down_off_the_event_loop(session, policy):
+    async def main():
+        async with AsyncEngine(ipc_engine(session)) as engine:
+            for message in record(session, policy.items()):
+                await engine.update_weights(message)
+            transfer = engine.engine.weights._transfer
+            await engine.shutdown_weight_transfer_engine()
+            assert not transfer.is_initialized and engine.engine.weights._transfer is None
+
+    asyncio.run(main())
