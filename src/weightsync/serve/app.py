@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync import AsyncEngine, EngineConfigError
+from weightsync._keys import check_api_key
 from weightsync.serve._errors import error_body, install_error_handlers
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "PauseRecord", "ServerConfig", "ServerState", "create_app"]
@@ -61,8 +62,7 @@ class ServerConfig:
                 f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}"
             )
         for name in ("api_key", "admin_api_key"):
-            if getattr(self, name) == "":
-                raise EngineConfigError(f"{name} must not be empty: give a key, or None for none")
+            check_api_key(getattr(self, name), name=name)
 
 
 @dataclass(frozen=True)
