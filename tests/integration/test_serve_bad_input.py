@@ -11,6 +11,7 @@ cases; this table adds the ones that reach the engine's own validation.)
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from weightsync import (
     trainer_init,
     trainer_send_weights,
 )
+from weightsync.serve._server import HEADER_TIMEOUT_S
 from weightsync.transfer._handshake import LATEST
 
 pytestmark = pytest.mark.reliability("bad-input")
@@ -306,3 +308,23 @@ def test_a_malformed_update_with_no_trainer_broadcasting_is_refused_at_once(
     record_property("status", answer.status_code)
     record_property("message", error["message"][:160])
     record_property("seconds_to_error", round(elapsed, 2))
+
+
+def test_connections_that_never_finish_their_headers_are_closed_in_time(server, record_property):
+    """Clients open connections and never finish their headers: each closed within the bound."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port))) for _ in range(3)]
+    start = time.monotonic()
+    try:
+        conns[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        conns[2].sendall(b"GET /health HTTP/1.1\r\nHost: x")
+        for conn in conns:  # each read ends when the server closes the connection
+            conn.settimeout(HEADER_TIMEOUT_S + AT_ONCE_S)
+            assert conn.recv(4096) == b""
+        waited = time.monotonic() - start
+    finally:
+        for conn in conns:
+            conn.close()
+    assert waited < HEADER_TIMEOUT_S + AT_ONCE_S
+    assert httpx.get(server.base_url + "/health").status_code == 200  # others still served
+    record_property("seconds_to_error", round(waited, 2))
