@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._group import BroadcastGroup, _translate, check_backend, check_port
+from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._group_store import translate
 
 
 def _group(**overrides):
@@ -90,11 +91,11 @@ def test_collectives_need_a_connected_group():
 
 
 def test_torch_failures_become_weightsync_errors():
-    timeout = _translate("receiving bucket", RuntimeError("Socket Timeout"), 3.0)
+    timeout = translate("receiving bucket", RuntimeError("Socket Timeout"), 3.0)
     assert isinstance(timeout, WeightTransferTimeout)
     assert "receiving bucket timed out after 3 s (timeout_s)" in str(timeout)
-    failed = _translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
-    misnamed = _translate("opening the store", TypeError("unexpected keyword 'timeout'"), 3.0)
+    failed = translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
+    misnamed = translate("opening the store", TypeError("unexpected keyword 'timeout'"), 3.0)
     assert not isinstance(misnamed, WeightTransferTimeout)
     assert type(failed) is WeightTransferError
     assert "a peer process died or closed the group" in str(failed)

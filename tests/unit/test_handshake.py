@@ -15,13 +15,8 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._handshake import (
-    LATEST,
-    WorkerHandshake,
-    metadata_digest,
-    open_update,
-    send_identity,
-)
+from weightsync.transfer._handshake import LATEST, WorkerHandshake, open_update
+from weightsync.transfer._identity import metadata_digest, send_identity
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 
 SPECS = [TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, (300,))]

@@ -80,11 +80,11 @@ def joined():
 
 def test_a_receiver_leaves_the_group_of_a_trainer_that_closed_it(joined):
     trainer, engine = joined
-    assert engine.release_gone() is True  # the trainer answers: nothing to release
+    assert engine._release_gone() is True  # the trainer answers: nothing to release
     trainer.close()
     next_sweep(engine._watch)
     assert not engine.is_initialized  # left: its connections and port are closed
-    assert engine.release_gone() is False
+    assert engine._release_gone() is False
 
 
 def test_the_watch_never_waits_for_a_call_in_progress(joined):
@@ -101,8 +101,8 @@ def test_the_watch_never_waits_for_a_call_in_progress(joined):
     try:
         assert holding.wait(SWEEP_S)
         trainer.close()
-        assert engine.release_gone() is True and engine.is_initialized  # did not wait
+        assert engine._release_gone() is True and engine.is_initialized  # did not wait
     finally:
         done.set()
         call.join(SWEEP_S)
-    assert engine.release_gone() is False and not engine.is_initialized
+    assert engine._release_gone() is False and not engine.is_initialized

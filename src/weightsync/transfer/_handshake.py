@@ -1,49 +1,32 @@
 """The round that opens every broadcast update, held in the group's store: announce, answer, decide.
 
-Before any tensor byte moves, the trainer announces its update `n` (which send it is, how many
-tensors, a digest of their metadata), every worker answers it (ready, or refused and why), and
-the trainer publishes its decision; only a decision to go lets the ranks into the collectives.
-The round lives in the store, not in a collective, so a worker that refuses a message never
-waits for the trainer: it writes its refusal and returns, and its group stays usable.
-
-A refusal is paired with the trainer's update that carries the refused message, and no other:
-
-- the trainer's newest update, still undecided, of the same send (see `send_identity`): the
-  refusal is the worker's answer to it;
-- otherwise the refusal is kept for the trainer's *next* update, which takes it only if that
-  update is of the same send. A stray message refused while no trainer was on the line therefore
-  never fails a later update of another send.
-
-A message the worker accepts answers the trainer's newest undecided update (refused if its
-metadata differs from what the trainer announced), or waits, `timeout_s` at most, for the next
-one. `docs/transfer/broadcast.md` lists every interleaving and its outcome.
-
-Keys, with JSON values (`n` is the trainer's update number, from 1):
-
-- `update/latest`: the newest `n` announced;
-- `update/{n}`: `{"send", "tensors", "digest"}`, or `{"send", "refused"}` when the trainer
-  refuses its own update;
-- `update/{n}/answer/{rank}`: `{"ok": true}` or `{"refused": reason}`, written once;
-- `update/{n}/decision`: `{"go": true}`, `{"refused": reasons}` or `{"timeout": reason}`;
-- `update/early/{rank}`: a worker's latest refusals that found no update of theirs on the line,
-  each `{"update": n, "send", "refused"}`.
+Before any tensor byte moves, the trainer announces its update `n`, every worker answers it
+(ready, or refused and why), and the trainer publishes its decision; only a decision to go lets
+the ranks into the collectives. The round lives in the store, not in a collective, so a worker
+that refuses a message never waits for the trainer. A refusal reaches the trainer's update of
+the same send (`_identity.send_identity`) and no other; docs/transfer/broadcast.md gives the rules and
+every interleaving. Keys, JSON values (`n` counts the trainer's updates from 1):
+`update/latest`; `update/{n}` (the announcement); `update/{n}/answer/{rank}`, written once;
+`update/{n}/decision`; `update/early/{rank}` (refusals that found no update of theirs on the
+line, kept for the next one).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import secrets
+import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Protocol
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, dtype_name
+from weightsync.transfer._identity import metadata_digest
+from weightsync.transfer.base import TensorSpec
 
-__all__ = ["StoreGroup", "WorkerHandshake", "metadata_digest", "open_update", "send_identity"]
+__all__ = ["LATEST", "StoreGroup", "WorkerHandshake", "open_update"]
+
+logger = logging.getLogger(__name__)
 
 LATEST = "update/latest"
 REASON_CHARS = 4000
@@ -67,35 +50,6 @@ class StoreGroup(Protocol):
     def get(self, key: str, timeout_s: float | None = None) -> Any: ...
     def set_once(self, key: str, value: Any) -> Any: ...
     def delete(self, key: str) -> None: ...
-
-
-def metadata_digest(specs: Sequence[TensorSpec]) -> int:
-    """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
-    text = json.dumps([[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def send_identity(update_info: object) -> str:
-    """Which send an update message belongs to: 16 hex digits both sides compute alike.
-
-    The message's `send_id` when it has one (every update info built by
-    `WeightTransferUpdateInfo.from_specs` or `from_named_tensors` has a fresh one), else its
-    content: a message mangled on its way keeps its send, a stray one has another.
-    """
-    data: Any = update_info.to_dict() if isinstance(update_info, WeightTransferUpdateInfo) else None
-    if data is None and isinstance(update_info, Mapping):
-        data = dict(update_info)
-    if isinstance(data, dict) and isinstance(data.get("send_id"), str):
-        key: Any = ["send_id", data["send_id"]]
-    elif isinstance(data, dict):  # null fields are as good as absent (to_dict leaves them out)
-        key = ["content", {k: v for k, v in data.items() if v is not None}]
-    else:
-        key = ["content", update_info]
-    try:
-        text = json.dumps(key, sort_keys=True, default=repr)
-    except (TypeError, ValueError, RecursionError):  # keys of mixed types, a nesting too deep
-        text = secrets.token_hex(8)  # nothing to recognise it by: it pairs with nothing
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _update_key(n: int) -> str:
@@ -321,28 +275,41 @@ class WorkerHandshake:
             raise _malformed(LATEST, value)
         return int(value)
 
-    def refuse(self, send: str, reason: str) -> None:
+    def refuse(self, send: str, reason: str) -> bool:
         """Refuses the message of `send` at once: this never waits for the trainer.
 
-        If the trainer's newest update is of that send and undecided, this is the answer to it;
-        if it is decided, the trainer went on without this rank and nothing is left to say.
-        Otherwise the refusal is kept for the trainer's next update, which takes it only if it
-        is of that send.
-
-        Raises:
-            WeightTransferError: The store cannot be reached (the trainer is gone).
+        It answers the trainer's newest update if that one is of `send` and undecided (decided:
+        the trainer went on without this rank, nothing is left to say); otherwise it is kept
+        for the trainer's next update, which takes it only if that one is of `send`. Returns
+        False when the store cannot be reached: the trainer is gone, and so is its group.
         """
         group, reason = self._group, _bounded(reason)
-        n = self._latest()
-        announced = _announcement(group, n) if n else None
-        if announced is not None and announced["send"] == send:
-            key = _answer_key(n, group.rank)
-            if group.lookup(key) is None:
-                if group.lookup(_decision_key(n)) is None:
-                    group.set_once(key, {"refused": reason})
-                return
-        self._early.append({"update": n + 1, "send": send, "refused": reason})
-        group.set(_early_key(group.rank), list(self._early))
+        try:
+            n = self._latest()
+            announced = _announcement(group, n) if n else None
+            if announced is not None and announced["send"] == send:
+                key = _answer_key(n, group.rank)
+                if group.lookup(key) is None:
+                    if group.lookup(_decision_key(n)) is None:
+                        group.set_once(key, {"refused": reason})
+                    return True
+            self._early.append({"update": n + 1, "send": send, "refused": reason})
+            group.set(_early_key(group.rank), list(self._early))
+        except WeightTransferError as exc:
+            logger.warning("rank %d refused an update, but the trainer's store is gone: %s",
+                           group.rank, str(exc).splitlines()[0][:300])  # fmt: skip
+            return False
+        return True
+
+    def trainer_is_gone(self) -> bool:
+        """Whether the trainer's store stopped answering (the trainer closed its group or died)."""
+        try:
+            self._group.lookup(LATEST)
+        except WeightTransferError as exc:
+            logger.info("rank %d: the trainer's group is gone (%s)", self._group.rank,
+                        str(exc).splitlines()[0][:300])  # fmt: skip  # torch appends its C++ stack
+            return True
+        return False
 
     def join(self, send: str, specs: Sequence[TensorSpec]) -> None:
         """Answers the trainer's update of an accepted message; returns once it is to go.

@@ -9,11 +9,13 @@ next init.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
-__all__ = ["RELEASE_PERIOD_S", "Watch"]
+__all__ = ["RELEASE_PERIOD_S", "Watch", "exclusive"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +66,25 @@ class Watch:
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join(_STOP_WAIT_S)
+
+
+class _Watched(Protocol):
+    _busy: threading.RLock
+
+
+_W = TypeVar("_W", bound=_Watched)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def exclusive(method: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
+    """Runs a receiver's method holding its `_busy` lock, which its watch's sweep never waits for.
+
+    A sweep that finds the lock held skips its turn: the call in progress sees for itself.
+    """
+
+    def run(self: _W, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._busy:
+            return method(self, *args, **kwargs)
+
+    return functools.wraps(method)(run)  # type: ignore[return-value]

@@ -149,10 +149,9 @@ class WeightTransferUpdateInfo:
         dtype_names: Wire dtype names (see [`dtype_name`][weightsync.transfer.base.dtype_name]).
         shapes: Shapes as lists of non-negative ints (`[]` for a 0-d tensor).
         weight_version: Optional label of the weights being sent (the trainer's step, say).
-        send_id: Identifies the send this message belongs to, so that a broadcast worker's
-            refusal of the message is paired with that send and no other (the handshake on the
-            NCCL and gloo page). `from_specs` and `from_named_tensors` set a fresh one;
-            without it a message is identified by its content. At most 64 characters.
+        send_id: The send this message belongs to (at most 64 characters), so that a broadcast
+            worker's refusal of it fails that send and no other; `from_specs` and
+            `from_named_tensors` set a fresh one. Without it, the content identifies a message.
 
     Raises:
         WeightValidationError: The lists differ in length, a name repeats, a dtype is unknown or
@@ -391,11 +390,9 @@ class WeightTransferEngine(ABC):
     ) -> None:
         """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
 
-        A broadcast backend answers the update's handshake with `reason` as this rank's
-        refusal, at once and without waiting for the trainer: a trainer broadcasting this
-        message's update fails at once with it (now, or as soon as it starts), and the group
-        stays usable for the next attempt. The default does nothing: the caller raises `reason`
-        itself.
+        A broadcast backend answers the update's handshake with `reason` at once, never waiting:
+        a trainer sending this message's update fails with it (now, or as soon as it starts),
+        and the group stays usable. The default does nothing: the caller raises `reason` itself.
         """
         return None
 
@@ -405,16 +402,6 @@ class WeightTransferEngine(ABC):
         The default does nothing: a backend whose update is one message keeps no such state.
         """
         return None
-
-    def release_gone(self) -> bool:
-        """Releases what the trainer left behind, now that it is gone; returns whether to look again.
-
-        A receiver acts only when called, but its trainer may close or die between two calls:
-        a backend then frees what it still holds for it (mappings of segments the trainer
-        unlinked, a group whose trainer no longer answers) from a watch of its own, every
-        second, rather than at the next init. The default holds nothing and returns False.
-        """
-        return False
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -219,7 +219,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         # Every send has a new update_id, so an announcement of one seen before is late or
         # repeated; the most recent ones are enough to tell.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
-        self._watch: Watch | None = None  # runs release_gone between updates
+        self._watch: Watch | None = None  # frees what a trainer left, between updates
 
     @property
     def is_initialized(self) -> bool:
@@ -245,14 +245,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.shutdown()
         self._session = info.session
         self._mappings = RegionCache(info.session)
-        self._watch = Watch(self.release_gone, name="weightsync-ipc-watch")
+        self._watch = Watch(self._release_gone, name="weightsync-ipc-watch")
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
 
-    def release_gone(self) -> bool:
-        """Unmaps the segments their trainer released (it closed its session, or died).
-
-        See the base class; returns whether the session is still joined.
-        """
+    def _release_gone(self) -> bool:
+        """Unmaps the segments the trainer released (closed its session, or died); the watch's."""
         self._mappings.drop_gone()
         return self._session is not None
 

@@ -11,14 +11,13 @@ one private base. The trainer side is in
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,9 +26,10 @@ from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, unpack_bucket
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
-from weightsync.transfer._handshake import WorkerHandshake, send_identity
+from weightsync.transfer._handshake import WorkerHandshake
+from weightsync.transfer._identity import send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
-from weightsync.transfer._watch import Watch
+from weightsync.transfer._watch import Watch, exclusive
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -40,9 +40,6 @@ from weightsync.transfer.base import (
 )
 from weightsync.transfer.packing import Bucket
 from weightsync.transfer.wire import WireParams
-
-if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
-    pass
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -58,23 +55,6 @@ _WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffe
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-_EngineT = TypeVar("_EngineT", bound="_BroadcastWeightTransferEngine")
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _exclusive(
-    method: Callable[Concatenate[_EngineT, _P], _R],
-) -> Callable[Concatenate[_EngineT, _P], _R]:
-    """Runs an engine method holding the engine's lock, which the watch never waits for."""
-
-    def run(self: _EngineT, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._busy:
-            return method(self, *args, **kwargs)
-
-    return functools.wraps(method)(run)  # type: ignore[return-value]
 
 
 @dataclass
@@ -185,7 +165,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool[torch.Tensor] | None = None
         self._handshake: WorkerHandshake | None = None
-        self._watch: Watch | None = None  # runs release_gone between updates
+        self._watch: Watch | None = None  # frees what a trainer left, between updates
         # Held by every call that uses the group; the watch never waits for it.
         self._busy = threading.RLock()
         # Who claims this worker's rank: the same engine retrying its join may claim it again.
@@ -196,7 +176,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         """Whether this worker is in a live group."""
         return self._group is not None and self._group.is_connected
 
-    @_exclusive
+    @exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
@@ -258,10 +238,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             group.close()
             raise
         self._group, self._info, self._handshake = group, info, WorkerHandshake(group)
-        self._watch = Watch(self.release_gone, name="weightsync-group-watch")
+        self._watch = Watch(self._release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
-    @_exclusive
+    @exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -329,36 +309,19 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         )
         return stats
 
-    @_exclusive
+    @exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
         reason: WeightSyncError,
     ) -> None:
-        """Answers the update's handshake with `reason` (see the base class); never waits.
-
-        The trainer learns it at once if it broadcasts this message's update now, or as soon as
-        it starts to; a message of no update the trainer sends is refused here alone, and the
-        group stays usable either way.
-        """
-        group = self._group
-        if group is None or not group.is_connected:
-            return  # no group: the trainer cannot be waiting on this rank
-        self._refuse(send_identity(update_info), f"{type(reason).__name__}: {reason}")
+        """Answers the update's handshake with `reason` at once (see the base class)."""
+        if self.is_initialized:  # else no trainer can be waiting on this rank
+            self._refuse(send_identity(update_info), f"{type(reason).__name__}: {reason}")
 
     def _refuse(self, send: str, reason: str) -> None:
-        """Tells the trainer, through the store, that this worker refuses the message of `send`."""
-        assert self._handshake is not None and self._group is not None
-        try:
-            self._handshake.refuse(send, reason)
-        except WeightTransferError as exc:  # the store went with the trainer: leave its group
-            logger.warning(
-                "worker rank %d refused an update but cannot tell the trainer (%s): leaving "
-                "the group",
-                self._group.rank,
-                exc,
-            )
-            self.shutdown()
+        if self._handshake is not None and not self._handshake.refuse(send, reason):
+            self.shutdown()  # the trainer is gone: leave its group
 
     def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
@@ -396,32 +359,22 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             assert self._pool is not None
             self._pool.give_back(item.buffer_index)
 
-    def release_gone(self) -> bool:
-        """Leaves the group if its trainer is gone (its store does not answer); see the base class.
+    def _release_gone(self) -> bool:
+        """The watch's: leaves the group if its trainer is gone, freeing its connections and port.
 
-        The group's connections and listening port are freed now, not at the next init. An
-        update in progress finds out for itself: the watch never waits for it. Returns whether
-        the group is still joined.
+        A call in progress finds out for itself: this never waits for it. Returns whether the
+        group is still joined.
         """
         if not self._busy.acquire(blocking=False):
             return True
         try:
-            group = self._group
-            if group is None:
-                return False
-            try:
-                group.lookup("wire")  # the trainer wrote it when it made the group
-            except WeightTransferError as exc:
-                reason = str(exc).splitlines()[0][:300]  # torch appends its C++ stack
-                logger.info("worker rank %d: the trainer's group is gone (%s): leaving it",
-                            group.rank, reason)  # fmt: skip
+            if self._handshake is not None and self._handshake.trainer_is_gone():
                 self._leave()
-                return False
-            return True
+            return self._group is not None
         finally:
             self._busy.release()
 
-    @_exclusive
+    @exclusive
     def shutdown(self) -> None:
         """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
         if self._watch is not None:

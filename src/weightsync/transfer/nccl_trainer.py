@@ -26,7 +26,8 @@ from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup
-from weightsync.transfer._handshake import open_update, send_identity
+from weightsync.transfer._handshake import open_update
+from weightsync.transfer._identity import send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
