@@ -32,8 +32,7 @@ LATEST = "update/latest"
 REASON_CHARS = 4000
 """A reason is cut to this many characters in the store (a refusal may list every tensor)."""
 _EARLY_KEPT = 8
-# The trainer polls the answers in its own store: every half millisecond while they usually
-# come (a healthy round takes a few), then backing off to a pause of 50 ms.
+# The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 
 

@@ -67,6 +67,12 @@ class Watch:
         if self._thread is not threading.current_thread():
             self._thread.join(_STOP_WAIT_S)
 
+    @staticmethod
+    def stop_if_any(watch: Watch | None) -> None:
+        """Stops `watch`, if there is one."""
+        if watch is not None:
+            watch.stop()
+
 
 class _Watched(Protocol):
     _busy: threading.RLock

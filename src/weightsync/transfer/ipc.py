@@ -248,10 +248,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._watch = Watch(self._release_gone, name="weightsync-ipc-watch")
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
 
-    def _release_gone(self) -> bool:
-        """Unmaps the segments the trainer released (closed its session, or died); the watch's."""
+    def _release_gone(self) -> bool:  # the watch's sweep: unmap what the trainer released
         self._mappings.drop_gone()
-        return self._session is not None
+        return True  # watched until shutdown stops it
 
     def receive_weights(
         self,
@@ -397,8 +396,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     def shutdown(self) -> None:
         """Drops every mapping and the session, and stops the watch. Safe to call twice."""
-        if self._watch is not None:
-            self._watch.stop()
+        Watch.stop_if_any(self._watch)
         self._session, self._progress, self._watch = None, None, None
         self._announced.clear()
         self._mappings = RegionCache()

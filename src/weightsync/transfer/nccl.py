@@ -377,8 +377,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
     @exclusive
     def shutdown(self) -> None:
         """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
-        if self._watch is not None:
-            self._watch.stop()
+        Watch.stop_if_any(self._watch)
         self._watch = None
         self._leave()
 
