@@ -32,6 +32,13 @@ SURFACES = {
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",
     "tests/faults/test_serve_faults.py": "faults through the server",
     "tests/integration/test_soak.py": "soak, short",
+    "tests/integration/test_serve_rl.py": "the RL routes' keys, through the real command",
+    "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",
+    "tests/unit/test_group.py": "the broadcast group: world size and timeouts",
+    "tests/unit/engine/test_llm_engine.py": "`LLMEngine`",
+    "tests/unit/serve/test_app.py": "the app in-process: keys",
+    "tests/unit/serve/test_server.py": "the HTTP server's connection limits",
+    "tests/unit/trainer/test_http_client.py": "`HTTPEngineClient`",
 }
 DETAILS = ("error", "status", "exit_status", "message", "seconds_to_error", "max_examples")
 

@@ -415,6 +415,12 @@ class AsyncEngine:
         async with self._lock:
             return await asyncio.to_thread(self.engine.weight_checksums)
 
+    async def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer; see `LLMEngine.shutdown_weight_transfer_engine`."""
+        self._start()
+        async with self._transfer_lock, self._lock:
+            await asyncio.to_thread(self.engine.shutdown_weight_transfer_engine)
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def shutdown(self) -> None:

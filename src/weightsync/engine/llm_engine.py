@@ -50,6 +50,13 @@ __all__ = ["LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
+def _load_model(name: str, *, seed: int, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A preset's model with weights drawn from `seed`, or a local Hugging Face directory's."""
+    if name in PRESETS:
+        return LlamaForCausalLM.from_preset(name, seed=seed, dtype=dtype)
+    return load_hf_directory(name, dtype=dtype)
+
+
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
@@ -97,11 +104,7 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         self.device = config.resolve_device()
         if isinstance(model, str):
-            model = (
-                LlamaForCausalLM.from_preset(model, seed=seed, dtype=dtype)
-                if model in PRESETS
-                else load_hf_directory(model, dtype=dtype)
-            )
+            model = _load_model(model, seed=seed, dtype=dtype)
         # Before LiveWeights: updates are received into these parameters, on the device.
         self.model = model.to(self.device).eval()
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
@@ -141,6 +144,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
+        self._shut_down = False  # see shutdown()
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
@@ -153,7 +157,9 @@ class LLMEngine:
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
+            EngineStateError: The engine was shut down.
         """
+        self._check_not_shut_down("add_request")
         with self._lock:
             seq = self.input_processor.process(request_id, prompt, sampling_params)
             if request_id in self._live_ids:
@@ -225,7 +231,11 @@ class LLMEngine:
 
         Paused, or while a weight update is open or weights are torn, it only delivers pending
         outputs (aborts); new requests stay queued. A request that fails ends alone (`"error"`).
+
+        Raises:
+            EngineStateError: The engine was shut down.
         """
+        self._check_not_shut_down("step")
         self._drain_inbox()
         self.scheduler.fire_armed_pause(self.start_pause)  # see ArmedPause
         if self._can_compute():
@@ -256,9 +266,10 @@ class LLMEngine:
 
         Raises:
             EngineStateError: The engine is paused, a weight update is in progress, or weights
-                are torn: it would wait forever.
+                are torn: it would wait forever; or the engine was shut down.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
+        self._check_not_shut_down("generate")
         self._gate.check_can_generate("generate()")
         batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
@@ -418,6 +429,7 @@ class LLMEngine:
 
         Blocks until the group forms (the trainer's first send) or its timeout passes.
         """
+        self._check_not_shut_down("init_weight_transfer_engine")
         self.weights.init_transfer_engine(
             unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
@@ -434,6 +446,7 @@ class LLMEngine:
             EngineStateError: No transfer engine was initialized.
             WeightUpdateStateError: A transaction is already open.
         """
+        self._check_not_shut_down("start_weight_update")
         self._gate.start()
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
@@ -457,6 +470,7 @@ class LLMEngine:
             WeightValidationError: The message was refused; nothing changed.
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
+        self._check_not_shut_down("update_weights")
         return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
@@ -527,6 +541,33 @@ class LLMEngine:
         """
         return self._gate.abort()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer and frees what it held, as vLLM's call of that name.
+
+        A trainer calls it when it closes: the group's connections and port, or the mappings
+        of its shared memory, go now. A later `init_weight_transfer_engine` joins a new
+        transfer (of any backend). The weights and their version stay.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        self.weights.release_transfer_engine()
+
     def shutdown(self) -> None:
-        """Releases the transfer engine. Safe to call twice."""
+        """Ends the engine: releases its transfer engine and runs nothing more. Safe twice.
+
+        Requests still in flight are not stepped further. Every later call that would generate
+        or update (`generate`, `add_request`, `step`, `init_weight_transfer_engine`,
+        `start_weight_update`, `update_weights`) raises `EngineStateError`, as an `AsyncEngine`
+        shut down does; create a new engine instead. To leave a trainer's transfer and go on
+        generating, call `shutdown_weight_transfer_engine()`.
+        """
+        self._shut_down = True
         self.weights.shutdown()
+
+    def _check_not_shut_down(self, call: str) -> None:
+        if self._shut_down:
+            raise EngineStateError(
+                f"{call}: this LLMEngine was shut down; create a new one (to leave a trainer's "
+                "transfer only, call shutdown_weight_transfer_engine() instead)"
+            )

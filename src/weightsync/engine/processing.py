@@ -77,7 +77,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in [0, {self.vocab_size}), got {prompt!r}"
                 )
-        if not token_ids:
+        if not token_ids or prompt == "":  # a BOS token alone is not a prompt
             raise InvalidRequestError("prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(

@@ -590,6 +590,20 @@ class LiveWeights:
         if self._transfer is not None:
             self._transfer.shutdown()
 
+    def release_transfer_engine(self) -> None:
+        """Shuts the transfer engine down and forgets it: the next init creates a fresh one.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "shutdown_weight_transfer_engine: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
+        self.shutdown()
+        self._transfer = None
+
     # --- sleep --------------------------------------------------------------------------------
 
     @property

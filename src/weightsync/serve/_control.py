@@ -82,6 +82,10 @@ class ControlSurface(Protocol):
         """Joins the trainer's transfer."""
         ...
 
+    async def shutdown_weight_transfer_engine(self) -> Body:
+        """Leaves the trainer's transfer and frees what it held."""
+        ...
+
     async def start_weight_update(self) -> Body:
         """Opens a weight-update transaction."""
         ...
@@ -198,6 +202,12 @@ class EngineControl:
         """Joins the trainer's transfer; blocks (off the event loop) until it forms."""
         await self.engine.init_weight_transfer_engine({"init_info": init_info})
         return {"message": "Weight transfer initialized"}
+
+    async def shutdown_weight_transfer_engine(self) -> Body:
+        """Leaves the trainer's transfer; the weights and their version stay."""
+        async with self._updates:
+            await self.engine.shutdown_weight_transfer_engine()
+        return {"message": "Weight transfer shut down"}
 
     async def start_weight_update(self) -> Body:
         """Opens a weight-update transaction."""

@@ -165,6 +165,12 @@ class FleetControl:
         await self.fleet.all("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
         return {"message": "Weight transfer initialized"}
 
+    async def shutdown_weight_transfer_engine(self) -> Body:
+        """Every replica leaves the trainer's transfer."""
+        async with self._updates:
+            await self.fleet.all("POST", "/shutdown_weight_transfer_engine")
+        return {"message": "Weight transfer shut down"}
+
     async def start_weight_update(self) -> Body:
         """Opens the transaction on every replica; if one refuses, none keeps it open."""
         async with self._updates:

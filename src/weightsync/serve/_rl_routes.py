@@ -223,6 +223,12 @@ async def _abort_weight_update(request: Request) -> Answer:
     return await _surface(request).abort_weight_update()
 
 
+@router.post("/shutdown_weight_transfer_engine", operation_id="shutdown_weight_transfer_engine")
+async def _shutdown_weight_transfer_engine(request: Request) -> Answer:
+    """Leaves the trainer's transfer and frees what it held (vLLM's client calls it on close)."""
+    return await _surface(request).shutdown_weight_transfer_engine()
+
+
 @router.post("/update_weight_version", operation_id="update_weight_version")
 async def _update_weight_version(request: Request, body: UpdateWeightVersionRequest) -> Answer:
     """Relabels the current weights; no byte changes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightsync._keys import check_api_key
 from weightsync.errors import EngineConfigError
 
 __all__ = ["ServerConfig"]
@@ -40,5 +41,4 @@ class ServerConfig:
                 f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}"
             )
         for name in ("api_key", "admin_api_key"):
-            if getattr(self, name) == "":
-                raise EngineConfigError(f"{name} must not be empty: give a key, or None for none")
+            check_api_key(getattr(self, name), name=name)

@@ -350,6 +350,10 @@ class EngineProcess:
         """Ends the transaction on purpose (see `LLMEngine.abort_weight_update`)."""
         return self.client.abort_weight_update()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer (see `LLMEngine.shutdown_weight_transfer_engine`)."""
+        self.client.shutdown_weight_transfer_engine()
+
     def weight_digests(self) -> dict[str, str]:
         """SHA-256 of every weight's bytes, by Hugging Face name (`/weight_checker`)."""
         return self.client.weight_checksums()

@@ -26,7 +26,7 @@ from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.trainer._calls import collect, in_threads
+from weightsync.trainer._calls import collect, in_threads, release_transfers
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
@@ -220,6 +220,7 @@ class BroadcastWeightSender(WeightSender):
             "master_port": master_port,
         }
         self.group: TrainerGroup | None = None
+        self._world_sizes: list[int] = []  # each engine's transfer workers, from connect()
 
     def connect(self) -> None:
         """Creates the group, as large as the engines' workers, and joins every engine to it.
@@ -235,6 +236,7 @@ class BroadcastWeightSender(WeightSender):
             timeout_s=self.wire.client_timeout_s,
             what="get_world_size",
         )
+        self._world_sizes = sizes
         first = 0
         for index, (engine, size) in enumerate(zip(self.engines, sizes, strict=True)):
             declared = getattr(engine, "worker_index", None)
@@ -279,7 +281,12 @@ class BroadcastWeightSender(WeightSender):
         # Engines receive on threads of their own while the trainer sends on this one.
         receives = in_threads(self.engines, lambda e: e.update_weights(request))
         try:
-            stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
+            # One call per rank: a data-parallel server's one call holds all of its ranks.
+            per_rank = [
+                c for c, n in zip(receives, self._world_sizes, strict=True) for _ in range(n)
+            ]
+            args = NCCLTrainerSendWeightsArgs(self.group, update_info, receiving=per_rank)
+            stats = trainer_send_weights(pairs, args)
         except WeightValidationError:
             # Rejected in the handshake: nothing moved and the group stays usable.
             with contextlib.suppress(Exception):
@@ -294,10 +301,16 @@ class BroadcastWeightSender(WeightSender):
         return stats
 
     def close(self) -> None:
-        """Closes the group (engines blocked on it fail at once) and frees its port."""
+        """Closes the group and has every engine leave it. Safe to call twice.
+
+        Engines blocked on the group fail at once, its port is free when this returns, and each
+        engine's `shutdown_weight_transfer_engine` frees what it held (bounded, never raising).
+        """
         self._connected = False
-        if self.group is not None:
-            self.group.close()
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 class IPCWeightSender(WeightSender):
@@ -368,9 +381,15 @@ class IPCWeightSender(WeightSender):
         return ipc_trainer_send_weights(weights, args)
 
     def close(self) -> None:
-        """Unlinks every segment of the session. Safe to call twice."""
-        self._connected = False
+        """Unlinks every segment of the session and has every engine leave it. Safe to call twice.
+
+        Each engine's `shutdown_weight_transfer_engine` unmaps the session's memory (bounded,
+        never raising).
+        """
+        joined, self._connected = self._connected, False
         self.session.close()
+        if joined:
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 def create_weight_sender(

@@ -14,6 +14,7 @@ through two plain-dict payloads that can travel over any control channel (a pipe
 from __future__ import annotations
 
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,9 @@ class WeightTransferUpdateInfo:
         dtype_names: Wire dtype names (see [`dtype_name`][weightsync.transfer.base.dtype_name]).
         shapes: Shapes as lists of non-negative ints (`[]` for a 0-d tensor).
         weight_version: Optional label of the weights being sent (the trainer's step, say).
+        send_id: The send this message belongs to (at most 64 characters), so that a broadcast
+            worker's refusal of it fails that send and no other; `from_specs` and
+            `from_named_tensors` set a fresh one. Without it, the content identifies a message.
 
     Raises:
         WeightValidationError: The lists differ in length, a name repeats, a dtype is unknown or
@@ -192,6 +196,7 @@ class WeightTransferUpdateInfo:
     dtype_names: list[str]
     shapes: list[list[int]]
     weight_version: str | int | None = None
+    send_id: str | None = None
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -230,19 +235,25 @@ class WeightTransferUpdateInfo:
             raise WeightValidationError(
                 f"weight_version must be a string, an int or null, got {type(version).__name__}"
             )
+        send_id = self.send_id
+        if send_id is not None and (not isinstance(send_id, str) or not 0 < len(send_id) <= 64):
+            raise WeightValidationError(
+                f"send_id must be a string of 1 to 64 characters or null, got {send_id!r:.80}"
+            )
         self._specs = specs
 
     @classmethod
     def from_specs(
         cls, specs: Iterable[TensorSpec], *, weight_version: str | int | None = None
     ) -> WeightTransferUpdateInfo:
-        """Builds the update info announcing `specs`, in order."""
+        """Builds the update info announcing `specs`, in order, with a fresh `send_id`."""
         specs = list(specs)
         return cls(
             names=[s.name for s in specs],
             dtype_names=[dtype_name(s.dtype) for s in specs],
             shapes=[list(s.shape) for s in specs],
             weight_version=weight_version,
+            send_id=secrets.token_hex(8),
         )
 
     @classmethod
@@ -274,12 +285,15 @@ class WeightTransferUpdateInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of parsing it."""
-        return {
+        data: dict[str, Any] = {
             "names": list(self.names),
             "dtype_names": list(self.dtype_names),
             "shapes": [list(s) for s in self.shapes],
             "weight_version": self.weight_version,
         }
+        if self.send_id is not None:
+            data["send_id"] = self.send_id
+        return data
 
 
 def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
@@ -406,9 +420,9 @@ class WeightTransferEngine(ABC):
     ) -> None:
         """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
 
-        A broadcast backend takes part in the update's handshake with `reason` as this rank's
-        rejection, so the trainer and every peer fail at once with it and the group stays usable
-        for the next attempt. The default does nothing: the caller raises `reason` itself.
+        A broadcast backend answers the update's handshake with `reason` at once, never waiting:
+        a trainer sending this message's update fails with it (now, or as soon as it starts),
+        and the group stays usable. The default does nothing: the caller raises `reason` itself.
         """
         return None
 

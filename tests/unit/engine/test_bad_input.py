@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import SOURCES, LocalSource, greedy, make_engine
 
-from weightsync import EngineConfig, SamplingParams
+from weightsync import EngineConfig, SamplingParams, WeightTransferConfig
 from weightsync.errors import (
     EngineBusyError,
     EngineConfigError,
@@ -102,6 +102,9 @@ CASES = [
     sampling(logprobs=-1),
     # Prompts.
     Case("prompt-empty-ids", add([]), InvalidRequestError, "prompt is empty"),
+    Case("prompt-empty-text", add(""), InvalidRequestError, "prompt is empty"),
+    Case("generate-prompt-empty-text", lambda ctx: ctx.engine.generate("", greedy(2)),
+         InvalidRequestError, "prompt is empty"),
     Case("prompt-id-past-vocab", add([1, 10**6]), InvalidRequestError, r"token ids must be ints"),
     Case("prompt-id-negative", add([-1]), InvalidRequestError, r"token ids must be ints"),
     Case("prompt-id-bool", add([True, 2]), InvalidRequestError, r"token ids must be ints"),
@@ -212,6 +215,8 @@ CASES = [
         "refuse_non_finite_weights",
     ),
     Case("config-max-model-len", lambda ctx: EngineConfig(max_model_len=1), EngineConfigError, "max_model_len"),
+    Case("config-transfer-backend-list", lambda ctx: WeightTransferConfig(backend=["gloo"]),
+         WeightValidationError, r"backend must be a string .* got list \['gloo'\]"),
 ]  # fmt: skip
 
 

@@ -14,6 +14,8 @@ from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
+    EngineStateError,
+    EngineStateError,
     IncompleteWeightUpdateError,
     TornWeightsError,
     WeightTransferError,
@@ -95,8 +97,11 @@ def test_the_version_moves_only_at_finish_and_nothing_computes_in_between(local_
 
 def test_calls_out_of_order_are_refused_and_say_what_comes_next(local_source):
     engine = make_engine()
-    with pytest.raises(Exception, match=r"init_weight_transfer_engine"):
-        engine.start_weight_update()
+    engine.start_weight_update()  # as vLLM: an update with no message is a relabel
+    with pytest.raises(EngineStateError, match=r"init_weight_transfer_engine"):
+        engine.update_weights(local_source.update_info())  # a message needs a transfer
+    engine.finish_weight_update("relabelled")
+    assert engine.weight_version == "relabelled"
     engine.init_weight_transfer_engine(local_source.init_request)
     with pytest.raises(WeightUpdateStateError, match=r"start_weight_update\(\) and update_weights"):
         engine.finish_weight_update()
@@ -394,3 +399,41 @@ def test_a_weight_version_that_is_not_a_short_string_or_an_int_is_refused(local_
     assert engine.weight_update is not None  # still open: finish it properly
     engine.finish_weight_update("v1")
     assert engine.weight_version == "v1"
+
+
+def test_shutting_the_transfer_engine_down_unmaps_and_a_later_init_starts_afresh(session, policy):
+    engine = ipc_engine(session)
+    for message in record(session, policy.items(), weight_version="v1"):
+        engine.update_weights(message)
+    mappings = engine.weights._transfer._mappings
+    assert engine.weight_version == "v1" and mappings.open_segments != []
+    engine.start_weight_update()
+    with pytest.raises(WeightUpdateStateError, match="shutdown_weight_transfer_engine: a weight"):
+        engine.shutdown_weight_transfer_engine()  # the update in progress stays
+    engine.abort_weight_update()
+    engine.shutdown_weight_transfer_engine()
+    assert mappings.open_segments == [] and engine.weight_version == "v1"
+    assert engine.weights._transfer is None  # forgotten: the next init may name any backend
+    with pytest.raises(EngineStateError, match=r"call init_weight_transfer_engine"):
+        engine.update_weights(record(session, policy.items())[0])  # no transfer until an init
+    again = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET, num_buffers=16)
+    try:
+        engine.init_weight_transfer_engine({"init_info": again.init_info})
+        for message in record(again, policy.items(), weight_version="v2"):
+            engine.update_weights(message)
+        assert engine.weight_version == "v2"
+    finally:
+        engine.shutdown()
+        again.close()
+
+
+def test_the_async_engine_shuts_its_transfer_engine_down_off_the_event_loop(session, policy):
+    async def main():
+        async with AsyncEngine(ipc_engine(session)) as engine:
+            for message in record(session, policy.items()):
+                await engine.update_weights(message)
+            transfer = engine.engine.weights._transfer
+            await engine.shutdown_weight_transfer_engine()
+            assert not transfer.is_initialized and engine.engine.weights._transfer is None
+
+    asyncio.run(main())
