@@ -15,7 +15,6 @@ from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
     EngineStateError,
-    EngineStateError,
     IncompleteWeightUpdateError,
     TornWeightsError,
     WeightTransferError,
