@@ -299,6 +299,36 @@ class AsyncEngine:
         """Whether generation is paused."""
         return self.engine.is_paused()
 
+    async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
+        """Pauses (`mode`) and frees memory; see `LLMEngine.sleep`.
+
+        A `wait` sleep lets the running requests finish first, as a `wait` pause does.
+        """
+        self._start()
+        await self.pause_generation(
+            mode=mode, clear_cache=level >= 1 if level in (0, 1, 2) else True
+        )
+        async with self._lock:
+            self.engine.sleep(level, mode="keep")  # paused already: nothing more is aborted
+            self._dispatch(self.engine.step())  # delivers what the pause ended
+        self._wake.set()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes `tags` (all when None); see `LLMEngine.wake_up`."""
+        self._start()
+        async with self._lock:
+            self.engine.wake_up(tags)
+        self._wake.set()
+
+    async def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps."""
+        return self.engine.is_sleeping()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt prefix; see `LLMEngine.reset_prefix_cache`."""
+        async with self._lock:
+            return self.engine.reset_prefix_cache()
+
     def unfinished(self, request_ids: Iterable[str]) -> list[str]:
         """Those of `request_ids` that are queued, running or frozen by a pause, in order."""
         return self.engine.unfinished(request_ids)
@@ -404,6 +434,12 @@ class AsyncEngine:
         """Relabels the current weights; see `LLMEngine.update_weight_version`."""
         async with self._lock:
             self.engine.update_weight_version(new_version)
+
+    async def reset_weights(self) -> None:
+        """Writes zeros over every weight; see `LLMEngine.reset_weights`."""
+        self._start()
+        async with self._lock:
+            self.engine.reset_weights()
 
     async def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of every weight, by name, computed off the event loop (no step runs meanwhile).

@@ -27,6 +27,7 @@ import torch
 from weightsync.config import WeightTransferConfig
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._isolation import run_batch
+from weightsync.engine._sleep import Sleep
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.kv_cache import BlockManager
@@ -136,6 +137,7 @@ class LLMEngine:
             on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
         )
         self._gate = UpdateGate(self.scheduler, self.weights)
+        self._sleep = Sleep(self.runner, self.weights)
         self.num_steps = 0
         # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
@@ -157,9 +159,10 @@ class LLMEngine:
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
-            EngineStateError: The engine was shut down.
+            EngineStateError: The engine was shut down, or it is asleep.
         """
         self._check_not_shut_down("add_request")
+        self._sleep.check_awake("add_request")
         with self._lock:
             seq = self.input_processor.process(request_id, prompt, sampling_params)
             if request_id in self._live_ids:
@@ -395,9 +398,59 @@ class LLMEngine:
             TornWeightsError: A failed update left torn weights; land a complete update first.
             WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
+        self._sleep.check_awake("resume_generation()")
         self._gate.check_can_generate("resume_generation()")
         self._clear_cache_after_drain = False
         self.scheduler.resume()
+
+    # --- sleep --------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
+        """Puts the engine to sleep, as vLLM's `sleep`: pauses it, then frees memory.
+
+        Level 0 stops scheduling only; level 1 also frees the KV cache and puts the weights to
+        sleep (no update lands until they wake); level 2 also frees the weights' memory: woken,
+        they are torn until an update covering them lands. The pause takes `mode`: `abort` ends
+        the requests in flight, `keep` freezes them (they recompute their KV after wake-up),
+        `wait` lets them finish first. While asleep no request is taken (`EngineStateError`).
+        Sleeping again at a higher level frees more.
+
+        Raises:
+            InvalidRequestError: A level other than 0, 1 or 2, or an unknown `mode`.
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        level = Sleep.check_level(level)
+        if self.weights.in_update:
+            self.weights.sleep(discard=False)  # raises, naming the update in progress
+        self.pause_generation(mode=mode, clear_cache=level >= 1)
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Wakes what sleeps, as vLLM's `wake_up`: some of `weights`, `kv_cache`, `scheduling`.
+
+        `tags` None wakes all of them. Waking the weights alone lets an update land before the KV cache comes back (a
+        colocated trainer's order). Generation resumes once nothing sleeps, unless weights are
+        torn (after level 2: until an update covering them lands; then `resume_generation()`).
+
+        Raises:
+            InvalidRequestError: An unknown tag; nothing is woken.
+        """
+        self._sleep.wake(tags)
+        if not self._sleep.asleep and not self.weights.holds_generation:
+            self.scheduler.resume()
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps."""
+        return bool(self._sleep.asleep)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt prefix (vLLM's route of that name); returns True.
+
+        Requests running keep their KV; only the blocks kept for reuse by later prompts stop
+        matching.
+        """
+        self.block_manager.bump_epoch()
+        return True
 
     def is_paused(self) -> bool:
         """Whether generation is paused (a draining `wait` pause is not paused yet)."""
@@ -515,6 +568,22 @@ class LLMEngine:
         """
         self.weights.relabel(new_version)
 
+    def reset_weights(self) -> None:
+        """Writes zeros over every weight, as vLLM's weight-checker `reset` does.
+
+        A test of an update's coverage: reset, update, then compare digests with the trainer's;
+        a weight the update missed shows as zero. Requests then generate from zeros until an
+        update lands, and their tokens carry the current version label: use it on an engine
+        that serves nothing else. Accepted while paused or idle, like an update.
+
+        Raises:
+            EngineBusyError: Requests are in flight and the engine is not paused.
+            WeightUpdateStateError: A weight update is in progress.
+            EngineStateError: The weights are asleep.
+        """
+        self._gate.check_idle("weight_checker reset")
+        self.weights.reset()
+
     def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of every weight's bytes, by Hugging Face name (see `weight_checksums`).
 
@@ -522,10 +591,10 @@ class LLMEngine:
             EngineStateError: A weight update is in progress or weights are torn: the digests
                 would describe weights that are about to change or are half-written.
         """
-        if self.weights.holds_generation:
+        if self.weights.holds_generation or self.weights.asleep:
             raise EngineStateError(
-                "weight_checker: a weight update is in progress or weights are torn; check after "
-                "finish_weight_update"
+                "weight_checker: a weight update is in progress, or the weights are torn or "
+                "asleep; check after finish_weight_update (or wake_up)"
             )
         return weight_checksums(self.model.named_weights())
 

@@ -286,8 +286,13 @@ class LiveWeights:
             )
         self._transaction = _Transaction(explicit=True)
 
-    def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
+    def update(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | list[Any]
+    ) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
+
+        A list (vLLM's data-parallel form, one update info per worker rank) gives this worker
+        its own entry, `update_info[worker_index]`.
 
         The message is validated against the model before any byte moves. A message of another
         update (a late part, a stray or duplicated one) is refused and changes nothing; a
@@ -302,6 +307,15 @@ class LiveWeights:
         """
         self._require_awake("update_weights")
         transfer = self._require_transfer("update_weights")
+        own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
+        return self._update(transfer, own)
+
+    def _update(
+        self,
+        transfer: WeightTransferEngine,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+    ) -> TransferStats:
+        """`update` of this worker's own update info."""
         try:
             info = transfer.parse_update_info(update_info)
             if info.weight_version is not None:
@@ -331,6 +345,20 @@ class LiveWeights:
         if not txn.explicit and txn.complete and self.finish_bare_updates:
             self.finish(None)
         return stats
+
+    def _own_entry(self, update_infos: list[Any]) -> Any:
+        """This worker's entry of vLLM's data-parallel form: one update info per worker rank.
+
+        Raises:
+            WeightValidationError: No entry for this worker.
+        """
+        if len(update_infos) <= self.worker_index:
+            raise WeightValidationError(
+                f"update_info is a list of {len(update_infos)} entries, one per worker rank, but "
+                f"this engine is worker {self.worker_index}: send an entry for every worker, or "
+                "one object for all of them"
+            )
+        return update_infos[self.worker_index]
 
     def _transaction_for(
         self, transfer: WeightTransferEngine, info: WeightTransferUpdateInfo
@@ -603,6 +631,31 @@ class LiveWeights:
             )
         self.shutdown()
         self._transfer = None
+
+    def reset(self) -> None:
+        """Writes zeros over every weight (vLLM's weight-checker `reset`); the version stays.
+
+        A check of an update's coverage: compare the digests after an update against the
+        trainer's, and every weight the update missed shows (zero). The weights are whole
+        afterwards (each one known), so none stays torn; the engine generates from zeros until
+        an update lands.
+
+        Raises:
+            EngineStateError: The weights are asleep.
+            WeightUpdateStateError: A weight update is in progress.
+        """
+        self._require_awake("weight_checker reset")
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "weight_checker reset: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.zero_()
+        self.torn_names = set()
+        self._on_write()
+        logger.warning("every weight was reset to zero; version stays %r", self.weight_version)
 
     # --- sleep --------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class ControlSurface(Protocol):
         """Opens a weight-update transaction."""
         ...
 
-    async def update_weights(self, update_info: dict[str, Any]) -> Body:
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> Body:
         """Receives one update message."""
         ...
 
@@ -112,6 +112,26 @@ class ControlSurface(Protocol):
 
     async def weight_checksums(self) -> list[dict[str, str]]:
         """SHA-256 of every weight by name: one dict per replica (one for one engine)."""
+        ...
+
+    async def reset_weights(self) -> Body:
+        """Writes zeros over every weight (the weight checker's `reset`)."""
+        ...
+
+    async def sleep(self, level: int, mode: PauseMode) -> Body:
+        """Pauses and frees memory: level 0, 1 or 2."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None) -> Body:
+        """Wakes `tags` (all when None)."""
+        ...
+
+    async def is_sleeping(self) -> Body:
+        """Whether anything sleeps."""
+        ...
+
+    async def reset_prefix_cache(self) -> Body:
+        """Forgets every cached prompt prefix."""
         ...
 
     async def engine_stats(self) -> Body:
@@ -215,7 +235,7 @@ class EngineControl:
             await self.engine.start_weight_update()
         return {"message": "Weight update started"}
 
-    async def update_weights(self, update_info: dict[str, Any]) -> Body:
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> Body:
         """Receives one update message; the answer says how the update stands after it."""
         async with self._updates:
             stats = await self.engine.update_weights({"update_info": update_info})
@@ -251,6 +271,33 @@ class EngineControl:
     async def weight_checksums(self) -> list[dict[str, str]]:
         """SHA-256 of every weight, by name."""
         return [await self.engine.weight_checksums()]
+
+    async def reset_weights(self) -> Body:
+        """Writes zeros over every weight."""
+        async with self._updates:
+            await self.engine.reset_weights()
+        return {"status": "reset"}
+
+    async def sleep(self, level: int, mode: PauseMode) -> Body:
+        """Pauses (`mode`) and frees the memory of `level`."""
+        async with self._updates:
+            await self.engine.sleep(level, mode=mode)
+        return {"status": "sleeping", "level": level}
+
+    async def wake_up(self, tags: list[str] | None) -> Body:
+        """Wakes `tags` (all when None); `status` says whether anything still sleeps."""
+        async with self._updates:
+            await self.engine.wake_up(tags)
+        asleep = await self.engine.is_sleeping()
+        return {"status": "sleeping" if asleep else "awake", "tags": tags}
+
+    async def is_sleeping(self) -> Body:
+        """Whether anything sleeps."""
+        return {"is_sleeping": await self.engine.is_sleeping()}
+
+    async def reset_prefix_cache(self) -> Body:
+        """Forgets every cached prompt prefix."""
+        return {"success": await self.engine.reset_prefix_cache()}
 
     async def engine_stats(self) -> Body:
         """Forward passes run, requests in flight, the pause and version, the last pause."""

@@ -141,7 +141,7 @@ class Replica:
         method: str,
         path: str,
         *,
-        params: dict[str, Any] | None = None,
+        params: dict[str, Any] | list[tuple[str, Any]] | None = None,
         body: dict[str, Any] | None = None,
         timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S,
     ) -> dict[str, Any]:

@@ -181,7 +181,7 @@ class FleetControl:
             raise_failures(outcomes)
         return {"message": "Weight update started"}
 
-    async def update_weights(self, update_info: dict[str, Any]) -> Body:
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> Body:
         """Delivers one update message to every replica at once (a broadcast needs them all).
 
         A bare update's transaction finishes on every replica, or on none, once its last
@@ -265,6 +265,36 @@ class FleetControl:
         """Each replica's checksums, in order."""
         body = {"action": "checksum"}
         return [a["checksums"] for a in await self.fleet.all("POST", "/weight_checker", body=body)]
+
+    async def reset_weights(self) -> Body:
+        """Writes zeros over every replica's weights."""
+        async with self._updates:
+            await self.fleet.all("POST", "/weight_checker", body={"action": "reset"})
+        return {"status": "reset"}
+
+    async def sleep(self, level: int, mode: PauseMode) -> Body:
+        """Puts every replica to sleep."""
+        async with self._updates:
+            await self.fleet.all("POST", "/sleep", params={"level": level, "mode": mode})
+        return {"status": "sleeping", "level": level}
+
+    async def wake_up(self, tags: list[str] | None) -> Body:
+        """Wakes `tags` on every replica; `status` says whether anything still sleeps."""
+        params = [("tags", tag) for tag in tags or []]
+        async with self._updates:
+            answers = await self.fleet.all("POST", "/wake_up", params=params)
+        asleep = any(a["status"] == "sleeping" for a in answers)
+        return {"status": "sleeping" if asleep else "awake", "tags": tags}
+
+    async def is_sleeping(self) -> Body:
+        """Whether any replica sleeps; `replicas` gives each one's answer."""
+        each = [bool(a["is_sleeping"]) for a in await self.fleet.all("GET", "/is_sleeping")]
+        return {"is_sleeping": any(each), "replicas": each}
+
+    async def reset_prefix_cache(self) -> Body:
+        """Forgets every replica's cached prompt prefixes."""
+        answers = await self.fleet.all("POST", "/reset_prefix_cache")
+        return {"success": all(a["success"] for a in answers)}
 
     async def engine_stats(self) -> Body:
         """Each replica's counters, and their sums."""

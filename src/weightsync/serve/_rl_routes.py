@@ -13,9 +13,10 @@ waits for its trainer. IPC handles arrive as JSON records: nothing is unpickled.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from weightsync.engine.scheduler import PauseMode
@@ -28,6 +29,8 @@ router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
 """The RL routes; each needs the admin key when the server has one."""
 
 _PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM keys a checksum by its worker's place before the name: `dp0:pp0:pcp0:tp0:`.
+_VLLM_KEY = re.compile(r"^dp\d+:pp\d+:pcp\d+:tp\d+:")
 # A label travels with every generated token: bounded, so one call cannot bloat every stream
 # (the engine checks the same bound; this puts it in the schema).
 _Version = (
@@ -59,9 +62,13 @@ class StartWeightUpdateRequest(_Body):
 
 
 class UpdateWeightsRequest(_Body):
-    """`/update_weights`: one update message (names, dtype names, shapes; IPC handle records)."""
+    """`/update_weights`: one update message (names, dtype names, shapes; IPC handle records).
 
-    update_info: dict[str, Any]
+    A list is vLLM's data-parallel form, one update info per worker rank: each engine takes
+    its own entry.
+    """
+
+    update_info: dict[str, Any] | list[dict[str, Any]]
 
 
 class FinishWeightUpdateRequest(_Body):
@@ -243,21 +250,26 @@ async def _weight_info(request: Request) -> Answer:
 
 @router.post("/weight_checker", operation_id="weight_checker")
 async def _weight_checker(request: Request, body: WeightCheckerRequest) -> Answer:
-    """SHA-256 of every weight (`checksum`), or a comparison with a `baseline` of them.
+    """SHA-256 of every weight (`checksum`), a comparison with a `baseline` of them, or `reset`.
 
-    Refused (409) while a weight update is in progress or weights are torn: the digests would
-    describe weights that are about to change or are half-written. On a data-parallel front,
+    `reset`, as vLLM's, writes zeros over every weight (while paused or idle): a later
+    `compare` against the trainer's digests then shows every weight an update missed; the
+    engine generates from zeros until an update lands. Baseline keys in vLLM's form
+    (`dp0:pp0:pcp0:tp0:` before the name) are compared by name. Refused (409) while a weight
+    update is in progress, or weights are torn or asleep: the digests would describe weights
+    that are about to change or are half-written. On a data-parallel front,
     `replicas[i].mismatches` lists the names whose digest on replica i differs from the
     `baseline` (compare) or from replica 0's (checksum).
     """
     if body.action == "reset":
-        return {"status": "reset"}  # the checker keeps no state between calls
+        return await _surface(request).reset_weights()
     if body.action == "compare" and body.baseline is None:
         raise RequestRefused(
             400, "field 'baseline' is required with action 'compare'", param="baseline"
         )
     sums = await _surface(request).weight_checksums()
-    reference = body.baseline if body.baseline is not None and body.action == "compare" else sums[0]
+    baseline = {_VLLM_KEY.sub("", key): digest for key, digest in (body.baseline or {}).items()}
+    reference = baseline if body.action == "compare" else sums[0]
     differing = [
         sorted(n for n in s.keys() | reference.keys() if s.get(n) != reference.get(n)) for s in sums
     ]
@@ -291,3 +303,51 @@ async def _get_world_size(request: Request, include_dp: bool = True) -> Answer:
     parallelism).
     """
     return {"world_size": _surface(request).config.world_size if include_dp else 1}
+
+
+@router.post("/sleep", operation_id="sleep")
+async def _sleep(request: Request, level: int = 1, mode: str = "abort") -> Answer:
+    """Pauses (`mode`, as `/pause` takes it) and frees memory, as vLLM's `/sleep`.
+
+    Level 0 stops scheduling; 1 also frees the KV cache and puts the weights to sleep; 2 also
+    frees the weights' memory (woken, they are torn until an update covering them lands).
+    Asleep, the server refuses completions and weight updates (409) until `/wake_up`.
+    """
+    if isinstance(level, bool) or level not in (0, 1, 2):
+        raise RequestRefused(
+            400, f"query parameter 'level' must be 0, 1 or 2, got {level!r}", param="level"
+        )
+    return await _surface(request).sleep(level, _pause_mode(mode))
+
+
+@router.post("/wake_up", operation_id="wake_up")
+async def _wake_up(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Answer:
+    """Wakes `tags` (some of `weights`, `kv_cache`, `scheduling`; all when none is given).
+
+    `status` is `awake` once nothing sleeps, else `sleeping`. Waking `weights` alone lets an
+    update land before the KV cache comes back; an unknown tag is a 400 (vLLM wakes everything).
+    """
+    return await _surface(request).wake_up(tags)
+
+
+@router.get("/is_sleeping", operation_id="is_sleeping")
+async def _is_sleeping(request: Request) -> Answer:
+    """Whether any part of the server sleeps."""
+    return await _surface(request).is_sleeping()
+
+
+@router.post("/reset_prefix_cache", operation_id="reset_prefix_cache")
+async def _reset_prefix_cache(request: Request) -> Answer:
+    """Forgets every cached prompt prefix; requests running keep their KV."""
+    return await _surface(request).reset_prefix_cache()
+
+
+@router.post("/start_draft_weight_update", operation_id="start_draft_weight_update")
+async def _start_draft_weight_update(request: Request) -> Answer:
+    """VLLM's update of a speculative decoder's draft model: refused, there is none here."""
+    raise RequestRefused(
+        400,
+        "start_draft_weight_update: this server has no draft model (weightsync serve does no "
+        "speculative decoding): update the model's own weights with /start_weight_update",
+        error_type="InvalidRequestError",
+    )

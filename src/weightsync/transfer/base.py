@@ -284,13 +284,18 @@ class WeightTransferUpdateInfo:
         return list(self._specs)
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the JSON-safe dict form, the inverse of parsing it."""
+        """Returns the JSON-safe dict form, the inverse of parsing it.
+
+        Optional fields that are None are left out (vLLM's update info refuses a null
+        `weight_version`).
+        """
         data: dict[str, Any] = {
             "names": list(self.names),
             "dtype_names": list(self.dtype_names),
             "shapes": [list(s) for s in self.shapes],
-            "weight_version": self.weight_version,
         }
+        if self.weight_version is not None:
+            data["weight_version"] = self.weight_version
         if self.send_id is not None:
             data["send_id"] = self.send_id
         return data

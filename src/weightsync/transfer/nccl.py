@@ -129,6 +129,41 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         return {key: getattr(self, key) for key in _WIRE_KEYS}
 
 
+# vLLM's worker init info names two wire parameters its own way, and names no backend (a
+# vLLM server takes its backend from its own configuration, as a weightsync engine may).
+_VLLM_INIT_KEYS = {
+    "packed_buffer_size_bytes": "bucket_size_bytes",
+    "packed_num_buffers": "num_buffers",
+}
+
+
+def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any]:
+    """`init_info` with vLLM's key names translated, and this engine's backend if none is named.
+
+    Raises:
+        WeightValidationError: A vLLM key and its weightsync twin disagree, or vLLM's NCCL
+            unique-id rendezvous is asked for (weightsync's rendezvous is the trainer's store).
+    """
+    data = dict(init_info)
+    if "nccl_unique_id_b64" in data:
+        raise WeightValidationError(
+            "init_info.nccl_unique_id_b64: vLLM's NCCL unique-id rendezvous is not weightsync's "
+            "wire; a weightsync worker joins the trainer's store at master_address:master_port "
+            "(the wire page of the docs specifies it): send those instead"
+        )
+    for vllm_key, key in _VLLM_INIT_KEYS.items():
+        if vllm_key in data:
+            value = data.pop(vllm_key)
+            if key in data and data[key] != value:
+                raise WeightValidationError(
+                    f"init_info.{vllm_key} ({value!r}) and init_info.{key} ({data[key]!r}) name "
+                    f"the same wire parameter with different values: send one of them"
+                )
+            data[key] = value
+    data.setdefault("backend", backend)
+    return data
+
+
 class _BroadcastWeightTransferEngine(WeightTransferEngine):
     """Worker side of the broadcast transfer; subclasses name the backend.
 
@@ -172,11 +207,19 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         """Whether this worker is in a live group."""
         return self._group is not None and self._group.is_connected
 
+    def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
+        """Parses the init info: vLLM's key names too; the backend defaults to this engine's."""
+        if isinstance(init_info, Mapping):
+            init_info = _from_vllm_keys(init_info, self.backend)
+        return super().parse_init_info(init_info)
+
     @exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
         Re-initializing replaces the current group (after a failure, or for a new trainer).
+        vLLM's init info is taken as well (`packed_buffer_size_bytes`, `packed_num_buffers`; no
+        `backend`): only its NCCL unique-id rendezvous is refused.
 
         Raises:
             WeightValidationError: Malformed init info, a backend other than this engine's, a rank
