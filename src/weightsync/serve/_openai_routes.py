@@ -27,12 +27,7 @@ from weightsync import (
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import _RequestRefused, error_body, status_of
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
-from weightsync.serve._protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-    apply_chat_template,
-)
+from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
 from weightsync.serve.app import ServerState
 
@@ -273,7 +268,12 @@ async def _create_chat_completion(
 ) -> JSONResponse | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
     state: ServerState = request.app.state.serve
-    prompt = apply_chat_template(body.messages)
+    try:  # the model's own template, or the documented default
+        prompt = state.engine.engine.apply_chat_template(
+            [m.template_fields() for m in body.messages]
+        )
+    except InvalidRequestError as exc:
+        raise _RequestRefused(400, str(exc), param="messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
     model = state.config.model_name
     asked = body.num_logprobs() is not None

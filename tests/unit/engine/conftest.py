@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 import torch
 from engine_helpers import SOURCES, LocalSource, debug_model
 
-from model_dirs import write_model_dir
 from weightsync.engine.model import LlamaForCausalLM
 
 
@@ -40,16 +38,3 @@ def local_source(request: pytest.FixtureRequest) -> Iterator[LocalSource]:
     SOURCES[source.key] = source
     yield source
     del SOURCES[source.key]
-
-
-@pytest.fixture(scope="session")
-def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Builds (once per session) and returns the model directory of a family of `FAMILIES`."""
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = write_model_dir(tmp_path_factory.mktemp(name), name)
-        return built[name]
-
-    return get
