@@ -230,23 +230,30 @@ class OutputProcessor:
         return changed
 
     def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+        # Each check costs this request alone, whatever its lists hold (they are bounded): a
+        # set lookup per token, and stop strings searched in the newest text only.
         params = seq.sampling_params
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish("stop")
-        elif token in params.stop_token_ids:
+        elif token in seq.stop_token_ids:
             seq.finish("stop", token)
-        elif params.stop and delta:
-            found = []
-            for stop in params.stop:
-                # Only the newest text can complete a stop string.
-                start = max(0, len(seq.output_text) - len(delta) - len(stop) + 1)
-                if (index := seq.output_text.find(stop, start)) >= 0:
-                    found.append((index, stop))
-            if found:
-                index, stop = min(found)
-                seq.output_text = seq.output_text[:index]
-                seq.finish("stop", stop, flush_text=False)
+        elif params.stop and delta and (found := _find_stop(seq.output_text, delta, params.stop)):
+            index, stop = found
+            seq.output_text = seq.output_text[:index]
+            seq.finish("stop", stop, flush_text=False)
         if not seq.is_finished and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish("length")
+
+
+def _find_stop(text: str, delta: str, stops: abc.Sequence[str]) -> tuple[int, str] | None:
+    """The earliest stop string that `delta`, the end of `text`, completes: (index, string)."""
+    found = []
+    for stop in stops:
+        # A stop string completed now ends within delta, so it starts at most len(stop) - 1
+        # characters before it.
+        start = max(0, len(text) - len(delta) - len(stop) + 1)
+        if (index := text.find(stop, start)) >= 0:
+            found.append((index, stop))
+    return min(found) if found else None

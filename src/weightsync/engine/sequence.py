@@ -53,6 +53,8 @@ class Sequence:
         was_started: Whether it has been admitted once (a preempted sequence has).
         output_weight_versions: The weight version that generated each output token.
         output_logprobs: Log-probabilities of each output token, when the request asked for them.
+        stop_token_ids: The request's stop token ids, as a set: a lookup per token, whatever
+            their number.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_text = ""
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.output_weight_versions: list[WeightVersion] = []
         self.output_logprobs: list[TokenLogprobs] | None = (
             None if sampling_params.logprobs is None else []
