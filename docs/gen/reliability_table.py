@@ -27,6 +27,8 @@ SOAK_FIGURES = ("requests", "requests_aborted", "requests_lost", "tokens_receive
 # Where a case was tried, by the file that holds it.
 SURFACES = {
     "tests/unit/engine/test_bad_input.py": "Python API",
+    "tests/unit/engine/test_stop_strings.py": "Python API, streamed outputs",
+    "tests/unit/serve/test_app.py": "HTTP routes, in process",
     "tests/unit/serve/test_cli_bad_input.py": "`weightsync serve` flags",
     "tests/integration/test_serve_bad_input.py": "HTTP routes (and the real command)",
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",

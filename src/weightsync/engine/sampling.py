@@ -48,6 +48,9 @@ class SamplingParams:
             in the batch; None draws a seed from the engine's.
         stop: Strings that end the output; the output text stops before the first one found.
             At most `MAX_STOP_STRINGS` strings of at most `MAX_STOP_STRING_CHARS` characters.
+            While a request runs, the end of its text that could still begin a stop string is
+            held back from its outputs (at most the longest stop string's length less one
+            character), so that every output's text is a prefix of the final one.
         stop_token_ids: Token ids that end the output (kept in the output's token ids); at most
             `MAX_STOP_TOKEN_IDS`.
         ignore_eos: Keep generating past the end-of-sequence token (benchmarks want fixed lengths).

@@ -98,3 +98,16 @@ def test_openapi_schema_lists_every_route(client):
                  "/finish_weight_update", "/weight_checker", "/abort_weight_update"):  # fmt: skip
         assert path in paths
 
+
+@pytest.mark.reliability("output")
+def test_a_stream_with_a_stop_string_sends_exactly_the_answer(client):
+    """With a multi-character stop string, the stream's text joins into the non-streamed text."""
+    body = {"prompt": "xyz", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = free[6:9]  # its first characters arrive a step before it completes
+    whole = client.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == free[: free.index(stop)]
+    with client.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as r:
+        deltas = [chunk["choices"][0] for chunk in events(r)]
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]
