@@ -217,7 +217,8 @@ class LlamaConfig:
         if data.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise EngineConfigError(
                 f"{source}: sliding-window attention (use_sliding_window / layer_types) is not "
-                f"supported; weightsync serves full attention only ({model_type} without it)"
+                f"supported; weightsync serves the dense, full-attention families "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if data.get("mlp_bias"):
             raise EngineConfigError(
