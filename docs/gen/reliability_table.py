@@ -28,12 +28,18 @@ SOAK_FIGURES = ("requests", "requests_aborted", "requests_lost", "tokens_receive
 SURFACES = {
     "tests/unit/engine/test_bad_input.py": "Python API",
     "tests/unit/engine/test_stop_strings.py": "Python API, streamed outputs",
-    "tests/unit/serve/test_app.py": "HTTP routes, in process",
     "tests/unit/serve/test_cli_bad_input.py": "`weightsync serve` flags",
     "tests/integration/test_serve_bad_input.py": "HTTP routes (and the real command)",
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",
     "tests/faults/test_serve_faults.py": "faults through the server",
     "tests/integration/test_soak.py": "soak, short",
+    "tests/integration/test_serve_rl.py": "the RL routes' keys, through the real command",
+    "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",
+    "tests/unit/test_group.py": "the broadcast group: world size and timeouts",
+    "tests/unit/engine/test_llm_engine.py": "`LLMEngine`",
+    "tests/unit/serve/test_app.py": "the app in-process: keys, streamed text",
+    "tests/unit/serve/test_server.py": "the HTTP server's connection limits",
+    "tests/unit/trainer/test_http_client.py": "`HTTPEngineClient`",
 }
 DETAILS = ("error", "status", "exit_status", "message", "seconds_to_error", "max_examples")
 

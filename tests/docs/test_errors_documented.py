@@ -79,8 +79,15 @@ def _bases(node: ast.ClassDef) -> set[str]:
     }
 
 
+def _is_private(path) -> bool:
+    """A module under a name with a leading underscore (its classes are nobody's API)."""
+    return any(
+        part.startswith("_") and part != "__init__.py" for part in path.relative_to(PACKAGE).parts
+    )
+
+
 def _public_error_classes() -> dict[str, str]:
-    """Public exception classes defined anywhere in the package: name -> defining file."""
+    """Public exception classes defined in the package's public modules: name -> defining file."""
     classes: dict[str, tuple[str, set[str]]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name in HARNESSES:
@@ -101,7 +108,9 @@ def _public_error_classes() -> dict[str, str]:
     return {
         name: where
         for name, (where, bases) in classes.items()
-        if not name.startswith("_") and any(is_error(base) for base in bases)
+        if not name.startswith("_")
+        and not _is_private(PACKAGE / where)
+        and any(is_error(base) for base in bases)
     }
 
 

@@ -116,3 +116,19 @@ def assert_none_left(before: Snapshot, grace_s: float = GRACE_S) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"left over after {grace_s} s: {left}")
         time.sleep(0.05)
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on."""
+    return _listening_ports({pid})
+
+
+def mapped_segment_bytes(pid: int) -> int:
+    """Bytes process `pid` maps of weightsync's shared-memory segments (unlinked ones too)."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if f"/dev/shm/{SESSION_PREFIX}" in line:
+                start, end = line.split()[0].split("-")
+                total += int(end, 16) - int(start, 16)
+    return total

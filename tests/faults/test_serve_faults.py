@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from leftovers import listening_ports, mapped_segment_bytes
 from serve_support import SRC, Server
 
 from weightsync import (
@@ -28,7 +30,12 @@ from weightsync import (
     trainer_init,
     trainer_send_weights,
 )
-from weightsync.trainer import BroadcastWeightSender, HTTPEngineClient, sync_weights
+from weightsync.trainer import (
+    BroadcastWeightSender,
+    HTTPEngineClient,
+    IPCWeightSender,
+    sync_weights,
+)
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
@@ -228,3 +235,210 @@ def test_a_late_message_of_a_finished_update_is_refused_and_changes_nothing(
         session.close()
     record_property("status", 400)
     record_property("message", answer.json()["error"]["message"][:160])
+
+
+def test_a_finish_after_a_refused_update_is_refused_and_the_version_stays(
+    server, control, record_property
+):
+    """A finish whose transaction's only update was refused: refused, the version stays."""
+    # It used to move the version to the new label, with no weight of the update landed.
+    session = ipc_trainer_init()
+    try:
+        control.post("/init_weight_transfer_engine", json={"init_info": session.init_info})
+        before = state(control)
+        assert control.post("/start_weight_update").status_code == 200
+        bad = WeightTransferUpdateInfo(names=["no.such.weight"], dtype_names=["float32"],
+                                       shapes=[[2]]).to_dict()  # fmt: skip
+        refused = control.post("/update_weights", json={"update_info": bad})
+        assert refused.status_code == 400, refused.text
+        finish = control.post("/finish_weight_update", json={"weight_version": "v-never"})
+        assert finish.status_code == 409, finish.text
+        assert finish.json()["error"]["type"] == "IncompleteWeightUpdateError"
+        assert "send it again, or end the update" in finish.json()["error"]["message"]
+        assert control.post("/abort_weight_update").json()["aborted"] is True
+        assert state(control) == before  # weights and version as before the update
+        # Sent again and accepted, the update finishes: the refusal is behind it.
+        assert control.post("/start_weight_update").status_code == 200
+        sent: list[dict[str, Any]] = []
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            sent.append(update_info)
+            if len(sent) == 1:  # a refused message first; then the update, whole
+                assert control.post("/update_weights", json={"update_info": bad}).status_code == 400
+            answer = control.post("/update_weights", json={"update_info": update_info})
+            assert answer.status_code == 200, answer.text
+
+        ipc_trainer_send_weights(policy_pairs(seed=5), IPCTrainerSendWeightsArgs(session, deliver))
+        assert (
+            control.post("/finish_weight_update", json={"weight_version": "v2"}).status_code == 200
+        )
+        assert state(control)[1] == "v2"
+        assert control.post("/resume").status_code == 200
+    finally:
+        session.close()
+    record_property("status", finish.status_code)
+    record_property("message", finish.json()["error"]["message"][:160])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_client_that_leaves_a_non_streamed_completion_stops_its_compute(
+    no_leftovers, replicas, record_property
+):
+    """A non-streamed completion (3 choices) whose client leaves: every choice is aborted."""
+    # It used to run on to max_tokens (hundreds of steps after the client was gone).
+    server = Server("debug", "--port", "0", "--data-parallel-size", str(replicas))
+    try:
+        body = json.dumps({"prompt": "go", "max_tokens": 400, "n": 3, "ignore_eos": True})
+        host, port = server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as client:
+            client.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            wait_until(lambda: stats(server)["num_unfinished"] == 3)
+        # The client is gone. Its choices end long before 400 steps could have run.
+        wait_until(lambda: stats(server)["num_unfinished"] == 0)
+        steps = stats(server)["num_steps"]
+        assert steps < 400, steps
+        record_property("message", f"aborted after {steps} engine steps of 400")
+    finally:
+        server.stop()
+        server.kill()
+
+
+def stats(server: Server) -> dict[str, Any]:
+    return httpx.get(f"{server.base_url}/engine_stats", timeout=60).json()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Polls a server-side count that has no event to await, until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.02)
+
+
+def test_a_segment_truncated_after_it_was_mapped_is_refused_and_the_server_lives(
+    server, control, record_property
+):
+    """A mapped segment truncated by its owner, named again: refused with a 400, no SIGBUS."""
+    session = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET_BYTES * 4, num_buffers=2)
+    try:
+        init = {"init_info": session.init_info}
+        assert control.post("/init_weight_transfer_engine", json=init).status_code == 200
+        messages: list[dict[str, Any]] = []
+
+        def deliver(update_info: dict[str, Any]) -> None:
+            messages.append(update_info)
+            answer = control.post("/update_weights", json={"update_info": update_info})
+            assert answer.status_code == 200, answer.text
+
+        assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+        ipc_trainer_send_weights(policy_pairs(seed=9), IPCTrainerSendWeightsArgs(session, deliver))
+        landed = state(control)
+        # The server keeps the buffers mapped for the next update; their owner shrinks one,
+        # and a later update's part names it again, past its new end.
+        part = messages[1]
+        name = part["ipc_handles"][-1]["segment"]
+        assert part["ipc_handles"][-1]["offset"] >= 4096
+        os.truncate(f"/dev/shm/{name}", 4096)
+        later = [{**info, "update_id": "a-later-update"} for info in (messages[0], part)]
+        assert control.post("/update_weights", json={"update_info": later[0]}).status_code == 200
+        answer = control.post("/update_weights", json={"update_info": later[1]})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "WeightValidationError"
+        assert f"reaches past the end of {name} (4096 bytes)" in error["message"]
+        assert server.proc.poll() is None and control.get("/health").status_code == 200
+        assert control.post("/abort_weight_update").json()["aborted"] is True
+        assert state(control) == landed  # refused before any byte moved
+    finally:
+        session.close()
+    record_property("status", answer.status_code)
+    record_property("message", error["message"][:160])
+
+
+RELEASE_S = 10.0  # what a server may take to notice by itself that its trainer is gone
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Polls what the kernel reports until `condition` holds; fails after `RELEASE_S`."""
+    deadline = time.monotonic() + RELEASE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {RELEASE_S} s"
+        time.sleep(0.05)  # the server's watch looks every second: nothing to await from here
+
+
+def test_a_closing_trainer_leaves_nothing_mapped_or_listening_in_the_server(
+    server, control, record_property
+):
+    """A trainer's sender closes: the server unmaps its segments and frees its group's port."""
+    pid, engine = server.proc.pid, HTTPEngineClient(server.base_url, timeout_s=60)
+    ports = listening_ports(pid)
+    try:
+        with IPCWeightSender([engine], packed=True, bucket_size_bytes=BUCKET_BYTES) as ipc:
+            sync_weights(ipc, policy_pairs(seed=11), weight_version="ipc")
+            mapped = mapped_segment_bytes(pid)
+        assert mapped > 0 and mapped_segment_bytes(pid) == 0  # unmapped before close returned
+        with BroadcastWeightSender([engine], backend="gloo", timeout_s=TIMEOUT_S) as gloo:
+            sync_weights(gloo, policy_pairs(seed=12), weight_version="gloo")
+            group_ports = listening_ports(pid) - ports
+        assert group_ports and listening_ports(pid) == ports  # freed before close returned
+        assert engine.weight_version == "gloo"  # a later init of another backend worked
+        out = control.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+        assert out["choices"][0]["weight_versions"] == ["gloo"] * 2
+    finally:
+        engine.close()
+    record_property("message", f"{mapped} bytes mapped, then 0; ports {sorted(group_ports)} freed")
+
+
+def test_a_server_unmaps_by_itself_what_a_silent_ipc_trainer_left(server, control, record_property):
+    """A trainer closes its IPC session telling no one: the server unmaps its segments anyway."""
+    pid = server.proc.pid
+    session = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET_BYTES)
+    try:
+        init = {"init_info": session.init_info}
+        assert control.post("/init_weight_transfer_engine", json=init).status_code == 200
+        deliver = lambda info: control.post("/update_weights", json={"update_info": info})  # noqa: E731
+        ipc_trainer_send_weights(policy_pairs(seed=13), IPCTrainerSendWeightsArgs(session, deliver))
+        mapped = mapped_segment_bytes(pid)
+    finally:
+        session.close()  # unlinks its segments; the server holds their last mappings
+    assert mapped > 0
+    wait_for(lambda: mapped_segment_bytes(pid) == 0, "the unlinked segments unmapped")
+    out = control.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+    assert len(out["choices"][0]["token_ids"]) == 2  # the landed weights serve on
+    record_property("message", f"{mapped} bytes mapped, then 0")
+
+
+def test_a_server_leaves_by_itself_the_group_of_a_silent_trainer(server, control, record_property):
+    """A trainer closes its gloo group telling no one: the server frees the group's port anyway."""
+    pid, url = server.proc.pid, server.base_url
+    ports = listening_ports(pid)
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    try:
+        init = {"init_info": group.init_info}
+        joining, _ = in_thread(lambda: control.post("/init_weight_transfer_engine", json=init))
+        group.connect()
+        joining.join(TIMEOUT_S)
+        pairs = policy_pairs(seed=14)
+        info = WeightTransferUpdateInfo.from_named_tensors(pairs).to_dict()
+        receiving, box = in_thread(lambda: httpx.post(
+            f"{url}/update_weights", json={"update_info": info}, timeout=60))  # fmt: skip
+        trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, info))
+        receiving.join(TIMEOUT_S)
+        assert box["result"].status_code == 200
+        group_ports = listening_ports(pid) - ports
+    finally:
+        group.close()
+    assert group_ports
+    wait_for(lambda: listening_ports(pid) == ports, "the dead group's ports freed")
+    # What the trainer does next still works: a new group, a new update.
+    engine = HTTPEngineClient(url, timeout_s=60)
+    try:
+        with BroadcastWeightSender([engine], backend="gloo", timeout_s=TIMEOUT_S) as sender:
+            sync_weights(sender, policy_pairs(seed=15), weight_version="again")
+        assert engine.weight_version == "again"
+    finally:
+        engine.close()
+    record_property("message", f"ports {sorted(group_ports)} freed")

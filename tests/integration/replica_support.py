@@ -34,8 +34,7 @@ def get(base_url: str, path: str, **kwargs) -> dict:
 
 
 def replica_pids(base_url: str) -> list[int]:
-    health = httpx.get(f"{base_url}/health", timeout=WAIT_S).json()
-    return [r["pid"] for r in health.get("replicas") or health["error"]["replicas"]]
+    return [r["pid"] for r in get(base_url, "/health")["replicas"]]
 
 
 def per_replica(base_url: str, key: str) -> list:

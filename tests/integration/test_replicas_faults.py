@@ -26,6 +26,7 @@ from serve_support import Server
 
 from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, SamplingParams, weight_checksums
 from weightsync.trainer import HTTPEngineClient, IPCWeightSender, sync_weights
+from weightsync.transfer.ipc_trainer import ipc_trainer_init
 
 N = 3
 GREEDY = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
@@ -139,11 +140,10 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_refuses_rl_calls(s
     assert all(e[-1] == {"done": True} for e in events)
     wait_for(lambda: len(unstreamed) == 1)
     assert unstreamed[0]["choices"][0]["finish_reason"] == "error"
-    health = httpx.get(f"{server.base_url}/health", timeout=WAIT_S)
-    assert health.status_code == 503
-    message = health.json()["error"]["message"]
-    assert "replica 0" in message and "killed by signal 9" in message
-    assert [r["alive"] for r in health.json()["error"]["replicas"]] == [False, True, True]
+    health = get(server.base_url, "/health")  # degraded, and it says why: it still serves
+    assert health["status"] == "degraded"
+    assert "replica 0" in health["message"] and "killed by signal 9" in health["message"]
+    assert [r["alive"] for r in health["replicas"]] == [False, True, True]
     for path in ("/pause", "/start_weight_update", "/resume"):
         refused = httpx.post(f"{server.base_url}{path}", timeout=WAIT_S)
         assert refused.status_code == 503, refused.text
@@ -151,6 +151,45 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_refuses_rl_calls(s
         assert "replica 0" in refused.json()["error"]["message"]
     served = post(server.base_url, "/v1/completions", json=GREEDY)  # the others keep serving
     assert served["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_replica_killed_mid_update_leaves_the_survivors_whole_and_serving():
+    # It used to leave the survivor inside the update for good: every RL route, the abort
+    # included, answered 503, and completions on the survivor never answered.
+    server = Server("debug", "--port", "0", "--data-parallel-size", "2",
+                    "--weight-transfer-config.backend", "ipc")  # fmt: skip
+    session = ipc_trainer_init()
+    try:
+        url = server.base_url
+        post(url, "/init_weight_transfer_engine", json={"init_info": session.init_info})
+        answers: list[dict] = [{}, {}]
+
+        def run(index: int) -> None:
+            answers[index] = post(url, "/v1/completions", json={**GREEDY, "prompt": f"r{index}"})
+
+        post(url, "/start_weight_update")  # every replica is inside the update: none generates
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for started, thread in enumerate(threads, start=1):
+            thread.start()  # one on each replica: they wait for the update to end
+            wait_for(lambda n=started: sum(per_replica(url, "num_unfinished")) == n)
+        doomed, survivor = replica_pids(url)
+        os.kill(doomed, signal.SIGKILL)
+        for thread in threads:
+            thread.join(WAIT_S)
+        finishes = sorted(a["choices"][0]["finish_reason"] for a in answers)
+        assert finishes == ["error", "length"]  # the dead replica's ended, the survivor served
+        served = next(a for a in answers if a["choices"][0]["finish_reason"] == "length")
+        assert served["choices"][0]["weight_versions"] == [0] * GREEDY["max_tokens"]
+        assert post(url, "/abort_weight_update")["message"] == "Weight update aborted"
+        assert get(url, "/health")["status"] == "degraded"
+        refused = httpx.post(f"{url}/finish_weight_update", timeout=WAIT_S)
+        assert refused.status_code == 503 and "replica 0" in refused.json()["error"]["message"]
+        again = post(url, "/v1/completions", json=GREEDY)
+        assert again["choices"][0]["finish_reason"] == "length"
+        assert not is_gone(survivor)
+    finally:
+        session.close()
+        server.kill()
 
 
 def test_a_killed_front_leaves_no_replica_behind(server):

@@ -11,11 +11,24 @@ cases; this table adds the ones that reach the engine's own validation.)
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from typing import Any
 
 import httpx
 import pytest
 from serve_support import Server, run_cli
+
+from weightsync import (
+    LlamaForCausalLM,
+    NCCLTrainerSendWeightsArgs,
+    WeightTransferUpdateInfo,
+    trainer_init,
+    trainer_send_weights,
+)
+from weightsync.serve._server import HEADER_TIMEOUT_S
+from weightsync.transfer._handshake import LATEST
 
 pytestmark = pytest.mark.reliability("bad-input")
 
@@ -59,6 +72,10 @@ CASES: list[tuple[str, str, str, Any, int, str, str]] = [
      400, "InvalidRequestError", "stop_token_ids"),
     ("completion-prompt-empty", "POST", "/v1/completions", {**OK, "prompt": []}, 400,
      "InvalidRequestError", "prompt"),
+    ("completion-prompt-empty-text", "POST", "/v1/completions", {**OK, "prompt": ""}, 400,
+     "InvalidRequestError", "prompt is empty"),
+    ("completion-prompt-empty-text-in-list", "POST", "/v1/completions",
+     {**OK, "prompt": ["hi", ""]}, 400, "InvalidRequestError", "prompt is empty"),
     ("completion-prompt-bool-ids", "POST", "/v1/completions", {**OK, "prompt": [True, 1]}, 400,
      "InvalidRequestError", "prompt"),
     ("completion-prompt-too-long", "POST", "/v1/completions", {**OK, "prompt": "x" * 600}, 400,
@@ -117,6 +134,11 @@ CASES: list[tuple[str, str, str, Any, int, str, str]] = [
      400, "InvalidRequestError", "at most 256 characters"),
     ("relabel-version-null", "POST", "/update_weight_version", {"new_version": None}, 400,
      "InvalidRequestError", "new_version"),
+    # Every token carries the label: a 4000-digit int used to be taken, bloating every answer.
+    ("relabel-version-huge-int", "POST", "/update_weight_version",
+     b'{"new_version": ' + b"9" * 4000 + b"}", 400, "InvalidRequestError", "new_version"),
+    ("finish-version-huge-int", "POST", "/finish_weight_update",
+     b'{"weight_version": ' + b"9" * 4000 + b"}", 400, "InvalidRequestError", "weight_version"),
     ("start-not-checkpoint-format", "POST", "/start_weight_update",
      {"is_checkpoint_format": False}, 400, "InvalidRequestError", "is_checkpoint_format"),
     ("init-info-port-text", "POST", "/init_weight_transfer_engine",
@@ -223,3 +245,100 @@ def test_the_real_command_exits_with_one_line_and_no_traceback(flags, message, r
     assert len(error_lines) == 1, done.stderr
     assert error_lines[0].startswith(f"weightsync serve: error: argument {flags[0]}: {message}")
     record_property("exit_status", 2)
+
+
+GROUP_TIMEOUT_S = 60.0  # the group's limit: a refusal that waited it out fails the case
+AT_ONCE_S = 10.0  # what an answer "at once" may take on a loaded machine
+NORM = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]]}
+MALFORMED = [
+    ("unknown-name", {**NORM, "names": ["model.nope"]}, "unknown name 'model.nope'"),
+    ("shape-off-by-one", {**NORM, "shapes": [[65]]}, "model has float32[64], update has float32[65]"),
+    ("float128", {**NORM, "dtype_names": ["float128"]}, "unknown dtype name 'float128'"),
+    ("negative-shape", {**NORM, "shapes": [[-64]]}, "must be a list of non-negative ints"),
+    ("huge-shape", {**NORM, "shapes": [[2**62, 2**62]]}, "update has float32[4611686018427387904"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gloo_server():
+    """A server in a trainer's gloo group, and the trainer's end of it (sending nothing)."""
+    server = Server("debug", "--port", "0", "--weight-transfer-config.backend", "gloo")
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+    init = {"init_info": group.init_info}
+    joining = threading.Thread(
+        target=httpx.post,
+        args=(server.base_url + "/init_weight_transfer_engine",),
+        kwargs={"json": init, "timeout": GROUP_TIMEOUT_S},
+    )
+    joining.start()
+    group.connect()
+    joining.join(GROUP_TIMEOUT_S)
+    yield server, group
+    group.close()
+    server.stop()
+    server.kill()
+
+
+@pytest.mark.parametrize(
+    ("update_info", "message"),
+    [case[1:] for case in MALFORMED],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_a_malformed_update_with_no_trainer_broadcasting_is_refused_at_once(
+    gloo_server, update_info, message, request, record_property
+):
+    """A malformed update while no trainer broadcasts: a 400 at once, generation and group go on."""
+    server, group = gloo_server
+    with httpx.Client(base_url=server.base_url, timeout=AT_ONCE_S) as client:
+        start = time.monotonic()
+        answer = client.post("/update_weights", json={"update_info": update_info})
+        elapsed = time.monotonic() - start
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "WeightValidationError" and message in error["message"], error
+        # Generation is not held: a completion is served at once, on the weights of before.
+        version = client.get("/weight_info").json()["weight_version"]
+        served = client.post("/v1/completions", json={**OK, "max_tokens": 2})
+        assert served.json()["choices"][0]["weight_versions"] == [version] * 2
+        # The group is usable, and the stale refusal is not taken for the trainer's next
+        # update, even when that update is on the line before its own message gets here.
+        label = f"after-{request.node.callspec.id}"
+        pairs = list(LlamaForCausalLM.from_preset("debug", seed=len(label)).named_weights())
+        info = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=label).to_dict()
+        announced = (group._group.lookup(LATEST) or 0) + 1
+        sent: dict[str, Any] = {}
+        sending = threading.Thread(
+            target=lambda: sent.update(
+                stats=trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, info))
+            )
+        )
+        sending.start()
+        while group._group.lookup(LATEST) != announced and sending.is_alive():
+            time.sleep(0.01)  # the trainer's announcement is local: it comes in milliseconds
+        landed = client.post("/update_weights", json={"update_info": info})
+        sending.join(AT_ONCE_S)
+        assert landed.status_code == 200, landed.text
+        assert "stats" in sent and client.get("/weight_info").json()["weight_version"] == label
+    record_property("status", answer.status_code)
+    record_property("message", error["message"][:160])
+    record_property("seconds_to_error", round(elapsed, 2))
+
+
+def test_connections_that_never_finish_their_headers_are_closed_in_time(server, record_property):
+    """Clients open connections and never finish their headers: each closed within the bound."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port))) for _ in range(3)]
+    start = time.monotonic()
+    try:
+        conns[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        conns[2].sendall(b"GET /health HTTP/1.1\r\nHost: x")
+        for conn in conns:  # each read ends when the server closes the connection
+            conn.settimeout(HEADER_TIMEOUT_S + AT_ONCE_S)
+            assert conn.recv(4096) == b""
+        waited = time.monotonic() - start
+    finally:
+        for conn in conns:
+            conn.close()
+    assert waited < HEADER_TIMEOUT_S + AT_ONCE_S
+    assert httpx.get(server.base_url + "/health").status_code == 200  # others still served
+    record_property("seconds_to_error", round(waited, 2))

@@ -18,7 +18,8 @@ RL_ROUTES = [
     ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/abort_requests"),
     ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"),
-    ("POST", "/abort_weight_update"), ("POST", "/update_weight_version"),
+    ("POST", "/abort_weight_update"), ("POST", "/shutdown_weight_transfer_engine"),
+    ("POST", "/update_weight_version"),
     ("GET", "/weight_info"), ("POST", "/weight_checker"), ("GET", "/get_world_size"),
     ("POST", "/arm_pause"), ("POST", "/unfinished_requests"), ("GET", "/engine_stats"),
 ]  # fmt: skip
@@ -74,6 +75,22 @@ def test_the_admin_key_opens_every_rl_route(admin_server):
     engine.close()
 
 
+@pytest.mark.reliability("bad-input")
+def test_an_admin_key_outside_ascii_works_from_the_command_to_the_client():
+    """`--admin-api-key` outside ASCII: the client's calls pass, a wrong key is still a 401."""
+    key = "clé-🔑-ключ"
+    server = Server("debug", "--port", "0", "--admin-api-key", key)
+    engine = HTTPEngineClient(server.base_url, admin_api_key=key, timeout_s=60)
+    try:
+        assert not engine.is_paused() and engine.get_world_size() == 1
+        wrong = httpx.get(server.base_url + "/is_paused",
+                          headers={"Authorization": "Bearer clé".encode()})  # fmt: skip
+        assert wrong.status_code == 401
+    finally:
+        engine.close()
+        server.stop()
+
+
 COMPLETION = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 MALFORMED = [
     ("POST", "/pause?mode=sideways", None, 400, "'mode' must be one of"),
@@ -84,7 +101,6 @@ MALFORMED = [
     ("POST", "/init_weight_transfer_engine", {"init_info": {"backend": "pigeon"}}, 400, "pigeon"),
     ("POST", "/update_weights", {"update_infos": {}}, 400, "unknown field 'update_infos'"),
     ("POST", "/update_weights", {"update_info": {"names": []}}, 409, "init_weight_transfer_engine"),
-    ("POST", "/start_weight_update", None, 409, "init_weight_transfer_engine"),
     ("POST", "/finish_weight_update", None, 409, "no weight update is in progress"),
     ("POST", "/finish_weight_update", {"weight_version": [1]}, 400, "weight_version"),
     ("POST", "/update_weight_version", {}, 400, "'new_version' is required"),

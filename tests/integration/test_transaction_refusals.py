@@ -123,3 +123,17 @@ def test_a_malformed_update_info_is_refused_in_the_handshake(gloo_engine, policy
     assert engine.weight_version == 0 and not engine.weights.holds_generation
     accepted_send(engine, args, policy, update_info)
     assert engine.weight_version == 1
+
+
+def test_an_update_refused_before_the_trainer_sends_it_fails_that_send_at_once(gloo_engine, policy):
+    engine, args, update_info = gloo_engine
+    malformed = {**update_info, "shapes": update_info["shapes"][:-1]}  # mangled on its way
+    start = time.monotonic()
+    with pytest.raises(WeightValidationError, match="equal lengths"):
+        engine.update_weights({"update_info": malformed})  # no trainer on the line yet
+    with pytest.raises(WeightValidationError, match=r"rank 1: WeightValidationError"):
+        trainer_send_weights(policy.named_weights(), args)  # the send it belonged to
+    assert time.monotonic() - start < TIMEOUT_S / 2  # neither side waited for the other
+    assert engine.weight_version == 0 and not engine.weights.holds_generation
+    accepted_send(engine, args, policy, update_info)
+    assert engine.weight_version == 1

@@ -1,10 +1,9 @@
 import torch
 from torch import nn
 
-from weightsync.transfer._bucket_io import direct_region
 from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flatten_module
-from weightsync.transfer.packing import plan_buckets
+from weightsync.transfer.packing import direct_region, plan_buckets
 
 
 def make_model():

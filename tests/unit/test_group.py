@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._group import BroadcastGroup, _translate, check_backend, check_port
+from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._group_store import translate
 
 
 def _group(**overrides):
@@ -90,11 +91,11 @@ def test_collectives_need_a_connected_group():
 
 
 def test_torch_failures_become_weightsync_errors():
-    timeout = _translate("receiving bucket", RuntimeError("Socket Timeout"), 3.0)
+    timeout = translate("receiving bucket", RuntimeError("Socket Timeout"), 3.0)
     assert isinstance(timeout, WeightTransferTimeout)
     assert "receiving bucket timed out after 3 s (timeout_s)" in str(timeout)
-    failed = _translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
-    misnamed = _translate("opening the store", TypeError("unexpected keyword 'timeout'"), 3.0)
+    failed = translate("receiving bucket", RuntimeError("Connection reset by peer"), 3.0)
+    misnamed = translate("opening the store", TypeError("unexpected keyword 'timeout'"), 3.0)
     assert not isinstance(misnamed, WeightTransferTimeout)
     assert type(failed) is WeightTransferError
     assert "a peer process died or closed the group" in str(failed)
@@ -213,3 +214,91 @@ def test_a_store_that_stops_answering_is_a_timeout_not_a_hang():
         release.set()
         group._store = real
         group.close(release_store=True)
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_world_size_no_group_can_have_is_refused_at_once(record_property):
+    """`trainer_init(world_size=10**6)`: refused at once, naming the limit and why it is one."""
+    import re
+    import time
+
+    from weightsync import GlooWeightTransferEngine
+    from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
+    from weightsync.transfer.nccl_trainer import trainer_init
+    from weightsync.transfer.wire import WireParams
+
+    start = time.monotonic()
+    with pytest.raises(WeightValidationError, match=r"RLIMIT_NOFILE") as refused:
+        trainer_init(world_size=10**6, backend="gloo", timeout_s=5)
+    assert time.monotonic() - start < 5  # refused before anything waited
+    message = str(refused.value)
+    assert "world_size 1000000 is more than any group" in message and "ulimit -n" in message
+    limit = int(re.search(r"world_size can be at most (\d+)", message).group(1))
+    trainer_init(world_size=limit, backend="gloo").close()  # the limit itself is a group
+    with pytest.raises(WeightValidationError, match=f"at most {limit}"):
+        trainer_init(world_size=limit + 1, backend="gloo")
+    # A worker told such a world size (a hostile init info, say) refuses before connecting.
+    info = NCCLWeightTransferInitInfo.create(
+        master_address="127.0.0.1",
+        master_port=9,  # nothing listens: a worker that tried to connect would time out
+        world_size=10**6,
+        backend="gloo",
+        wire=WireParams(timeout_s=5.0),
+    )
+    with pytest.raises(WeightValidationError, match="RLIMIT_NOFILE"):
+        GlooWeightTransferEngine().init_transfer_engine(info)
+    record_property("error", "WeightValidationError")
+    record_property("message", message[:160])
+
+
+@pytest.mark.reliability("fault")
+def test_connect_keeps_one_timeout_for_every_phase(record_property):
+    """No worker ever joins the largest group allowed: `connect` fails within its `timeout_s`."""
+    import re
+    import time
+
+    from weightsync.transfer.nccl_trainer import trainer_init
+
+    with pytest.raises(WeightValidationError) as refused:
+        trainer_init(world_size=10**9, backend="gloo")
+    limit = int(re.search(r"at most (\d+)", str(refused.value)).group(1))
+    timeout_s = 1.0
+    group = trainer_init(world_size=limit, backend="gloo", timeout_s=timeout_s)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightTransferTimeout, match=r"timed out after 1 s \(timeout_s\)"):
+            group.connect()
+        elapsed = time.monotonic() - start
+    finally:
+        group.close()
+    # Rendezvous and the report of the workers' errors share the one limit: reading what
+    # thousands of ranks reported, one store read each, used to come on top of it.
+    assert elapsed < timeout_s + 1.5, elapsed
+    record_property("error", "WeightTransferTimeout")
+    record_property("seconds_to_error", round(elapsed, 2))
+
+
+@pytest.mark.reliability("fault")
+def test_waiting_for_workers_and_the_rendezvous_share_one_timeout(record_property):
+    """A worker claims its rank late and never forms the group: `connect` ends at `timeout_s`."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from weightsync.transfer.nccl_trainer import trainer_init
+
+    timeout_s = 2.0
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=timeout_s)
+    # Half the limit in, a worker claims rank 1 and then never comes to the rendezvous.
+    late = threading.Timer(timeout_s / 2, lambda: group._group.set("rank/1", "late-worker"))
+    try:
+        start = time.monotonic()
+        late.start()
+        with pytest.raises(WeightTransferTimeout, match=r"timed out after 2 s \(timeout_s\)"):
+            group.connect(joining=[Future()])  # a join call that never returns
+        elapsed = time.monotonic() - start
+    finally:
+        late.cancel()
+        group.close()
+    assert elapsed < timeout_s * 1.25, elapsed  # was: half the limit, then the whole limit again
+    record_property("seconds_to_error", round(elapsed, 2))

@@ -1,6 +1,7 @@
 """Hostile IPC records and abandoned updates, in one process: every peer value is checked first."""
 
 import base64
+import copy
 import os
 import threading
 
@@ -66,6 +67,23 @@ def test_an_abandoned_update_is_unmapped_when_the_next_one_is_announced(rig, par
     rig.send(deliver=deliver)  # a live send: every part is read while its buffer holds it
     assert abandoned and mapped_after_announcement == [[]]
     assert weight_checksums(rig.params) == weight_checksums(rig.source)
+
+
+def test_a_segment_truncated_since_it_was_mapped_is_refused_before_anything_is_read(rig, parts):
+    # The mapping of the first update is kept for the next one; its owner then truncates the
+    # segment, and a later record names it again: reading the old mapping would be a SIGBUS.
+    for info in parts:
+        rig.receive(info)
+    part = copy.deepcopy(parts[1])
+    name = part["ipc_handles"][0]["segment"]
+    assert name in rig.engine._mappings.open_segments
+    os.truncate(f"/dev/shm/{name}", 8)
+    again = [{**info, "update_id": "a-later-update"} for info in (parts[0], part)]
+    rig.receive(again[0])
+    read = []
+    with pytest.raises(WeightValidationError, match=rf"reaches past the end of {name} \(8 bytes\)"):
+        rig.engine.receive_weights(again[1], read.append)
+    assert read == []  # refused before load_weights saw a byte
 
 
 @pytest.fixture

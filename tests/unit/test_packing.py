@@ -3,11 +3,16 @@ import torch
 
 from process_rigs import allocate_tensors, fill_tensors
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._bucket_io import direct_region, pack_bucket, unpack_bucket
-from weightsync.transfer._dtypes import WIRE_DTYPES
+from weightsync.transfer.base import _WIRE_DTYPES as WIRE_DTYPES
 from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flat_tensors
-from weightsync.transfer.packing import ALIGN_BYTES, plan_buckets
+from weightsync.transfer.packing import (
+    ALIGN_BYTES,
+    direct_region,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
 
 SHAPES = {"0-d": (), "empty": (0, 3), "vector": (7,), "matrix": (5, 3)}
 

@@ -110,7 +110,12 @@ def test_the_server_api_is_its_app_and_command_not_its_routes():
     # The routes and their request models are private: the HTTP shapes are the server's API, on
     # the serving and OpenAPI pages; Python callers build the app or run the command.
     serve_modules = [name for name in MODULES if name.startswith("weightsync.serve")]
-    assert serve_modules == ["weightsync.serve", "weightsync.serve.app", "weightsync.serve.cli"]
+    assert serve_modules == [
+        "weightsync.serve",
+        "weightsync.serve.app",
+        "weightsync.serve.cli",
+        "weightsync.serve.config",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: processing imports `fail_request` from here
+if TYPE_CHECKING:
     from weightsync.engine.model_runner import ModelRunner
     from weightsync.engine.outputs import WeightVersion
     from weightsync.engine.processing import OutputProcessor
@@ -59,15 +59,6 @@ def _run_alone(
     try:
         tokens, logprobs = runner.execute([item])
     except Exception as exc:
-        fail_request(item.seq, exc)
+        item.seq.fail(exc)
         return [item.seq]
     return output_processor.process([item], tokens, weight_version, logprobs)
-
-
-def fail_request(seq: Sequence, exc: Exception) -> None:
-    """Ends `seq` with `finish_reason="error"` and logs why (the scheduler frees its blocks)."""
-    logger.error(
-        "request %s failed and ends with finish_reason='error': %s: %s",
-        seq.request_id, type(exc).__name__, exc,
-    )  # fmt: skip
-    seq.finish("error")

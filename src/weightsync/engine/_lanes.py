@@ -89,6 +89,11 @@ class DecodeLanes:
         """Forgets every lane (after a failed step, whose fills may not have happened)."""
         self._held = {}
 
+    def release(self) -> None:
+        """Forgets every lane and frees their memory (the engine sleeps); they regrow on use."""
+        self._held = {}
+        self.storage = [self._empty(0, 0) for _ in self.storage]
+
     def plan(self, rows: list[tuple[Sequence, int, int]]) -> LaneGroup:
         """Gives each decoding request a lane among `0 .. len(rows) - 1` and lists the fills.
 

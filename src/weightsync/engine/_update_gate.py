@@ -2,20 +2,17 @@
 
 [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]'s weight-update calls go through one
 `UpdateGate`. It refuses an update on a busy, unpaused engine (and tells a broadcast's trainer
-why), holds the scheduler paused while a transaction is open or weights are torn, resumes an
-engine that a transaction paused once it ends, and forgets cached prefixes whenever weight bytes
-change.
+why), holds the scheduler paused while an update is in progress or weights are torn, and resumes
+an engine that an update paused once the update ends. The rules of the update itself are
+[`LiveWeights`][weightsync.engine.weights.LiveWeights]'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from weightsync.engine._transaction import Transaction
-from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.scheduler import PauseState, Scheduler
 from weightsync.engine.weights import LiveWeights
@@ -44,22 +41,23 @@ def unwrap_request(request: Any, key: str, method: str) -> Any:
 
 
 class UpdateGate:
-    """Couples the update transaction of `weights` to the pause state of `scheduler`."""
+    """Couples the weight updates of `weights` to the pause state of `scheduler`.
 
-    def __init__(
-        self, scheduler: Scheduler, weights: LiveWeights, block_manager: BlockManager
-    ) -> None:
+    An update that begins on a running engine pauses it (`keep`) and resumes it when it ends,
+    unless the caller paused the engine meanwhile, or the update left weights torn.
+    """
+
+    def __init__(self, scheduler: Scheduler, weights: LiveWeights) -> None:
         self.scheduler = scheduler
         self.weights = weights
-        self.block_manager = block_manager
+        self._resume_when_done = False  # an update paused the running engine
 
     def start(self) -> None:
         """Opens a transaction; an idle, unpaused engine pauses for it and resumes after it."""
         self.check_idle("start_weight_update")
         running = self.scheduler.state is PauseState.UNPAUSED
-        self.weights.start(resume_after=running)
-        if running:
-            self.scheduler.pause("keep")
+        self.weights.start()
+        self._settle(running)
 
     def update(self, update_info: Mapping[str, Any]) -> TransferStats:
         """Receives one update message; a busy engine refuses it, and the trainer learns why."""
@@ -69,44 +67,46 @@ class UpdateGate:
             self.weights.refuse(update_info, exc)
             raise
         running = self.scheduler.state is PauseState.UNPAUSED
-        with self.settle(running):
+        try:
             return self.weights.update(update_info)
+        finally:
+            self._settle(running)
 
     def finish(self, weight_version: WeightVersion | None) -> None:
         """Ends the transaction; the engine returns to the pause state it had before it."""
-        with self.settle(running=False):
+        try:
             self.weights.finish(weight_version)
+        finally:
+            self._settle(running=False)
 
     def abort(self) -> bool:
         """Ends the transaction on purpose; returns whether one was open."""
-        with self.settle(running=False):
+        try:
             return self.weights.abort()
+        finally:
+            self._settle(running=False)
 
-    @contextlib.contextmanager
-    def settle(self, running: bool) -> Iterator[None]:
-        """Settles the pause state and the prefix cache after a transaction call, however it ends.
+    def caller_paused(self) -> None:
+        """The caller paused the engine: the pause is theirs, and no update's end resumes it."""
+        self._resume_when_done = False
+
+    def _settle(self, running: bool) -> None:
+        """Pauses while an update is open or weights are torn; resumes what an update paused.
 
         Args:
-            running: The engine was unpaused before the call (a transaction it opens then
-                resumes the engine when it ends).
+            running: The engine was unpaused when the call began.
         """
-        before: Transaction | None = self.weights.transaction
-        writes = self.weights.num_writes
-        try:
-            yield
-        finally:
-            after = self.weights.transaction
-            if after is not None and before is None:
-                after.resume_after = running  # opened by this bare update and still open
-            if self.weights.num_writes != writes:
-                self.block_manager.bump_epoch()  # KV of the old weights must not be reused
-            if self.weights.holds_generation:
-                if self.scheduler.state is not PauseState.PAUSED:
-                    self.scheduler.pause("keep")  # queued and frozen requests wait for the update
-                if self.weights.is_torn:
-                    logger.error("weights are torn: the engine stays paused")
-            elif before is not None and after is None and before.resume_after:
-                self.scheduler.resume()
+        in_update, torn = self.weights.in_update, self.weights.is_torn
+        if in_update or torn:
+            if self.scheduler.state is not PauseState.PAUSED:
+                self.scheduler.pause("keep")  # queued and frozen requests wait for the update
+                self._resume_when_done = running and in_update
+            if torn:
+                self._resume_when_done = False  # a torn engine resumes only when asked to
+                logger.error("weights are torn: the engine stays paused")
+        elif self._resume_when_done:
+            self._resume_when_done = False
+            self.scheduler.resume()
 
     def check_idle(self, call: str) -> None:
         """Raises `EngineBusyError` when requests run on an engine that is not paused."""
@@ -135,7 +135,7 @@ class UpdateGate:
                 f"{names[:3]}), so the engine does not generate: land an update that covers them "
                 "with update_weights(...) first"
             )
-        if self.weights.transaction is not None:
+        if self.weights.in_update:
             raise WeightUpdateStateError(
                 f"{call}: a weight update is in progress: finish_weight_update(...) or "
                 "abort_weight_update() first"

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState
+from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._step_done = asyncio.Event()
         self._idle_waiters: list[asyncio.Future[None]] = []  # see wait_until_idle
+        self._armed_landed = asyncio.Event()  # set when the armed pause starts (see arm_pause)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -201,6 +203,19 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
+        return self.engine.tokenize(prompt)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A conversation's prompt token ids; see `LLMEngine.apply_chat_template`."""
+        return self.engine.apply_chat_template(messages)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence, in tokens, that a request may reach."""
+        return self.engine.max_model_len
+
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with `finish_reason="abort"`."""
         self.engine.abort_request(request_id)
@@ -209,16 +224,37 @@ class AsyncEngine:
     # --- pause / resume -----------------------------------------------------------------------
 
     async def pause_generation(
-        self, *, mode: PauseMode = "abort", clear_cache: bool = True
-    ) -> None:
+        self,
+        *,
+        mode: PauseMode = "abort",
+        clear_cache: bool = True,
+        after_tokens: int | None = None,
+    ) -> PauseMode:
         """Pauses at a step boundary and returns once paused; see `LLMEngine.pause_generation`.
 
         `abort` and `keep` return after at most the step in flight; their aborted streams have
         received their final output by then. `wait` returns when the running requests finished.
         Calling it again is harmless. If `resume_generation()` cancels a draining `wait` pause,
         this returns with the engine running.
+
+        A pause armed earlier (`arm_pause`, or `after_tokens` here) lands where it was armed
+        to: while requests run, this call waits for it and takes its mode. On an idle or paused
+        engine there is nothing to wait for, and the pause starts now (with `after_tokens` on a
+        paused engine: it is armed, and lands once generation resumes).
+
+        Returns:
+            The mode of the pause that landed (an armed pause's own).
         """
         self._start()
+        if after_tokens is not None:
+            await self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
+            if self.engine.is_paused():
+                return mode
+        armed, landed = self.engine.armed_pause, self._armed_landed
+        if armed is not None and self.engine.has_unfinished_requests():
+            if not self.engine.is_paused():
+                await landed.wait()  # set by the step that starts it, or by a pause before it
+            mode, clear_cache = armed.mode, armed.clear_cache
         async with self._lock:
             self.engine.start_pause(mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
@@ -226,6 +262,31 @@ class AsyncEngine:
         self._wake.set()
         while self.engine.pause_state is PauseState.DRAINING:
             await self._next_step()
+        return mode
+
+    async def arm_pause(
+        self, after_tokens: int, *, mode: PauseMode = "keep", clear_cache: bool = True
+    ) -> None:
+        """Arms a pause for when every unfinished request has `after_tokens` output tokens.
+
+        Returns at once; see `LLMEngine.arm_pause`. The next `pause_generation` waits for it.
+
+        Raises:
+            InvalidRequestError: A negative `after_tokens` or an unknown `mode`.
+        """
+        self._start()
+        loop = asyncio.get_running_loop()
+        landed = asyncio.Event()
+
+        def on_pause() -> None:  # called on the stepping thread
+            loop.call_soon_threadsafe(landed.set)
+
+        async with self._lock:
+            self.engine.arm_pause(
+                after_tokens, mode=mode, clear_cache=clear_cache, on_pause=on_pause
+            )
+            self._armed_landed = landed
+        self._wake.set()
 
     async def resume_generation(self) -> None:
         """Resumes generation (harmless when running).
@@ -241,6 +302,14 @@ class AsyncEngine:
     async def is_paused(self) -> bool:
         """Whether generation is paused."""
         return self.engine.is_paused()
+
+    def unfinished(self, request_ids: Iterable[str]) -> list[str]:
+        """Those of `request_ids` that are queued, running or frozen by a pause, in order."""
+        return self.engine.unfinished(request_ids)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests queued, running or frozen by a pause."""
+        return self.engine.num_unfinished_requests()
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -325,6 +394,36 @@ class AsyncEngine:
             aborted = self.engine.abort_weight_update()
         self._wake.set()
         return aborted
+
+    def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Raises what `finish_weight_update` would raise now; see `LLMEngine`'s."""
+        self.engine.check_finish_weight_update(weight_version)
+
+    @property
+    def weight_update(self) -> WeightUpdateStatus | None:
+        """The weight update in progress, or None; see `LLMEngine.weight_update`."""
+        return self.engine.weight_update
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
+        """Relabels the current weights; see `LLMEngine.update_weight_version`."""
+        async with self._lock:
+            self.engine.update_weight_version(new_version)
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of every weight, by name, computed off the event loop (no step runs meanwhile).
+
+        Raises:
+            EngineStateError: A weight update is in progress or weights are torn.
+        """
+        self._start()
+        async with self._lock:
+            return await asyncio.to_thread(self.engine.weight_checksums)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer; see `LLMEngine.shutdown_weight_transfer_engine`."""
+        self._start()
+        async with self._transfer_lock, self._lock:
+            await asyncio.to_thread(self.engine.shutdown_weight_transfer_engine)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

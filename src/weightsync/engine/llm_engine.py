@@ -7,6 +7,10 @@ The pause contract (modes, `clear_cache`, queued arrivals, updates only while pa
 torn weights) is described on
 [`pause_generation`][weightsync.engine.llm_engine.LLMEngine.pause_generation] and
 [`update_weights`][weightsync.engine.llm_engine.LLMEngine.update_weights].
+
+One concept: the engine a caller drives, vLLM's `LLMEngine`. Its length is its public methods'
+docstrings (they are the API reference); the work is in the scheduler, the model runner, the
+update gate and the live weights it delegates to.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._isolation import run_batch
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig, _check_optional
@@ -34,9 +39,10 @@ from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
 from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
-from weightsync.engine.weights import LiveWeights
+from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
 from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
+from weightsync.transfer.checksums import weight_checksums
 
 __all__ = ["LLMEngine"]
 
@@ -57,6 +63,10 @@ class LLMEngine:
         dtype: Parameter dtype of a preset or a loaded directory.
         weight_version: Version of the initial weights.
         worker_index: This engine's index among a transfer group's workers.
+        finish_bare_updates: A bare `update_weights` (no `start_weight_update` before it)
+            finishes itself once every weight it announced landed. False: it waits for
+            `finish_weight_update`, as the replicas behind a data-parallel front do, so that the
+            front moves every replica's version at once.
 
     Raises:
         EngineConfigError: A config of the wrong type, inconsistent limits (e.g. a KV cache
@@ -79,6 +89,7 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         weight_version: WeightVersion = 0,
         worker_index: int = 0,
+        finish_bare_updates: bool = True,
     ) -> None:
         _check_optional("engine_config", engine_config, EngineConfig)
         _check_optional("weight_transfer_config", weight_transfer_config, WeightTransferConfig)
@@ -114,8 +125,10 @@ class LLMEngine:
             worker_index=worker_index,
             staging=config.weight_update_staging,
             refuse_non_finite=config.refuse_non_finite_weights,
+            finish_bare_updates=finish_bare_updates,
+            on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
         )
-        self._gate = UpdateGate(self.scheduler, self.weights, self.block_manager)
+        self._gate = UpdateGate(self.scheduler, self.weights)
         self.num_steps = 0
         # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
@@ -124,6 +137,7 @@ class LLMEngine:
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._clear_cache_after_drain = False
+        self._shut_down = False  # see shutdown()
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
@@ -136,7 +150,9 @@ class LLMEngine:
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
+            EngineStateError: The engine was shut down.
         """
+        self._check_not_shut_down("add_request")
         with self._lock:
             seq = self.input_processor.process(request_id, prompt, sampling_params)
             if request_id in self._live_ids:
@@ -149,6 +165,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """A conversation's prompt token ids: see `InputProcessor.apply_chat_template`."""
         return self.input_processor.apply_chat_template(messages)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids of a prompt, checked as `add_request` checks it; no side effect.
+
+        Raises:
+            InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
+                ids, or a prompt that leaves no room for output within `max_model_len`.
+        """
+        return self.input_processor.tokenize(prompt)[1]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests by id (unknown or finished ids are ignored); thread-safe.
@@ -177,6 +202,15 @@ class LLMEngine:
         """Whether any request is queued, running, paused in flight or has an undelivered output."""
         return bool(self._live_ids or self._pending_outputs)
 
+    def num_unfinished_requests(self) -> int:
+        """Requests queued, running or frozen by a pause (not those whose end is undelivered)."""
+        return len(self._live_ids)
+
+    def unfinished(self, request_ids: Iterable[str]) -> list[str]:
+        """Those of `request_ids` that are queued, running or frozen by a pause, in order."""
+        with self._lock:
+            return [request_id for request_id in request_ids if request_id in self._live_ids]
+
     def has_work(self) -> bool:
         """Whether `step()` would do anything now (deliver, admit, abort or compute)."""
         pending = self._inbox or self._abort_inbox or self._pending_outputs or self._can_compute()
@@ -194,7 +228,11 @@ class LLMEngine:
 
         Paused, or while a weight update is open or weights are torn, it only delivers pending
         outputs (aborts); new requests stay queued. A request that fails ends alone (`"error"`).
+
+        Raises:
+            EngineStateError: The engine was shut down.
         """
+        self._check_not_shut_down("step")
         self._drain_inbox()
         self.scheduler.fire_armed_pause(self.start_pause)  # see ArmedPause
         if self._can_compute():
@@ -225,9 +263,10 @@ class LLMEngine:
 
         Raises:
             EngineStateError: The engine is paused, a weight update is in progress, or weights
-                are torn: it would wait forever.
+                are torn: it would wait forever; or the engine was shut down.
             InvalidRequestError: A bad prompt or sampling parameters.
         """
+        self._check_not_shut_down("generate")
         self._gate.check_can_generate("generate()")
         batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
@@ -255,9 +294,11 @@ class LLMEngine:
         A `wait` pause is then draining until later steps finish its running requests.
         """
         self._drain_inbox()
-        if self.weights.transaction is not None:
-            self.weights.transaction.resume_after = False  # the caller owns this pause now
+        self._gate.caller_paused()  # the caller owns this pause now, not an update
+        armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
         aborted = self.scheduler.pause(mode)
+        if armed is not None and armed.on_pause is not None:
+            armed.on_pause()  # it landed now, or this pause took its place
         self._emit_finished(aborted)
         if clear_cache:
             if self.scheduler.state is PauseState.PAUSED:
@@ -269,7 +310,47 @@ class LLMEngine:
             mode, clear_cache, self.scheduler.state.value, len(aborted), self.scheduler.num_unfinished,
         )  # fmt: skip
 
-    def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+    def arm_pause(
+        self,
+        after_tokens: int,
+        *,
+        mode: PauseMode = "keep",
+        clear_cache: bool = True,
+        on_pause: Callable[[], None] | None = None,
+    ) -> None:
+        """Arms a pause for when every unfinished request has `after_tokens` output tokens.
+
+        A weightsync extension. The pause starts at the first step boundary, while generation
+        runs, where every unfinished request has at least `after_tokens` output tokens (or has
+        finished), however late the caller is. To land it exactly there, queue the requests
+        while paused, arm, then resume. Any pause that starts before it takes its place; arming
+        again replaces it.
+
+        Args:
+            after_tokens: Output tokens each unfinished request must have.
+            mode: The pause's mode.
+            clear_cache: Whether the pause drops the KV and prefix caches.
+            on_pause: Called (from the stepping thread) once the pause started, or was replaced
+                by another pause.
+
+        Raises:
+            InvalidRequestError: A negative `after_tokens` or an unknown `mode`.
+        """
+        armed = ArmedPause(after_tokens, mode, clear_cache, on_pause)
+        self.scheduler.armed_pause = armed  # read by the next step: one assignment
+
+    @property
+    def armed_pause(self) -> ArmedPause | None:
+        """The pause `arm_pause` armed, until it starts."""
+        return self.scheduler.armed_pause
+
+    def pause_generation(
+        self,
+        *,
+        mode: PauseMode = "abort",
+        clear_cache: bool = True,
+        after_tokens: int | None = None,
+    ) -> None:
         """Pauses generation at a step boundary; returns once paused.
 
         - `abort`: every unfinished request ends now with `finish_reason="abort"` and its
@@ -283,15 +364,24 @@ class LLMEngine:
         `clear_cache=False` keeps the old KV (stale after a weight update, but no recompute).
         Requests added while paused are queued and start after resume. Pausing twice is harmless.
 
+        With `after_tokens`, the pause is armed (see `arm_pause`) and this call runs the steps
+        until it starts; on an engine paused already, it is armed and lands once generation
+        resumes.
+
         Raises:
-            InvalidRequestError: Unknown `mode`.
+            InvalidRequestError: Unknown `mode`, or a negative `after_tokens`.
 
         >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
         >>> engine.pause_generation(mode="keep")
         >>> engine.is_paused()
         True
         """
-        self.start_pause(mode=mode, clear_cache=clear_cache)
+        if after_tokens is None:
+            self.start_pause(mode=mode, clear_cache=clear_cache)
+        else:
+            self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
+            while self.armed_pause is not None and not self.is_paused():
+                self._pending_outputs[:0] = self.step()  # the step that is due starts it
         while self.scheduler.state is PauseState.DRAINING:
             self._pending_outputs[:0] = self.step()
 
@@ -322,11 +412,21 @@ class LLMEngine:
         """Version of the current weights: the trainer's label, or the count of updates."""
         return self.weights.weight_version
 
+    @property
+    def worker_index(self) -> int:
+        """This engine's index among a transfer group's workers (its broadcast rank is 1 + it)."""
+        return self.weights.worker_index
+
+    def get_world_size(self) -> int:
+        """Transfer workers this engine holds: 1 (vLLM's name, as its HTTP route has it)."""
+        return 1
+
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer group: `{"init_info": {...}}`, as vLLM's `LLM` takes it.
 
         Blocks until the group forms (the trainer's first send) or its timeout passes.
         """
+        self._check_not_shut_down("init_weight_transfer_engine")
         self.weights.init_transfer_engine(
             unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
@@ -343,6 +443,7 @@ class LLMEngine:
             EngineStateError: No transfer engine was initialized.
             WeightUpdateStateError: A transaction is already open.
         """
+        self._check_not_shut_down("start_weight_update")
         self._gate.start()
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
@@ -366,6 +467,7 @@ class LLMEngine:
             WeightValidationError: The message was refused; nothing changed.
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
+        self._check_not_shut_down("update_weights")
         return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
@@ -377,11 +479,52 @@ class LLMEngine:
 
         Raises:
             WeightUpdateStateError: No transaction is open.
-            IncompleteWeightUpdateError: Announced weights are missing; the transaction stays
-                open (send them, or `abort_weight_update()`).
+            IncompleteWeightUpdateError: Announced weights are missing, or an `update_weights` of
+                this update was refused and not sent again; the transaction stays open (send
+                them, or `abort_weight_update()`).
             TornWeightsError: Weights torn by an earlier failure remain; the version stays.
+            NonFiniteWeightsError: The engine refuses non-finite weights and one landed with a
+                NaN or an infinity; the update ends (restored with staging, else torn).
+            WeightValidationError: `weight_version` is not a string of at most 256 characters
+                or a 64-bit int.
         """
         self._gate.finish(weight_version)
+
+    def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Raises what `finish_weight_update(weight_version)` would raise now; changes nothing.
+
+        A data-parallel front asks every replica this before any of them moves its version.
+        """
+        self.weights.check_finish(weight_version)
+
+    @property
+    def weight_update(self) -> WeightUpdateStatus | None:
+        """The weight update in progress (explicit or bare, how far it got), or None."""
+        return self.weights.status()
+
+    def update_weight_version(self, new_version: WeightVersion) -> None:
+        """Relabels the current weights (vLLM's `update_weight_version`); no byte changes.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: its finish sets the version.
+            WeightValidationError: `new_version` is not a string of at most 256 characters or
+                a 64-bit int.
+        """
+        self.weights.relabel(new_version)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of every weight's bytes, by Hugging Face name (see `weight_checksums`).
+
+        Raises:
+            EngineStateError: A weight update is in progress or weights are torn: the digests
+                would describe weights that are about to change or are half-written.
+        """
+        if self.weights.holds_generation:
+            raise EngineStateError(
+                "weight_checker: a weight update is in progress or weights are torn; check after "
+                "finish_weight_update"
+            )
+        return weight_checksums(self.model.named_weights())
 
     def abort_weight_update(self) -> bool:
         """Ends the open transaction on purpose (a weightsync extension). Harmless without one.
@@ -395,6 +538,33 @@ class LLMEngine:
         """
         return self._gate.abort()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer and frees what it held, as vLLM's call of that name.
+
+        A trainer calls it when it closes: the group's connections and port, or the mappings
+        of its shared memory, go now. A later `init_weight_transfer_engine` joins a new
+        transfer (of any backend). The weights and their version stay.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        self.weights.release_transfer_engine()
+
     def shutdown(self) -> None:
-        """Releases the transfer engine. Safe to call twice."""
+        """Ends the engine: releases its transfer engine and runs nothing more. Safe twice.
+
+        Requests still in flight are not stepped further. Every later call that would generate
+        or update (`generate`, `add_request`, `step`, `init_weight_transfer_engine`,
+        `start_weight_update`, `update_weights`) raises `EngineStateError`, as an `AsyncEngine`
+        shut down does; create a new engine instead. To leave a trainer's transfer and go on
+        generating, call `shutdown_weight_transfer_engine()`.
+        """
+        self._shut_down = True
         self.weights.shutdown()
+
+    def _check_not_shut_down(self, call: str) -> None:
+        if self._shut_down:
+            raise EngineStateError(
+                f"{call}: this LLMEngine was shut down; create a new one (to leave a trainer's "
+                "transfer only, call shutdown_weight_transfer_engine() instead)"
+            )

@@ -59,6 +59,29 @@ class ModelRunner:
             device=self.device,
         )
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 while released)."""
+        return sum(kv.untyped_storage().nbytes() for kv in self.kv_caches)
+
+    def release_kv_cache(self) -> None:
+        """Frees the KV cache's memory, and the decode lanes' and scratch space's (to sleep).
+
+        Every cached value is lost: the scheduler's blocks must be reset with it, so each
+        request recomputes its KV once the cache is back (`restore_kv_cache`).
+        """
+        for kv in self.kv_caches:
+            kv.untyped_storage().resize_(0)  # the tensors stay: their memory goes
+        self.lanes.release()
+        self._gather_space = torch.empty(0, dtype=self._gather_space.dtype, device=self.device)
+
+    def restore_kv_cache(self) -> None:
+        """Allocates the KV cache again, as large as before `release_kv_cache`; harmless twice."""
+        for kv in self.kv_caches:
+            nbytes = kv.numel() * kv.element_size()
+            if kv.untyped_storage().nbytes() != nbytes:
+                kv.untyped_storage().resize_(nbytes)
+
     def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
         """A (2, kv_heads, num_blocks, block_size * head_dim) view of the scratch space."""
         _, kv_heads, _, head_dim = self.kv_caches[0].shape

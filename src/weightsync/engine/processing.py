@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from weightsync.engine._isolation import fail_request
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
@@ -89,7 +88,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in [0, {self.vocab_size}), got {prompt!r}"
                 )
-        if not token_ids:
+        if not token_ids or prompt == "":  # a BOS token alone is not a prompt
             raise InvalidRequestError("prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -225,7 +224,7 @@ class OutputProcessor:
                 delta = item.seq.append_token(token, weight_version, token_logprobs)
                 self._check_stop(item.seq, token, delta)
             except Exception as exc:  # this request's text or stop check: it alone ends
-                fail_request(item.seq, exc)
+                item.seq.fail(exc)
             changed.append(item.seq)
         return changed
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 
@@ -14,6 +15,8 @@ from weightsync.engine.outputs import (
 )
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.tokenizer import IncrementalDecoder
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -156,6 +159,14 @@ class Sequence:
         self.block_table = []
         self.block_hashes = []
         self.num_kv_resets += 1
+
+    def fail(self, exc: Exception) -> None:
+        """Ends the sequence with `finish_reason="error"` and logs why (its computation failed)."""
+        logger.error(
+            "request %s failed and ends with finish_reason='error': %s: %s",
+            self.request_id, type(exc).__name__, exc,
+        )  # fmt: skip
+        self.finish("error")
 
     def finish(
         self, reason: FinishReason, stop_reason: str | int | None = None, *, flush_text: bool = True

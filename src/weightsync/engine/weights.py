@@ -1,7 +1,9 @@
 """`LiveWeights`: a model's weights as a trainer updates them, one transaction at a time.
 
-It owns the receiver side of a transfer backend (see `weightsync.transfer`) and the update
-transaction, vLLM's four calls as one state machine:
+This is the one rulebook of weight updates: one engine runs it, and so does every replica behind
+a data-parallel front, which only asks its replicas (`check_finish`, `status`) and fans their
+answers in. It owns the receiver side of a transfer backend (see `weightsync.transfer`) and the
+update transaction, vLLM's four calls as one state machine:
 
 ```
 idle --start()--> open --update()*--> open --finish(version)--> idle   (version moves)
@@ -11,21 +13,27 @@ idle --start()--> open --update()*--> open --finish(version)--> idle   (version 
 ```
 
 A bare `update()` opens an implicit transaction that finishes itself once every weight it
-announced landed. The version moves only at finish, when every announced weight landed and none
-is torn. Weights a failed transaction may have half-written are *torn* (no generation) until a
-transaction covers them; with staging, a failure or abort copies back the touched weights.
+announced landed (or, with `finish_bare_updates=False`, waits for `finish()`, so that a front can
+commit every replica at once). The version moves only at finish, when every announced weight
+landed, no message of the transaction was refused, and no weight is torn. Weights a failed
+transaction may have half-written are *torn* (no generation) until a transaction covers them;
+with staging, a failure or abort copies back the touched weights.
+
+One concept: the update transaction. Its record, its refusals and the ends of an update
+(finished, refused at finish, failed, aborted, replaced) are one state machine, read in one
+place; cut in two, each half would need the other's rules.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.config import WeightTransferConfig
-from weightsync.engine._transaction import Transaction, info_field, non_finite_names
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import (
@@ -40,9 +48,97 @@ from weightsync.errors import (
 )
 from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
 
-__all__ = ["LiveWeights"]
+__all__ = ["LiveWeights", "WeightUpdateStatus"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightUpdateStatus:
+    """The weight update in progress, as a caller may see it.
+
+    Attributes:
+        explicit: Opened by `start_weight_update` (else by a bare `update_weights`).
+        num_announced: Weights its messages announced.
+        num_landed: Weights delivered completely.
+        complete: Every announced weight landed and no message of it was refused: the update
+            may finish now.
+    """
+
+    explicit: bool
+    num_announced: int
+    num_landed: int
+    complete: bool
+
+
+@dataclass
+class _Transaction:
+    """One weight update in progress: what it announced, what landed, what it may have written.
+
+    Attributes:
+        explicit: Opened by `start()` (ended by `finish()` or `abort()`); else opened by a bare
+            `update()`.
+        update_id: The transfer's own id of the update, from its first message that has one;
+            a message with another id belongs to another update.
+        announced: Names the transaction's messages said they deliver.
+        landed: Names delivered completely.
+        touched: Names whose bytes may have been written, completely or not.
+        refused: Why a message meant for this update was refused, until one is accepted again.
+        label: The `weight_version` the messages carry, if any.
+        staged: Copies of the weights taken before they were touched (staging only).
+    """
+
+    explicit: bool
+    update_id: str | None = None
+    announced: set[str] = field(default_factory=set)
+    landed: set[str] = field(default_factory=set)
+    touched: set[str] = field(default_factory=set)
+    refused: str | None = None
+    label: WeightVersion | None = None
+    staged: dict[str, torch.Tensor] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.refused is None and self.announced <= self.landed
+
+
+# Every generated token carries its version label: bounded, so one call cannot bloat each stream.
+_MAX_LABEL_CHARS = 256
+_MAX_LABEL_INT = 2**63  # an int label fits in a signed 64-bit integer, as a count of updates does
+
+
+def _check_label(value: object, *, param: str) -> None:
+    """Refuses a version label that is not a short string or a 64-bit int."""
+    if isinstance(value, str) and len(value) <= _MAX_LABEL_CHARS:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _MAX_LABEL_INT:
+        return
+    shown = repr(value) if isinstance(value, str | int) else type(value).__name__
+    shown = shown if len(shown) <= 60 else f"{shown[:60]}... ({len(shown)} characters)"
+    raise WeightValidationError(
+        f"{param} must be a string of at most {_MAX_LABEL_CHARS} characters or a 64-bit int, "
+        f"got {shown}"
+    )
+
+
+def _info_field(info: Any, key: str) -> Any:
+    """Reads `key` from an info given as a dict or a dataclass; None when absent."""
+    if isinstance(info, Mapping):
+        return info.get(key)
+    return getattr(info, key, None)
+
+
+def _non_finite_names(weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> list[str]:
+    """The names among `names` whose tensor holds a NaN or an infinity, sorted.
+
+    One flag per tensor is computed on the tensor's device and the flags are read back at once,
+    so a model on a GPU pays one synchronization, not one per tensor.
+    """
+    checked = [(name, tensor) for name, tensor in weights if name in names]
+    if not checked:
+        return []
+    flags = torch.stack([torch.isfinite(t).all() for _, t in checked]).tolist()
+    return sorted(name for (name, _), ok in zip(checked, flags, strict=True) if not ok)
 
 
 class LiveWeights:
@@ -59,6 +155,10 @@ class LiveWeights:
             kept between updates so that each copy lands in memory already mapped, and a copy per
             update.
         refuse_non_finite: Refuse, at finish, an update that wrote a NaN or an infinity.
+        finish_bare_updates: A bare update finishes itself once every weight it announced landed
+            (False: it waits for `finish()`, as a replica behind a data-parallel front does).
+        on_write: Called whenever weight bytes change (a message landed, a failed update was
+            restored): what was computed with the old weights, cached KV say, is stale.
     """
 
     def __init__(
@@ -70,20 +170,25 @@ class LiveWeights:
         worker_index: int = 0,
         staging: bool = False,
         refuse_non_finite: bool = False,
+        finish_bare_updates: bool = True,
+        on_write: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.transfer_config = transfer_config
         self.worker_index = worker_index
         self.staging = staging
         self.refuse_non_finite = refuse_non_finite
+        self.finish_bare_updates = finish_bare_updates
         self.weight_version: WeightVersion = weight_version
         self.num_updates = 0
         self.torn_names: set[str] = set()
-        self.transaction: Transaction | None = None
-        self.num_writes = 0  # counts calls that changed weight bytes: cached KV is stale after
+        self._transaction: _Transaction | None = None
+        self._on_write = on_write or (lambda: None)
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
-
         self._transfer: WeightTransferEngine | None = None
+        # While asleep, the weights take no update; discarded ones hold no memory until woken.
+        self._asleep = False
+        self._discarded: list[tuple[torch.UntypedStorage, int]] = []
 
     @property
     def is_torn(self) -> bool:
@@ -91,9 +196,21 @@ class LiveWeights:
         return bool(self.torn_names)
 
     @property
+    def in_update(self) -> bool:
+        """Whether a weight update (a transaction) is in progress."""
+        return self._transaction is not None
+
+    @property
     def holds_generation(self) -> bool:
         """Whether the engine must not run a forward pass: an update is open or weights are torn."""
-        return self.transaction is not None or self.is_torn
+        return self._transaction is not None or self.is_torn
+
+    def status(self) -> WeightUpdateStatus | None:
+        """The update in progress, or None."""
+        txn = self._transaction
+        if txn is None:
+            return None
+        return WeightUpdateStatus(txn.explicit, len(txn.announced), len(txn.landed), txn.complete)
 
     # --- the transfer engine ------------------------------------------------------------------
 
@@ -107,7 +224,7 @@ class LiveWeights:
             WeightTransferTimeout: The trainer did not show up in time.
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
-        if self.transaction is not None:
+        if self._transaction is not None:
             raise WeightUpdateStateError(
                 "init_weight_transfer_engine: a weight update is in progress: finish it with "
                 "finish_weight_update(...) or end it with abort_weight_update() first"
@@ -115,7 +232,7 @@ class LiveWeights:
         if self._transfer is None:
             config = self.transfer_config
             if config is None:
-                backend = info_field(init_info, "backend")
+                backend = _info_field(init_info, "backend")
                 if not isinstance(backend, str):
                     raise WeightValidationError(
                         "init_info names no backend and the engine has no weight_transfer_config: "
@@ -130,60 +247,100 @@ class LiveWeights:
         self._transfer.init_transfer_engine(init_info)
 
     def _require_transfer(self, call: str) -> WeightTransferEngine:
-        if self._transfer is None:
+        if (
+            self._transfer is None or not self._transfer.is_initialized
+        ):  # a refused init joined nothing
             raise EngineStateError(
                 f"{call} needs a transfer engine: call "
                 "init_weight_transfer_engine({'init_info': ...}) first"
             )
         return self._transfer
 
+    def refuse(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
+    ) -> None:
+        """Tells the trainer that the engine refuses this update, before anything moves.
+
+        The caller raises `reason` afterwards; see `WeightTransferEngine.refuse_update`.
+        """
+        if self._transfer is not None:
+            self._transfer.refuse_update(update_info, reason)
+
     # --- the transaction ----------------------------------------------------------------------
 
-    def start(self, *, resume_after: bool = False) -> None:
+    def start(self) -> None:
         """Opens a transaction (`start_weight_update`).
 
+        Needs no transfer engine, as vLLM's: a transaction with no message is a relabel (its
+        finish moves the version, no byte changes).
+
         Raises:
-            EngineStateError: No transfer engine was initialized.
+            EngineStateError: The weights are asleep.
             WeightUpdateStateError: A transaction is already open.
         """
-        self._require_transfer("start_weight_update")
-        if self.transaction is not None:
+        self._require_awake("start_weight_update")
+        if self._transaction is not None:
             raise WeightUpdateStateError(
                 "start_weight_update: a weight update is already in progress: finish it with "
                 "finish_weight_update(...) or end it with abort_weight_update()"
             )
-        self.transaction = Transaction(explicit=True, resume_after=resume_after)
-
-    def check(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> None:
-        """Refuses, as `update` would, a malformed message or one not matching the model.
-
-        Changes nothing: a data-parallel front asks every replica before it acts on the message.
-        """
-        transfer = self._require_transfer("update_weights")
-        transfer.check_update(transfer.parse_update_info(update_info))
+        self._transaction = _Transaction(explicit=True)
 
     def update(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
 
         The message is validated against the model before any byte moves. A message of another
-        update (a late part, a stray or duplicated one) is refused and changes nothing.
+        update (a late part, a stray or duplicated one) is refused and changes nothing; a
+        message refused for what it holds keeps the transaction from finishing until one is
+        accepted again.
 
         Raises:
             EngineStateError: No transfer engine was initialized.
-            WeightValidationError: The message was refused; nothing moved and the transaction
-                is as it was.
+            WeightValidationError: The message was refused; nothing moved.
             WeightTransferError: The transfer failed after bytes moved; the transaction is
                 over, its weights torn (or restored, with staging).
         """
+        self._require_awake("update_weights")
         transfer = self._require_transfer("update_weights")
         try:
             info = transfer.parse_update_info(update_info)
+            if info.weight_version is not None:
+                _check_label(info.weight_version, param="update_info.weight_version")
         except WeightValidationError as exc:
+            self._note_refusal(exc)
             transfer.refuse_update(update_info, exc)  # a broadcast's trainer waits for our answer
             raise
+        txn, stats = self._transaction_for(transfer, info)
+        names = list(info.names)
+        if self.staging:
+            self._stage_or_refuse(transfer, txn, names, update_info)
+        if stats is None:
+            stats = self._receive(transfer, txn, info, names)
+        loaded = names if stats.loaded_names is None else stats.loaded_names
+        if loaded:
+            self._on_write()
+        if txn.update_id is None:
+            txn.update_id = getattr(info, "update_id", None)
+        if info.opens_update:
+            txn.refused = None  # sent again, and accepted
+        txn.announced.update(names)
+        txn.landed.update(loaded)
+        txn.touched.update(loaded)
+        if info.weight_version is not None:
+            txn.label = info.weight_version
+        if not txn.explicit and txn.complete and self.finish_bare_updates:
+            self.finish(None)
+        return stats
+
+    def _transaction_for(
+        self, transfer: WeightTransferEngine, info: WeightTransferUpdateInfo
+    ) -> tuple[_Transaction, TransferStats | None]:
+        """The transaction a message belongs to, opened if none is open.
+
+        Also the stats of the message, when replacing an abandoned update received it already.
+        """
         update_id = getattr(info, "update_id", None)
-        stats: TransferStats | None = None
-        txn = self.transaction
+        txn = self._transaction
         if txn is not None and txn.update_id is not None and update_id != txn.update_id:
             if txn.explicit or not info.opens_update:
                 raise WeightValidationError(
@@ -197,51 +354,57 @@ class LiveWeights:
             stats = transfer.receive_weights(info, self._load)
             logger.warning("update %s was abandoned before it completed", txn.update_id)
             self._end_failed(txn, forget_transfer=False)  # the receiver follows the new one
-            txn = self.transaction = Transaction(explicit=False, resume_after=txn.resume_after)
+            self._transaction = _Transaction(explicit=False)
+            return self._transaction, stats
         if txn is None:
-            txn = self.transaction = Transaction(explicit=False)
-        names = list(info.names)
-        if self.staging:
-            try:
-                self._stage(txn, names)
-            except Exception as exc:  # out of memory, say: refused before any byte moved
-                if not txn.explicit and not txn.announced:
-                    self.transaction = None
-                error = WeightTransferError(
-                    f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
-                    f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
-                )
-                transfer.refuse_update(update_info, error)
-                raise error from exc
-        if stats is None:
-            stats = self._receive(transfer, txn, info, names)
-        loaded = names if stats.loaded_names is None else stats.loaded_names
-        if loaded:
-            self.num_writes += 1
-        if txn.update_id is None:
-            txn.update_id = update_id
-        txn.announced.update(names)
-        txn.landed.update(loaded)
-        txn.touched.update(loaded)
-        if info.weight_version is not None:
-            txn.label = info.weight_version
-        if not txn.explicit and txn.announced <= txn.landed:
-            self.finish(None)
-        return stats
+            txn = self._transaction = _Transaction(explicit=False)
+        return txn, None
+
+    def _note_refusal(self, exc: WeightSyncError) -> None:
+        """Marks the open transaction when a message meant to fill it was refused (see `finish`).
+
+        Only while it has no update id: once an announcement with one was accepted, a refused
+        message is a stray, late or repeated one, which changes nothing.
+        """
+        txn = self._transaction
+        if txn is not None and txn.update_id is None:
+            txn.refused = str(exc).splitlines()[0][:500]
+
+    def _stage_or_refuse(
+        self,
+        transfer: WeightTransferEngine,
+        txn: _Transaction,
+        names: list[str],
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+    ) -> None:
+        """Stages `names`; a failure (out of memory, say) refuses the message before any byte moved."""
+        try:
+            self._stage(txn, names)
+        except Exception as exc:
+            if not txn.explicit and not txn.announced:
+                self._transaction = None  # an implicit transaction that never began
+            error = WeightTransferError(
+                f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
+                f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
+            )
+            transfer.refuse_update(update_info, error)
+            raise error from exc
 
     def _receive(
         self,
         transfer: WeightTransferEngine,
-        txn: Transaction,
+        txn: _Transaction,
         info: WeightTransferUpdateInfo,
         names: list[str],
     ) -> TransferStats:
         """Receives one message into `txn`; a failure after bytes moved ends it."""
         try:
             return transfer.receive_weights(info, self._load)
-        except WeightValidationError:
+        except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
-                self.transaction = None  # an implicit transaction that never began
+                self._transaction = None  # an implicit transaction that never began
+            elif info.opens_update:
+                self._note_refusal(exc)
             raise
         except WeightTransferError as exc:
             if exc.partially_applied:
@@ -253,7 +416,20 @@ class LiveWeights:
             self._end_failed(txn)
             raise
 
-    def finish(self, weight_version: WeightVersion | None) -> None:
+    def check_finish(self, weight_version: WeightVersion | None = None) -> None:
+        """Raises what `finish(weight_version)` would raise now, changing nothing.
+
+        A data-parallel front asks every replica before any of them moves its version.
+        """
+        txn = self._finishable(weight_version)
+        bad = self._non_finite(txn)
+        if bad:
+            raise self._non_finite_error(bad, ends="")
+        torn = sorted(self.torn_names - txn.landed)
+        if torn:
+            raise self._torn_error(torn)
+
+    def finish(self, weight_version: WeightVersion | None = None) -> None:
         """Ends the open transaction; the version moves (`finish_weight_update`).
 
         The new version is `weight_version`, else the label the messages carried, else the
@@ -261,26 +437,49 @@ class LiveWeights:
 
         Raises:
             WeightUpdateStateError: No transaction is open.
-            IncompleteWeightUpdateError: Announced weights have not landed; the transaction
-                stays open.
+            IncompleteWeightUpdateError: Announced weights have not landed, or a message of the
+                transaction was refused and not sent again; the transaction stays open.
             TornWeightsError: The transaction landed, but weights torn by an earlier failure
-                remain; the version stays.
-            WeightValidationError: `weight_version` is not a string, an int or None.
+                remain; the transaction ends (what it landed is no longer torn), the version
+                stays.
+            WeightValidationError: `weight_version` is not a valid label (a string of at most
+                256 characters, or an int).
             NonFiniteWeightsError: `refuse_non_finite` is on and a landed weight holds a NaN or
                 an infinity; the transaction ends as a failed one (restored with staging, else
                 torn) and the version stays.
         """
-        if weight_version is not None and (
-            not isinstance(weight_version, str | int) or isinstance(weight_version, bool)
-        ):
-            raise WeightValidationError(
-                f"weight_version must be a string, an int or None, got {weight_version!r}"
-            )
-        txn = self.transaction
+        txn = self._finishable(weight_version)
+        bad = self._non_finite(txn)
+        if bad:
+            self._end_failed(txn)
+            outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
+            raise self._non_finite_error(bad, ends=f" and the update's weights are {outcome}")
+        self._transaction = None
+        self.torn_names -= txn.landed
+        if self.torn_names:
+            raise self._torn_error(sorted(self.torn_names))
+        self.num_updates += 1
+        label = weight_version if weight_version is not None else txn.label
+        self.weight_version = label if label is not None else self.num_updates
+        logger.info(
+            "weights updated to version %r: %d tensors", self.weight_version, len(txn.landed)
+        )
+
+    def _finishable(self, weight_version: WeightVersion | None) -> _Transaction:
+        """The open transaction, if a finish may take it; else the finish's refusal."""
+        if weight_version is not None:
+            _check_label(weight_version, param="weight_version")
+        txn = self._transaction
         if txn is None:
             raise WeightUpdateStateError(
                 "finish_weight_update: no weight update is in progress: call "
                 "start_weight_update() and update_weights(...) first"
+            )
+        if txn.refused is not None:
+            raise IncompleteWeightUpdateError(
+                f"finish_weight_update refused: an update_weights of this update was refused "
+                f"({txn.refused}) and nothing of it landed; send it again, or end the update "
+                "with abort_weight_update()"
             )
         missing = sorted(txn.announced - txn.landed)
         if missing:
@@ -289,37 +488,27 @@ class LiveWeights:
                 f"(e.g. {missing[:3]}): deliver them with update_weights(...) or end the update "
                 "with abort_weight_update()"
             )
-        self._check_finite(txn)
-        self.transaction = None
-        self.torn_names -= txn.landed
-        if self.torn_names:
-            names = sorted(self.torn_names)
-            raise TornWeightsError(
-                f"finish_weight_update: the update landed, but {len(names)} weights are still "
-                f"torn by an earlier failed update (e.g. {names[:3]}); the version stays "
-                f"{self.weight_version!r}: send an update that covers them"
-            )
-        self.num_updates += 1
-        label = weight_version if weight_version is not None else txn.label
-        self.weight_version = label if label is not None else self.num_updates
-        logger.info(
-            "weights updated to version %r: %d tensors", self.weight_version, len(txn.landed)
+        return txn
+
+    def _non_finite(self, txn: _Transaction) -> list[str]:
+        # A pass over every landed weight: only an engine that refuses non-finite weights pays it.
+        if not self.refuse_non_finite:
+            return []
+        return _non_finite_names(self.model.named_weights(), txn.landed)
+
+    def _non_finite_error(self, bad: list[str], *, ends: str) -> NonFiniteWeightsError:
+        return NonFiniteWeightsError(
+            f"finish_weight_update refused: {len(bad)} weights hold a NaN or an infinity "
+            f"(e.g. {bad[:3]}); the version stays {self.weight_version!r}{ends}: check the "
+            "trainer's weights (a diverged step, a bad cast), then send a finite update"
         )
 
-    def _check_finite(self, txn: Transaction) -> None:
-        """Refuses a transaction whose landed weights hold a NaN or an infinity (if asked to)."""
-        if not self.refuse_non_finite:
-            return
-        bad = non_finite_names(self.model.named_weights(), txn.landed)
-        if bad:
-            self._end_failed(txn)
-            outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
-            raise NonFiniteWeightsError(
-                f"finish_weight_update refused: {len(bad)} weights hold a NaN or an infinity "
-                f"(e.g. {bad[:3]}); the version stays {self.weight_version!r} and the update's "
-                f"weights are {outcome}: check the trainer's weights (a diverged step, a bad "
-                "cast), then send a finite update"
-            )
+    def _torn_error(self, torn: list[str]) -> TornWeightsError:
+        return TornWeightsError(
+            f"finish_weight_update: the update landed, but {len(torn)} weights are still torn by "
+            f"an earlier failed update (e.g. {torn[:3]}); the version stays "
+            f"{self.weight_version!r}: send an update that covers them"
+        )
 
     def abort(self) -> bool:
         """Ends the open transaction on purpose (`abort_weight_update`).
@@ -330,13 +519,28 @@ class LiveWeights:
         Returns:
             Whether a transaction was open.
         """
-        txn = self.transaction
+        txn = self._transaction
         if txn is None:
             return False
         self._end_failed(txn)
         return True
 
-    def _stage(self, txn: Transaction, names: list[str]) -> None:
+    def relabel(self, new_version: WeightVersion) -> None:
+        """Gives the current weights a new version label; no byte changes.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress (its finish sets the version).
+            WeightValidationError: `new_version` is not a valid label.
+        """
+        _check_label(new_version, param="new_version")
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "update_weight_version: a weight update is in progress; its "
+                "finish_weight_update(weight_version) sets the version"
+            )
+        self.weight_version = new_version
+
+    def _stage(self, txn: _Transaction, names: list[str]) -> None:
         """Copies the weights of `names` not copied yet in this transaction."""
         if txn.staged is None:
             txn.staged = {}
@@ -351,17 +555,7 @@ class LiveWeights:
                         buffer = self._staging_buffers[name] = torch.empty_like(tensor)
                     txn.staged[name] = buffer.copy_(tensor)
 
-    def refuse(
-        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
-    ) -> None:
-        """Tells the trainer that the engine refuses this update, before anything moves.
-
-        The caller raises `reason` afterwards; see `WeightTransferEngine.refuse_update`.
-        """
-        if self._transfer is not None:
-            self._transfer.refuse_update(update_info, reason)
-
-    def _end_failed(self, txn: Transaction, *, forget_transfer: bool = True) -> None:
+    def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
         """Closes a transaction that will not finish: restores or marks what it touched.
 
         Args:
@@ -369,12 +563,12 @@ class LiveWeights:
             forget_transfer: Tell the transfer engine to forget its update in progress (False
                 when it already follows another one).
         """
-        self.transaction = None
+        self._transaction = None
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
         if not txn.touched:
             return
-        self.num_writes += 1
+        self._on_write()
         if txn.staged is not None:
             self.model.load_weights([(n, t) for n, t in txn.staged.items() if n in txn.touched])
             logger.warning(
@@ -395,3 +589,67 @@ class LiveWeights:
         """Shuts the transfer engine down. Safe to call twice."""
         if self._transfer is not None:
             self._transfer.shutdown()
+
+    def release_transfer_engine(self) -> None:
+        """Shuts the transfer engine down and forgets it: the next init creates a fresh one.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "shutdown_weight_transfer_engine: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
+        self.shutdown()
+        self._transfer = None
+
+    # --- sleep --------------------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the weights sleep: they take no update until `wake`."""
+        return self._asleep
+
+    def sleep(self, *, discard: bool) -> None:
+        """Puts the weights to sleep (vLLM's `sleep`): no update lands until `wake`.
+
+        Args:
+            discard: Free the weights' memory (sleep level 2). They are allocated again at
+                `wake`, holding nothing valid: torn until an update covering them lands.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                "sleep: a weight update is in progress: finish it with finish_weight_update(...) "
+                "or end it with abort_weight_update() first"
+            )
+        self._asleep = True
+        if discard and not self._discarded:
+            storages = {
+                p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()
+            }
+            for storage in storages.values():
+                self._discarded.append((storage, storage.nbytes()))
+                storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
+            self._on_write()
+            logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
+
+    def wake(self) -> None:
+        """Wakes the weights; discarded ones come back as memory to fill, torn until then."""
+        for storage, nbytes in self._discarded:
+            storage.resize_(nbytes)
+        if self._discarded:
+            self.torn_names |= {name for name, _ in self.model.named_weights()}
+            logger.warning("weights woken after being discarded: torn until an update lands")
+        self._discarded = []
+        self._asleep = False
+
+    def _require_awake(self, call: str) -> None:
+        if self._asleep:
+            raise EngineStateError(
+                f"{call}: the weights are asleep; wake them first: wake_up() (over HTTP, "
+                "POST /wake_up, or /wake_up?tags=weights to wake the weights alone)"
+            )

@@ -6,6 +6,7 @@
 trainer drives it with [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient].
 """
 
-from weightsync.serve.app import ServerConfig, create_app
+from weightsync.serve.app import create_app
+from weightsync.serve.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]

@@ -6,24 +6,29 @@ import hmac
 
 from fastapi import Request
 
-from weightsync.serve._errors import _RequestRefused
+from weightsync.serve._errors import RequestRefused
 
 
 def _check_bearer(request: Request, keys: list[str], what: str, flag: str) -> None:
-    """Raises a 401 unless the request carries `Authorization: Bearer <one of keys>`."""
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
+    """Raises a 401 unless the request carries `Authorization: Bearer <one of keys>`.
+
+    The header is compared as the bytes the client sent (the server decodes headers as
+    Latin-1, which gives them back unchanged) against each key's UTF-8 bytes, so a key outside
+    ASCII works when sent as UTF-8.
+    """
+    header = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, given = header.partition(b" ")
     if not header:
-        raise _RequestRefused(
+        raise RequestRefused(
             401,
             f"{what} need an API key: send the header 'Authorization: Bearer <key>' with the "
             f"key given to {flag}",
             param="Authorization",
         )
     # Every key is compared, in constant time, so the answer's timing says nothing about them.
-    matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
-    if scheme.lower() != "bearer" or not any(matches):
-        raise _RequestRefused(
+    matches = [hmac.compare_digest(given.strip(), key.encode("utf-8")) for key in keys]
+    if scheme.lower() != b"bearer" or not any(matches):
+        raise RequestRefused(
             401,
             f"{what}: the key in the Authorization header is wrong (expected 'Bearer <key>' with "
             f"the key given to {flag})",

@@ -41,7 +41,7 @@ _STATUS: tuple[tuple[type[WeightSyncError], int], ...] = (
 )
 
 
-class _RequestRefused(WeightSyncError):
+class RequestRefused(WeightSyncError):
     """A request the server refuses before it reaches the engine (auth, size, malformed).
 
     Attributes:
@@ -126,7 +126,7 @@ def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 def _on_weightsync_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, WeightSyncError)
-    if isinstance(exc, _RequestRefused):
+    if isinstance(exc, RequestRefused):
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return error_response(exc.status, exc.error_type, str(exc), exc.param, headers=headers)
     status = status_of(exc)

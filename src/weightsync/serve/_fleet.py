@@ -13,14 +13,9 @@ import dataclasses
 import json
 import logging
 import os
-import queue
-import re
 import secrets
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -35,11 +30,11 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.serve._parser import ADMIN_API_KEY_ENV, API_KEY_ENV, _add_serve_arguments
+from weightsync.trainer._serve_process import ServeProcess
 from weightsync.trainer.http_client import error_from_answer
 
 logger = logging.getLogger("weightsync.serve")
 
-_LISTENING = re.compile(r"listening on (http://\S+)")
 DEFAULT_REPLICA_TIMEOUT_S = 300.0
 """Limit of one front-to-replica call, in seconds (a transfer call waits for its trainer)."""
 _STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, before it is killed
@@ -73,66 +68,46 @@ def replica_device(device: str, index: int) -> str:
 
 
 class Replica:
-    """One replica: its process, the log it printed, its client, and the requests it runs.
+    """One replica: its process, its client, and the requests it runs.
 
     Attributes:
         index: Its position among the replicas (its worker index is the front's plus this).
         open_requests: Completions it runs now, for least-loaded routing.
-        exit_status: Its exit status once it exited, else None.
     """
 
     def __init__(
-        self, index: int, argv: Sequence[str], *, threads: int, worker_index: int, device: str
+        self,
+        index: int,
+        argv: Sequence[str],
+        *,
+        threads: int,
+        worker_index: int,
+        device: str,
+        on_exit: Callable[[Replica], None],
     ) -> None:
         self.index = index
         self.open_requests = 0
-        self.exit_status: int | None = None
-        self.stopping = False  # set by `stop`: its exit is then expected, not an error
-        self.base_url = ""
+        self.http: httpx.AsyncClient | None = None
         self._key = secrets.token_urlsafe(24)  # in the child's environment, never its argv
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         env[ADMIN_API_KEY_ENV] = self._key
-        command = [sys.executable, "-m", "weightsync.serve.cli", "serve", *argv,
-                   "--host", "127.0.0.1", "--port", "0", "--worker-index", str(worker_index),
-                   "--num-threads", str(threads), "--device", device,
-                   "--parent-pid", str(os.getpid()), "--replica"]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, env=env,
+        self.process = ServeProcess(
+            [*argv, "--worker-index", str(worker_index), "--num-threads", str(threads),
+             "--device", device, "--replica"],
+            env=env,
+            relay_prefix=f"replica {index}: ",
+            on_exit=lambda status: on_exit(self),
         )  # fmt: skip
-        self._log: list[str] = []
-        self._listening: queue.Queue[str | None] = queue.Queue()
-        self.http: httpx.AsyncClient | None = None
-        threading.Thread(
-            target=self._read_log, name=f"weightsync-replica-{index}", daemon=True
-        ).start()
 
     @property
     def alive(self) -> bool:
         """Whether its process runs (a replica that exited never comes back)."""
-        return self.exit_status is None and self.process.poll() is None
+        return self.process.alive
 
     @property
     def name(self) -> str:
         """How messages name it."""
-        return f"replica {self.index} ({self.base_url or 'starting'})"
-
-    def _read_log(self) -> None:
-        """Relays the child's log lines, marked with its index; notes when it exits."""
-        assert self.process.stderr is not None
-        announced = False
-        for line in self.process.stderr:
-            if not announced and (match := _LISTENING.search(line)):
-                announced = True  # not relayed: the front announces its own address
-                self._listening.put(match.group(1))
-                continue
-            self._log.append(line)
-            del self._log[:-50]  # the tail is what explains an exit
-            sys.stderr.write(f"replica {self.index}: {line}")
-        self.exit_status = self.process.wait()
-        self._listening.put(None)
-        if announced and not self.stopping:
-            logger.error("%s exited with status %s", self.name, self.exit_status)
+        return f"replica {self.index} ({self.process.base_url or 'starting'})"
 
     def wait_listening(self, timeout_s: float) -> None:
         """Blocks until the child announces its address.
@@ -141,13 +116,9 @@ class Replica:
             EngineConfigError: It exited first (its log says why) or took over `timeout_s`.
         """
         try:
-            url = self._listening.get(timeout=timeout_s)
-        except queue.Empty:
-            url = None
-        if url is None:
-            reason = "".join(self._log).strip() or f"no answer within {timeout_s} s"
-            raise EngineConfigError(f"replica {self.index} did not start: {reason}")
-        self.base_url = url
+            url = self.process.wait_listening(timeout_s)
+        except WeightSyncError as exc:
+            raise EngineConfigError(f"replica {self.index} did not start: {exc}") from None
         headers = {"Authorization": f"Bearer {self._key}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.http = httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None)
@@ -155,9 +126,9 @@ class Replica:
     def unavailable(self) -> ReplicaUnavailableError:
         """The error of a call this replica cannot take: it exited."""
         # Its last warnings, errors or traceback lines say why; routine INFO lines do not.
-        said = [line for line in self._log if not line.startswith(("INFO", "DEBUG"))]
+        said = [line for line in self.process.log_lines() if not line.startswith(("INFO", "DEBUG"))]
         tail = "".join(said[-3:]).strip()
-        status = self.exit_status
+        status = self.process.exit_status
         how = f", killed by signal {-status}" if status is not None and status < 0 else ""
         return ReplicaUnavailableError(
             f"{self.name} exited (status {status}{how}){': ' + tail if tail else ''}; the "
@@ -193,8 +164,7 @@ class Replica:
                 "it may be stuck; the other replicas' calls completed (a pause holds there)"
             ) from exc
         except httpx.HTTPError as exc:
-            if self.process.poll() is not None:
-                self.exit_status = self.process.returncode
+            if not self.alive:
                 raise self.unavailable() from exc
             raise ReplicaUnavailableError(f"{self.name}: {method} {path} failed: {exc!r}") from exc
         if response.status_code >= 400:
@@ -212,14 +182,7 @@ class Replica:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `_STOP_TIMEOUT_S`; safe to call twice."""
-        self.stopping = True
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(_STOP_TIMEOUT_S)
+        self.process.stop(_STOP_TIMEOUT_S)
 
 
 class Fleet:
@@ -232,6 +195,9 @@ class Fleet:
         threads: Torch threads of each replica's forward pass.
         device: The front's `--device`; `cuda` gives replica i `cuda:i`.
         timeout_s: Limit, in seconds, for the replicas to start and of each RL call by default.
+
+    Attributes:
+        on_death: Called (from a reader thread) with a replica that exited unasked, once.
 
     Raises:
         EngineConfigError: A replica did not start (its log says why); the others are stopped.
@@ -248,9 +214,10 @@ class Fleet:
         timeout_s: float,
     ) -> None:
         self.timeout_s = timeout_s
+        self.on_death: Callable[[Replica], None] = self._log_death
         self.replicas = [
             Replica(i, argv, threads=threads, worker_index=worker_index + i,
-                    device=replica_device(device, i))
+                    device=replica_device(device, i), on_exit=lambda r: self.on_death(r))
             for i in range(size)
         ]  # fmt: skip
         deadline = time.monotonic() + timeout_s
@@ -262,9 +229,17 @@ class Fleet:
                 replica.stop()
             raise
 
+    @staticmethod
+    def _log_death(replica: Replica) -> None:
+        logger.error("%s exited with status %s", replica.name, replica.process.exit_status)
+
     def dead(self) -> list[Replica]:
         """The replicas that exited."""
         return [r for r in self.replicas if not r.alive]
+
+    def live(self) -> list[Replica]:
+        """The replicas that run."""
+        return [r for r in self.replicas if r.alive]
 
     def require_alive(self) -> None:
         """Raises `ReplicaUnavailableError` naming the first replica that exited, if any."""
@@ -283,10 +258,11 @@ class Fleet:
         return min(live, key=lambda r: r.open_requests)
 
     async def each(
-        self, method: str, path: str, **kwargs: Any
+        self, method: str, path: str, *, replicas: Sequence[Replica] | None = None, **kwargs: Any
     ) -> list[dict[str, Any] | BaseException]:
-        """The same call on every replica at once; each one's answer or error, in order."""
-        calls = [r.call(method, path, **kwargs) for r in self.replicas]
+        """The same call on every replica (or on `replicas`) at once; each one's answer or error."""
+        chosen = self.replicas if replicas is None else replicas
+        calls = [r.call(method, path, **kwargs) for r in chosen]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
     async def all(self, method: str, path: str, **kwargs: Any) -> list[dict[str, Any]]:

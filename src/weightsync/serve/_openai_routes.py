@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI-compatible routes of one engine: `/v1/completions`, `/v1/chat/completions`.
 
 A request with `n` choices per prompt runs as one engine request per choice. Streams are
 server-sent events, one chunk per engine step that changed a choice, then `data: [DONE]`. Each
@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from weightsync import (
     CompletionOutput,
@@ -25,11 +25,12 @@ from weightsync import (
     WeightSyncError,
 )
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._errors import _RequestRefused, error_body, status_of
+from weightsync.serve._control import EngineControl
+from weightsync.serve._errors import RequestRefused, error_body, status_of
+from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
 from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
-from weightsync.serve.app import ServerState
 
 __all__ = ["router"]
 
@@ -37,21 +38,13 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 """The `/v1` routes; each needs the API key when the server has one."""
 
 
-@router.get("/models", operation_id="list_models")
-async def _list_models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
-    state: ServerState = request.app.state.serve
-    model = {"id": state.config.model_name, "object": "model", "owned_by": "weightsync"}
-    return {"object": "list", "data": [{**model, "created": 0}]}
-
-
 class _Run:
     """The engine requests of one completion request: started together, streamed together."""
 
-    def __init__(self, state: ServerState, body: _SamplingFields, prompts: list[str | list[int]],
+    def __init__(self, state: EngineControl, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
         if body.model is not None and body.model != state.config.model_name:
-            raise _RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
+            raise RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
                 404,
                 f"model {body.model!r} is not served here; this server serves "
                 f"{state.config.model_name!r} (see GET /v1/models)",
@@ -62,7 +55,7 @@ class _Run:
         self.body = body
         self.id = body.request_id or f"{kind}-{uuid.uuid4().hex}"
         if self.id in state.live:
-            raise _RequestRefused(
+            raise RequestRefused(
                 400,
                 f"request_id {self.id!r} is already running; use a unique id",
                 param="request_id",
@@ -71,13 +64,13 @@ class _Run:
         self.prompt_ids: list[list[int]] = []
         for prompt in prompts:  # refuse a bad prompt before anything starts
             try:
-                self.prompt_ids.append(state.engine.engine.input_processor.tokenize(prompt)[1])
+                self.prompt_ids.append(state.engine.tokenize(prompt))
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chatcmpl" else "prompt"
-                raise _RequestRefused(400, str(exc), param=param) from None
-        limit = state.engine.engine.max_model_len
+                raise RequestRefused(400, str(exc), param=param) from None
+        limit = state.engine.max_model_len
         if (longest := max(map(len, self.prompt_ids), default=0)) + max_tokens > limit:
-            raise _RequestRefused(  # as vLLM refuses it, rather than cutting the output short
+            raise RequestRefused(  # as vLLM refuses it, rather than cutting the output short
                 400,
                 f"max_tokens {max_tokens} and a prompt of {longest} tokens exceed max_model_len "
                 f"{limit}: ask for at most {limit - longest} tokens, or shorten the prompt",
@@ -230,11 +223,9 @@ async def _stream(
 
 
 @router.post("/completions", response_model=None, operation_id="create_completion")
-async def _create_completion(
-    body: CompletionRequest, request: Request
-) -> JSONResponse | EventStream:
+async def _create_completion(body: CompletionRequest, request: Request) -> Response | EventStream:
     """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
-    state: ServerState = request.app.state.serve
+    state: EngineControl = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
     base = {"id": run.id, "object": "text_completion", "created": run.created,
             "model": state.config.model_name}  # fmt: skip
@@ -253,7 +244,9 @@ async def _create_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_stream(run, ChunkFrame(base), choice, include_usage))
-    finals = await run.finals()
+    finals = await unless_disconnected(request, run.finals())
+    if finals is None:
+        return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
     return JSONResponse({
         **base,
@@ -265,15 +258,14 @@ async def _create_completion(
 @router.post("/chat/completions", response_model=None, operation_id="create_chat_completion")
 async def _create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> JSONResponse | EventStream:
+) -> Response | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
-    state: ServerState = request.app.state.serve
+    state: EngineControl = request.app.state.serve
+    messages = [m.template_fields() for m in body.messages]
     try:  # the model's own template, or the documented default
-        prompt = state.engine.engine.apply_chat_template(
-            [m.template_fields() for m in body.messages]
-        )
+        prompt = state.engine.apply_chat_template(messages)
     except InvalidRequestError as exc:
-        raise _RequestRefused(400, str(exc), param="messages") from None
+        raise RequestRefused(400, str(exc), param="messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
     model = state.config.model_name
     asked = body.num_logprobs() is not None
@@ -295,7 +287,9 @@ async def _create_chat_completion(
         frame = ChunkFrame({"id": run.id, "object": "chat.completion.chunk",
                             "created": run.created, "model": model})  # fmt: skip
         return EventStream(_stream(run, frame, choice, include_usage))
-    finals = await run.finals()
+    finals = await unless_disconnected(request, run.finals())
+    if finals is None:
+        return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
     choices = [
         {

@@ -33,6 +33,19 @@ def _int_in(low: int, high: int, what: str = "an integer") -> Callable[[str], in
 
 
 _positive_int = _int_in(1, 2**63, "an integer >= 1")
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 _port = _int_in(0, 65536, "a port in [0, 65535] (0 picks a free one)")
 _index = _int_in(0, 2**31, "an integer >= 0")
 # What torch.Generator.manual_seed takes.
@@ -133,6 +146,22 @@ def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV of identical prompt prefixes")  # fmt: skip
 
 
+def _add_conformance_arguments(check: argparse.ArgumentParser) -> None:
+    check.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    check.add_argument("--json", action="store_true",
+                       help="print one JSON object instead of the table")  # fmt: skip
+    check.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                       help=f"key sent on the /v1 routes (default: ${API_KEY_ENV})")  # fmt: skip
+    check.add_argument("--admin-api-key", default=os.environ.get(ADMIN_API_KEY_ENV),
+                       metavar="KEY", help=f"key sent on the RL routes "
+                       f"(default: ${ADMIN_API_KEY_ENV})")  # fmt: skip
+    check.add_argument("--timeout-s", type=_positive_float, default=30.0, metavar="S",
+                       help="bound of each call in seconds (default: %(default)s)")  # fmt: skip
+    check.add_argument("--keep-weights", action="store_true",
+                       help="skip the cases that overwrite the served weights (weight_checker "
+                       "reset, sleep level 2)")  # fmt: skip
+
+
 class _Parser(argparse.ArgumentParser):
     """Says what is wrong in one line, without the usage block above it (`--help` has that)."""
 
@@ -157,4 +186,15 @@ def build_parser(version: str = "") -> argparse.ArgumentParser:
         "/finish_weight_update, ...) through which a trainer updates its weights live.",
     )
     _add_serve_arguments(serve)
+    check = commands.add_parser(
+        "conformance",
+        help="check a server against vLLM's RL and OpenAI contract",
+        description="Check any server that claims vLLM's RL and OpenAI contract (vLLM, "
+        "weightsync serve, another engine): routes, statuses, body shapes, pause modes with a "
+        "request in flight, the weight-update transaction's order rules, the weight checker, "
+        "sleep and wake up, request fields. Needs no trainer. Prints a table (or --json) and "
+        "exits 1 when a case fails. It pauses, relabels and, unless --keep-weights, overwrites "
+        "the served weights: run it against a server you can restart.",
+    )
+    _add_conformance_arguments(check)
     return parser

@@ -7,16 +7,26 @@ import logging
 import socket
 import sys
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from weightsync.serve.app import ServerState
+from weightsync.serve._control import ControlSurface
 
 logger = logging.getLogger("weightsync.serve")
 
 # How long a shutdown waits for open responses (a transfer in flight) before closing them.
 _GRACEFUL_SHUTDOWN_S = 30
+
+HEADER_TIMEOUT_S = 10.0
+"""How long, in seconds, a connection may take to send a request's headers, counted from its
+opening or from the end of its previous response; then it is closed. uvicorn bounds none of
+this: a client that opens connections and never finishes its headers would hold them forever."""
+
+KEEP_ALIVE_TIMEOUT_S = 5
+"""How long, in seconds, an idle keep-alive connection stays open for its next request."""
 
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
 # event loop (a few microseconds of Python per streamed chunk) and the engine's step thread (Python
@@ -47,6 +57,74 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _HeaderDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools), with a deadline for every request's headers.
+
+    The deadline runs from the connection's opening, and again from the end of each response
+    while no request is queued behind it; the request's last header byte disarms it. The
+    request's body and the response have no such deadline: a route bounds its own work.
+    """
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:  # idle, waiting for the next request
+            self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(
+    app: FastAPI,
+    *,
+    log_level: str = "info",
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    keep_alive_timeout_s: int = KEEP_ALIVE_TIMEOUT_S,
+) -> uvicorn.Config:
+    """The settings `app` is served with: the timeouts above, a graceful shutdown, no access log."""
+    protocol = type(
+        "HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s}
+    )
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=keep_alive_timeout_s,
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        lifespan="on",
+    )
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, whose first SIGINT/SIGTERM also aborts the requests in flight.
 
@@ -55,7 +133,7 @@ class _Server(uvicorn.Server):
     and `[DONE]`, then the server stops and the app shuts the engine down.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ControlSurface) -> None:
         super().__init__(config)
         self._state = state
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -75,14 +153,7 @@ class _Server(uvicorn.Server):
 
 def serve_forever(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> int:
     """Serves `app` on `sock` until SIGINT or SIGTERM; returns the exit status."""
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-        lifespan="on",
-    )
-    server = _Server(config, app.state.serve)
+    server = _Server(server_config(app, log_level=log_level), app.state.serve)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)  # this process only serves: see above
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -1,5 +1,7 @@
 """The `weightsync` command: `weightsync serve [MODEL]` runs an engine behind HTTP.
 
+`weightsync conformance URL` checks a server against vLLM's contract (`weightsync.conformance`).
+
 ```
 weightsync serve tiny --port 8000 --weight-transfer-config '{"backend": "gloo"}'
 weightsync serve ./my-llama --weight-transfer-config.backend nccl --admin-api-key "$KEY"
@@ -116,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, transfer_config = parse_serve_args(list(sys.argv[1:] if argv is None else argv))
     except WeightSyncError as exc:
         return _fail(str(exc), status=2)
+    if args.command == "conformance":
+        from weightsync.conformance._command import run_command
+
+        return run_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not args.admin_api_key and not _is_loopback(args.host):
         return _fail(
@@ -125,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status=2,
         )
     from weightsync.serve._server import bind, serve_forever
-    from weightsync.serve.app import ServerConfig, create_app
+    from weightsync.serve.app import create_app
+    from weightsync.serve.config import ServerConfig
 
     try:
         sock = bind(args.host, args.port)
@@ -150,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             dtype=_DTYPES[args.dtype],
             worker_index=args.worker_index,
+            finish_bare_updates=not args.replica,  # a replica's front finishes them, on all
         )
         config = ServerConfig(
             model_name=args.served_model_name or args.model,
@@ -184,7 +192,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> None:
     """An exit when the parent that started this server dies; a replica's finish check."""
-    from weightsync.serve._replica import router, watch_parent
+    from weightsync.serve._replica import router
+    from weightsync.trainer._serve_process import watch_parent
 
     if replica:
         app.include_router(router)
@@ -197,9 +206,9 @@ def _serve_data_parallel(
 ) -> int:
     """Starts `--data-parallel-size` replicas and serves the front over them until stopped."""
     from weightsync.serve._fleet import Fleet, replica_argv
-    from weightsync.serve._fleet_app import create_fleet_app
+    from weightsync.serve._front import create_fleet_app
     from weightsync.serve._server import serve_forever
-    from weightsync.serve.app import ServerConfig
+    from weightsync.serve.config import ServerConfig
 
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -10,6 +11,8 @@ from typing import Any, TypeVar
 from weightsync.errors import WeightTransferTimeout, WeightValidationError
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
 
 
 def in_threads(engines: Sequence[_T], call: Callable[[_T], Any]) -> list[Future[Any]]:
@@ -49,3 +52,19 @@ def collect(futures: Sequence[Future[Any]], *, timeout_s: float, what: str) -> l
         other = [e for e in failures if not isinstance(e, WeightValidationError)]
         raise (other or failures)[0]
     return [f.result() for f in futures]
+
+
+def release_transfers(engines: Sequence[Any], *, timeout_s: float) -> None:
+    """Has every engine leave the closing trainer's transfer; waits `timeout_s` at most, never raises.
+
+    Each engine's `shutdown_weight_transfer_engine` frees what it held for the trainer (the
+    group's connections and port, the mappings of its shared memory). An engine that fails or
+    does not answer in time is logged: the trainer is closing, and its own close must finish.
+    """
+    futures = in_threads(engines, lambda engine: engine.shutdown_weight_transfer_engine())
+    try:
+        collect(futures, timeout_s=timeout_s, what="shutdown_weight_transfer_engine")
+    except Exception as exc:
+        logger.warning(
+            "the engines did not all leave the transfer: %s: %s", type(exc).__name__, exc
+        )

@@ -1,141 +1,160 @@
-"""Starting a `weightsync serve` child on a free loopback port, and stopping it."""
+"""A `weightsync serve` child process, both ends: starting and stopping it, and its parent watch.
+
+The one place that spawns `weightsync serve` children: a trainer's
+[`EngineProcess`][weightsync.trainer.engine_process.EngineProcess] and each replica of a
+data-parallel front start theirs through `ServeProcess`. A child binds a free loopback port and
+announces it; it is told its parent's pid (`--parent-pid`) and runs `watch_parent`, so that it
+never outlives a parent killed outright (SIGKILL leaves the parent no time to stop it).
+"""
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 
-from weightsync.engine.config import EngineConfig
 from weightsync.errors import EngineConfigError, EngineStateError
 
+logger = logging.getLogger(__name__)
+
 _LISTENING = re.compile(r"listening on (http://\S+)")
-
-
-def _serve_args(engine_config: EngineConfig) -> list[str]:
-    """`weightsync serve` options of an `EngineConfig`."""
-    args = [
-        "--max-num-seqs", str(engine_config.max_num_seqs),
-        "--max-num-batched-tokens", str(engine_config.max_num_batched_tokens),
-        "--block-size", str(engine_config.block_size),
-        "--num-kv-blocks", str(engine_config.num_kv_blocks),
-        "--sampling-seed", str(engine_config.seed),
-    ]  # fmt: skip
-    if engine_config.max_model_len is not None:
-        args += ["--max-model-len", str(engine_config.max_model_len)]
-    if not engine_config.enable_prefix_caching:
-        args.append("--no-prefix-caching")
-    if engine_config.weight_update_staging:
-        args.append("--weight-update-staging")
-    if engine_config.refuse_non_finite_weights:
-        args.append("--refuse-non-finite-weights")
-    return args
+_LOG_LINES_KEPT = 200  # the tail is what explains an exit
+# How often a child checks that its parent is alive, in seconds; and how long it then gives its
+# own graceful shutdown (abort requests, stop the engine) before it exits regardless.
+_PARENT_POLL_S = 0.2
+_ORPHAN_GRACE_S = 10.0
 
 
 class ServeProcess:
-    """A `weightsync serve` child: started with the engine's settings, stopped by `stop`.
+    """A `weightsync serve` child on a free loopback port, watching this process.
 
-    Raises:
-        EngineConfigError: The server refused its configuration (the message is its own).
-        EngineStateError: It did not announce its port within `timeout_s`.
+    Args:
+        argv: Its `weightsync serve` arguments (the model and options; host, port and
+            `--parent-pid` are set here).
+        env: Its environment (default: this process's).
+        relay_prefix: Relay each log line to this process's stderr with this prefix (default:
+            keep them only, for `log`).
+        on_exit: Called with its exit status, from a reader thread, when it exits after it
+            started listening and before `stop` was called.
     """
 
     def __init__(
         self,
-        model: str | dict[str, Any],
+        argv: Sequence[str],
         *,
-        seed: int,
-        dtype: str,
-        engine_config: EngineConfig,
-        backend: str | None,
-        worker_index: int,
-        device: str,
-        timeout_s: float,
+        env: Mapping[str, str] | None = None,
+        relay_prefix: str | None = None,
+        on_exit: Callable[[int], None] | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
-        self._tempdir: tempfile.TemporaryDirectory[str] | None = None
-        args = ["serve", "--host", "127.0.0.1", "--port", "0", "--seed", str(seed),
-                "--dtype", dtype, "--worker-index", str(worker_index), "--device", device,
-                "--log-level", "warning", *_serve_args(engine_config),
-                # One compute thread: the trainer and the other engines share the cores.
-                "--num-threads", "1",
-                # The server exits with this process, even one killed outright.
-                "--parent-pid", str(os.getpid())]  # fmt: skip
-        if isinstance(model, dict):  # the shapes only: zero weights until the first update
-            self._tempdir = tempfile.TemporaryDirectory(prefix="weightsync-model-")
-            (Path(self._tempdir.name) / "config.json").write_text(json.dumps(model))
-            args[1:1] = [self._tempdir.name, "--load-format", "dummy"]
-        else:
-            args.insert(1, model)
-        if backend is not None:
-            args += ["--weight-transfer-config.backend", backend]
-        env = dict(os.environ)
+        command = [sys.executable, "-m", "weightsync.serve.cli", "serve", *argv,
+                   "--host", "127.0.0.1", "--port", "0", "--parent-pid", str(os.getpid())]  # fmt: skip
+        self._relay_prefix = relay_prefix
+        self._on_exit = on_exit
+        self._stopping = False
+        self._lines: deque[str] = deque(maxlen=_LOG_LINES_KEPT)
+        self._listening: queue.Queue[str | None] = queue.Queue()
+        self.exit_status: int | None = None
+        self.base_url = ""
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.serve.cli", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self._log: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, env=dict(env) if env is not None else None,
+        )  # fmt: skip
         threading.Thread(target=self._read_log, name="weightsync-serve-log", daemon=True).start()
-        try:
-            self.base_url = self._wait_listening()
-        except BaseException:
-            self.stop()
-            raise
 
     def _read_log(self) -> None:
+        """Keeps (and relays) the child's log lines; notes its address and its exit."""
         assert self._process.stderr is not None
+        announced = False
         for line in self._process.stderr:
-            self._log.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
+            if not announced and (match := _LISTENING.search(line)):
+                announced = True  # not relayed: whoever started it announces what it serves
+                self._listening.put(match.group(1))
+                continue
+            self._lines.append(line)
+            if self._relay_prefix is not None:
+                sys.stderr.write(f"{self._relay_prefix}{line}")
+        self.exit_status = self._process.wait()
+        self._listening.put(None)
+        if announced and not self._stopping and self._on_exit is not None:
+            self._on_exit(self.exit_status)
 
-    def _wait_listening(self) -> str:
-        deadline = time.monotonic() + self.timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:  # it exited: say why, in the class of its refusal
-                self._process.wait(self.timeout_s)
-                reason = self.log.strip() or f"exit status {self._process.returncode}"
-                raise EngineConfigError(f"weightsync serve did not start: {reason}")
-            if match := _LISTENING.search(line):
-                return match.group(1)
-        raise EngineStateError(f"weightsync serve did not start within {self.timeout_s} s")
+    def wait_listening(self, timeout_s: float) -> str:
+        """Blocks until the child announces its address; returns it (`http://127.0.0.1:PORT`).
+
+        Raises:
+            EngineConfigError: It exited first: it refused its configuration (its log says why).
+            EngineStateError: It did not announce an address within `timeout_s`.
+        """
+        try:
+            url = self._listening.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            raise EngineStateError(
+                f"weightsync serve did not start within {timeout_s:g} s: {self.log.strip()}"
+            ) from None
+        if url is None:
+            self._process.wait()
+            reason = self.log.strip() or f"exit status {self._process.returncode}"
+            raise EngineConfigError(f"weightsync serve did not start: {reason}")
+        self.base_url = url
+        return url
 
     @property
     def pid(self) -> int:
-        """The server's process id."""
+        """The child's process id."""
         return self._process.pid
 
     @property
-    def log(self) -> str:
-        """What the server printed so far."""
-        return "".join(self._log)
+    def alive(self) -> bool:
+        """Whether the child runs (one that exited never comes back)."""
+        return self.exit_status is None and self._process.poll() is None
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; removes the model directory. Idempotent."""
+    @property
+    def log(self) -> str:
+        """The last lines the child printed."""
+        return "".join(self._lines)
+
+    def log_lines(self) -> list[str]:
+        """The last lines the child printed, as a list."""
+        return list(self._lines)
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
+        self._stopping = True
         if self._process.poll() is None:
             self._process.terminate()
             try:
-                self._process.wait(self.timeout_s)
+                self._process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self._process.kill()
-                self._process.wait(self.timeout_s)
-        if self._tempdir is not None:
-            self._tempdir.cleanup()
-            self._tempdir = None
+                self._process.wait(timeout_s)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Stops this process when `parent_pid` is no longer its parent (the parent died).
+
+    Run by a `weightsync serve` child given `--parent-pid`. A daemon thread polls the parent id;
+    on a change it sends this process SIGTERM (the server's graceful shutdown), and exits
+    outright if that has not ended it within a grace period.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            if stop.wait(_PARENT_POLL_S):
+                return
+        logger.error("the process that started this server (pid %d) is gone: shutting down",
+                     parent_pid)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not stop.wait(_ORPHAN_GRACE_S):
+            os._exit(1)
+
+    stop = threading.Event()  # never set: the thread ends with the process
+    if os.getppid() != parent_pid:  # the parent died before this process got here
+        os._exit(1)
+    threading.Thread(target=watch, name="weightsync-parent-watch", daemon=True).start()

@@ -4,7 +4,8 @@ An engine in the trainer's own process ([`LLMEngine`][weightsync.engine.llm_engi
 one in a process of its own ([`EngineProcess`][weightsync.trainer.engine_process.EngineProcess])
 answer the same blocking calls, named as in vLLM's `LLM`: `init_weight_transfer_engine`, the
 update transaction (`start_weight_update`, `update_weights`, `finish_weight_update`, and
-weightsync's `abort_weight_update`), `pause_generation` and `resume_generation`. The weight senders and
+weightsync's `abort_weight_update`), `shutdown_weight_transfer_engine`, `pause_generation` and
+`resume_generation`. The weight senders and
 [`sync_weights`][weightsync.trainer.sync.sync_weights] are written against this protocol only, so
 one sync flow serves both. [`call_each`][weightsync.trainer.client.call_each] runs one call on
 several engines (data-parallel replicas) at once.
@@ -50,11 +51,18 @@ class EngineClient(Protocol):
         """Ends the transaction on purpose: as before if nothing moved, else torn or restored."""
         ...
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer and frees what it held; the trainer closes."""
+
     def pause_generation(self, *, mode: PauseMode = ..., clear_cache: bool = ...) -> None:
         """Pauses generation at a step boundary (`abort`, `wait` or `keep`)."""
 
     def resume_generation(self) -> None:
         """Resumes generation."""
+
+    def get_world_size(self) -> int:
+        """Transfer workers behind this engine: 1, or one per replica of a data-parallel server."""
+        ...
 
 
 def call_each(

@@ -10,11 +10,14 @@ against any `weightsync serve`.
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from weightsync.engine.config import EngineConfig
@@ -30,6 +33,26 @@ from weightsync.transfer.base import TransferStats
 from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["EngineProcess"]
+
+
+def _serve_args(engine_config: EngineConfig) -> list[str]:
+    """`weightsync serve` options of an `EngineConfig`."""
+    args = [
+        "--max-num-seqs", str(engine_config.max_num_seqs),
+        "--max-num-batched-tokens", str(engine_config.max_num_batched_tokens),
+        "--block-size", str(engine_config.block_size),
+        "--num-kv-blocks", str(engine_config.num_kv_blocks),
+        "--sampling-seed", str(engine_config.seed),
+    ]  # fmt: skip
+    if engine_config.max_model_len is not None:
+        args += ["--max-model-len", str(engine_config.max_model_len)]
+    if not engine_config.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    if engine_config.weight_update_staging:
+        args.append("--weight-update-staging")
+    if engine_config.refuse_non_finite_weights:
+        args.append("--refuse-non-finite-weights")
+    return args
 
 
 class EngineProcess:
@@ -81,17 +104,26 @@ class EngineProcess:
     ) -> None:
         self.worker_index = worker_index
         self.timeout_s = timeout_s
-        self._server = ServeProcess(
-            model,
-            seed=seed,
-            dtype=dtype,
-            engine_config=engine_config or EngineConfig(),
-            backend=backend,
-            worker_index=worker_index,
-            device=device,
-            timeout_s=timeout_s,
-        )
-        self.base_url = self._server.base_url
+        self._model_dir: tempfile.TemporaryDirectory[str] | None = None
+        if isinstance(model, dict):  # the shapes only: zero weights until the first update
+            self._model_dir = tempfile.TemporaryDirectory(prefix="weightsync-model-")
+            (Path(self._model_dir.name) / "config.json").write_text(json.dumps(model))
+            model_args = [self._model_dir.name, "--load-format", "dummy"]
+        else:
+            model_args = [model]
+        argv = [*model_args, "--seed", str(seed), "--dtype", dtype,
+                "--worker-index", str(worker_index), "--device", device, "--log-level", "warning",
+                *_serve_args(engine_config or EngineConfig()),
+                # One compute thread: the trainer and the other engines share the cores.
+                "--num-threads", "1"]  # fmt: skip
+        if backend is not None:
+            argv += ["--weight-transfer-config.backend", backend]
+        self._server = ServeProcess(argv)
+        try:
+            self.base_url = self._server.wait_listening(timeout_s)
+        except BaseException:
+            self._stop_server()
+            raise
         self.client = HTTPEngineClient(
             self.base_url, timeout_s=timeout_s, worker_index=worker_index
         )
@@ -175,14 +207,6 @@ class EngineProcess:
             if hold:
                 self.client.resume_generation()
         return ids
-
-    def _arm(self, after_tokens: int, mode: str, clear_cache: bool) -> None:
-        params = {
-            "after_tokens": after_tokens,
-            "mode": mode,
-            "clear_cache": str(clear_cache).lower(),
-        }
-        self.client._call("POST", "/arm_pause", params=params)
 
     def collect(
         self, request_ids: Sequence[str], timeout_s: float | None = None
@@ -296,6 +320,10 @@ class EngineProcess:
         """Version of the engine's current weights."""
         return self.client.weight_version
 
+    def get_world_size(self) -> int:
+        """Transfer workers behind the server (`/get_world_size`): 1."""
+        return self.client.get_world_size()
+
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer: `{"init_info": {...}}`; blocks until the group forms."""
         self.client.init_weight_transfer_engine(request)
@@ -322,6 +350,10 @@ class EngineProcess:
         """Ends the transaction on purpose (see `LLMEngine.abort_weight_update`)."""
         return self.client.abort_weight_update()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer (see `LLMEngine.shutdown_weight_transfer_engine`)."""
+        self.client.shutdown_weight_transfer_engine()
+
     def weight_digests(self) -> dict[str, str]:
         """SHA-256 of every weight's bytes, by Hugging Face name (`/weight_checker`)."""
         return self.client.weight_checksums()
@@ -332,7 +364,13 @@ class EngineProcess:
         """Stops the server (SIGTERM, then SIGKILL after `timeout_s`). Safe to call twice."""
         self._rollouts.close()
         self.client.close()
-        self._server.stop()
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        self._server.stop(self.timeout_s)
+        if self._model_dir is not None:
+            self._model_dir.cleanup()
+            self._model_dir = None
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from weightsync._keys import bearer, check_api_key
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
@@ -88,7 +89,9 @@ class HTTPEngineClient:
     Args:
         base_url: The server, e.g. `"http://127.0.0.1:8000"`.
         api_key: Key of the `/v1` routes (`--api-key`), if the server has one.
-        admin_api_key: Key of the RL routes (`--admin-api-key`), if the server has one.
+        admin_api_key: Key of the RL routes (`--admin-api-key`), if the server has one. Keys
+            may be any text without control characters or surrounding spaces; they are sent
+            as UTF-8.
         timeout_s: Limit, in seconds, of every call (a transfer call waits for the transfer,
             which the server bounds by its own timeout, so keep this above that). The default,
             150 s, is the transfer's default (120 s) plus `CLIENT_MARGIN_S`.
@@ -110,6 +113,8 @@ class HTTPEngineClient:
         timeout_s: float = DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S,
         worker_index: int | None = None,
     ) -> None:
+        check_api_key(api_key, name="api_key")
+        check_api_key(admin_api_key, name="admin_api_key")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.worker_index = worker_index
@@ -120,9 +125,9 @@ class HTTPEngineClient:
 
     # --- plumbing -----------------------------------------------------------------------------
 
-    def _headers(self, admin: bool) -> dict[str, str]:
+    def _headers(self, admin: bool) -> dict[bytes, bytes]:
         key = self._admin_api_key if admin else (self._api_key or self._admin_api_key)
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return {b"Authorization": bearer(key)} if key else {}
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
         raise error_from_answer(f"{method} {path}", response.status_code, response.text)
@@ -232,6 +237,10 @@ class HTTPEngineClient:
     def abort_weight_update(self) -> bool:
         """`POST /abort_weight_update`: ends the transaction on purpose; whether one was open."""
         return bool(self._call("POST", "/abort_weight_update")["aborted"])
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """`POST /shutdown_weight_transfer_engine`: the server leaves the trainer's transfer."""
+        self._call("POST", "/shutdown_weight_transfer_engine")
 
     @property
     def weight_version(self) -> WeightVersion:

@@ -26,7 +26,7 @@ from torch import nn
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.trainer._calls import collect, in_threads
+from weightsync.trainer._calls import collect, in_threads, release_transfers
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.ipc_trainer import (
@@ -182,8 +182,10 @@ class WeightSender(ABC):
 class BroadcastWeightSender(WeightSender):
     """Sends over a trainer-rooted broadcast group: `nccl` (CUDA tensors) or `gloo` (CPU).
 
-    The trainer is rank 0 and engine `i` rank `1 + i`, so engine `i` must have been created with
-    `worker_index=i`. Arguments after `engines` are those of
+    The trainer is rank 0 and the engines' workers follow in order: an engine is one worker,
+    a data-parallel server as many as its `get_world_size()` says (one per replica). So the
+    engines before one hold its first worker index: an engine after two single engines was
+    created with `worker_index=2`. Arguments after `engines` are those of
     [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
 
     Args:
@@ -196,8 +198,7 @@ class BroadcastWeightSender(WeightSender):
         **wire_fields: The same, as keywords (`bucket_size_bytes=...`), instead of `wire`.
 
     Raises:
-        WeightValidationError: A bad argument, or an engine whose `worker_index` is not its
-            position in `engines`.
+        WeightValidationError: A bad argument.
     """
 
     def __init__(
@@ -212,13 +213,6 @@ class BroadcastWeightSender(WeightSender):
     ) -> None:
         super().__init__(engines)
         self.wire = WireParams.build(wire, **wire_fields)
-        for index, engine in enumerate(self.engines):
-            declared = _worker_index(engine)
-            if declared is not None and declared != index:
-                raise WeightValidationError(
-                    f"engines[{index}] has worker_index {declared}, but the broadcast gives "
-                    f"engine i rank 1 + i: create engine {index} with worker_index={index}"
-                )
         self.backend = backend
         self._group_kwargs: dict[str, Any] = {
             "backend": backend,
@@ -226,14 +220,34 @@ class BroadcastWeightSender(WeightSender):
             "master_port": master_port,
         }
         self.group: TrainerGroup | None = None
+        self._world_sizes: list[int] = []  # each engine's transfer workers, from connect()
 
     def connect(self) -> None:
-        """Creates the group and joins every engine to it.
+        """Creates the group, as large as the engines' workers, and joins every engine to it.
 
         Raises:
+            WeightValidationError: An engine's `worker_index` is not the number of workers
+                of the engines before it.
             WeightTransferTimeout: Some engine did not join within `timeout_s`.
         """
-        group = trainer_init(world_size=1 + len(self.engines), wire=self.wire, **self._group_kwargs)
+        sizes = call_each(
+            self.engines,
+            lambda engine: engine.get_world_size(),
+            timeout_s=self.wire.client_timeout_s,
+            what="get_world_size",
+        )
+        self._world_sizes = sizes
+        first = 0
+        for index, (engine, size) in enumerate(zip(self.engines, sizes, strict=True)):
+            declared = getattr(engine, "worker_index", None)
+            if isinstance(declared, int) and declared != first:
+                raise WeightValidationError(
+                    f"engines[{index}] has worker_index {declared}, but the engines before it "
+                    f"hold {first} workers, so its first rank is 1 + {first}: create it with "
+                    f"worker_index={first}"
+                )
+            first += size
+        group = trainer_init(world_size=1 + first, wire=self.wire, **self._group_kwargs)
         request = {"init_info": group.init_info}
         # Engines join on threads of their own while the trainer forms the group on this one.
         joins = in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
@@ -267,7 +281,12 @@ class BroadcastWeightSender(WeightSender):
         # Engines receive on threads of their own while the trainer sends on this one.
         receives = in_threads(self.engines, lambda e: e.update_weights(request))
         try:
-            stats = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(self.group, update_info))
+            # One call per rank: a data-parallel server's one call holds all of its ranks.
+            per_rank = [
+                c for c, n in zip(receives, self._world_sizes, strict=True) for _ in range(n)
+            ]
+            args = NCCLTrainerSendWeightsArgs(self.group, update_info, receiving=per_rank)
+            stats = trainer_send_weights(pairs, args)
         except WeightValidationError:
             # Rejected in the handshake: nothing moved and the group stays usable.
             with contextlib.suppress(Exception):
@@ -282,10 +301,16 @@ class BroadcastWeightSender(WeightSender):
         return stats
 
     def close(self) -> None:
-        """Closes the group (engines blocked on it fail at once) and frees its port."""
+        """Closes the group and has every engine leave it. Safe to call twice.
+
+        Engines blocked on the group fail at once, its port is free when this returns, and each
+        engine's `shutdown_weight_transfer_engine` frees what it held (bounded, never raising).
+        """
         self._connected = False
-        if self.group is not None:
-            self.group.close()
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 class IPCWeightSender(WeightSender):
@@ -356,17 +381,15 @@ class IPCWeightSender(WeightSender):
         return ipc_trainer_send_weights(weights, args)
 
     def close(self) -> None:
-        """Unlinks every segment of the session. Safe to call twice."""
-        self._connected = False
+        """Unlinks every segment of the session and has every engine leave it. Safe to call twice.
+
+        Each engine's `shutdown_weight_transfer_engine` unmaps the session's memory (bounded,
+        never raising).
+        """
+        joined, self._connected = self._connected, False
         self.session.close()
-
-
-def _worker_index(engine: EngineClient) -> int | None:
-    """The transfer worker index an engine was created with, when it says."""
-    index = getattr(engine, "worker_index", None)
-    if index is None:  # an in-process LLMEngine keeps it on its weights
-        index = getattr(getattr(engine, "weights", None), "worker_index", None)
-    return index if isinstance(index, int) else None
+        if joined:
+            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
 
 
 def create_weight_sender(

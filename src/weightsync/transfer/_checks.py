@@ -1,4 +1,4 @@
-"""Parsing of the plain-dict payloads (init and update infos) into their dataclasses."""
+"""Checks of values that cross the wire: ints, and payload dicts parsed into their dataclasses."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from typing import Any, TypeVar
 from weightsync.errors import WeightValidationError
 
 _InfoT = TypeVar("_InfoT")
+
+
+def is_int(value: object) -> bool:
+    """Whether `value` is an int and not a bool (JSON's `true` must not pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:

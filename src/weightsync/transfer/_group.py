@@ -10,28 +10,74 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
 import os
+import resource
 import socket
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer._group_store import GroupStore, translate
 from weightsync.transfer.wire import WireParams
 
-__all__ = ["BroadcastGroup", "BroadcastWork", "bind_listener", "check_backend", "check_port"]
+__all__ = [
+    "INIT_ERRORS",
+    "BroadcastGroup",
+    "BroadcastWork",
+    "bind_listener",
+    "check_backend",
+    "check_port",
+    "check_world_size",
+]
 
 _BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
-_T = TypeVar("_T")
-# A store read gets its own limit plus this, so that torch's own timeout, when it has one, and
-# its clearer message come first.
-_STORE_GRACE_S = 1.0
+
+
+INIT_ERRORS = "init_errors"
+"""Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
+
+# A rank keeps up to two connections per other rank: the group's store (the trainer hosts it and
+# every worker connects to it) and the transfer link (gloo links every pair of ranks). A process
+# keeps this many files free for everything else it opens.
+_LINKS_PER_PEER = 2
+_FILES_KEPT_FREE = 64
+
+
+def _world_size_limit() -> tuple[int, int]:
+    """The largest world size this process can be a rank of, and its open-file limit.
+
+    Every connection is a file; a world larger than the limit allows fails, on some rank, only
+    after everyone waited for it (and rank 0 would first allocate for every rank).
+    """
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files == resource.RLIM_INFINITY:
+        files = 1 << 20  # the kernel's own ceiling on open files (fs.nr_open) by default
+    return 1 + max(0, (files - _FILES_KEPT_FREE) // _LINKS_PER_PEER), files
+
+
+def check_world_size(world_size: object) -> int:
+    """Returns `world_size` after checking that a group of that size can exist here.
+
+    Raises:
+        WeightValidationError: Not an int >= 2, or larger than this process's open-file limit
+            allows (the message gives the limit and how to raise it).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+        raise WeightValidationError(
+            f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
+        )
+    limit, files = _world_size_limit()
+    if world_size > limit:
+        raise WeightValidationError(
+            f"world_size {world_size} is more than any group this process can be a rank of: a "
+            f"rank keeps up to {_LINKS_PER_PEER} connections per other rank (the group's store "
+            f"and its transfer link) and this process may open {files} files (RLIMIT_NOFILE), "
+            f"so world_size can be at most {limit}: use fewer workers, or raise the limit "
+            "(ulimit -n) on every host"
+        )
+    return world_size
 
 
 def check_backend(backend: str) -> torch.device:
@@ -99,29 +145,6 @@ def bind_listener(address: str, port: int) -> socket.socket:
     return listener
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    # torch reports a collective's or the store's timeout as a RuntimeError (DistError) saying so;
-    # any other exception type that mentions a timeout (a constructor's TypeError naming its
-    # `timeout` argument, say) is a failure, not a timeout.
-    if isinstance(exc, TimeoutError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
-
-
-def _translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
-    """Maps a torch.distributed failure onto weightsync's error classes."""
-    if _is_timeout(exc):
-        return WeightTransferTimeout(
-            f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
-            f"was never told to take part; {type(exc).__name__}: {exc}"
-        )
-    return WeightTransferError(
-        f"{what} failed, most likely because a peer process died or closed the group; "
-        f"{type(exc).__name__}: {exc}"
-    )
-
-
 class BroadcastWork:
     """A pending collective; `wait()` blocks at most the group's timeout and raises clearly."""
 
@@ -140,10 +163,10 @@ class BroadcastWork:
         try:
             self._work.wait(datetime.timedelta(seconds=self._timeout_s))
         except Exception as exc:
-            raise _translate(self._what, exc, self._timeout_s) from exc
+            raise translate(self._what, exc, self._timeout_s) from exc
 
 
-class BroadcastGroup:
+class BroadcastGroup(GroupStore):
     """One end of a trainer-rooted group: rank 0 is the trainer, ranks 1..N the workers.
 
     Args:
@@ -169,10 +192,7 @@ class BroadcastGroup:
         world_size: int,
         timeout_s: float,
     ) -> None:
-        if not isinstance(world_size, int) or world_size < 2:
-            raise WeightValidationError(
-                f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
-            )
+        check_world_size(world_size)
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise WeightValidationError(
                 f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
@@ -223,117 +243,35 @@ class BroadcastGroup:
                 os.close(fd)
             raise
 
-    # --- store: small control messages beside the data -------------------------------------
-
-    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
-        try:
-            return fn()
-        except WeightTransferError:
-            raise
-        except Exception as exc:
-            raise _translate(what, exc, self.timeout_s) from exc
-
-    def set(self, key: str, value: Any) -> None:
-        """Publishes a JSON-safe value under `key` in the group's store."""
-        self._call(
-            f"writing {key!r} to the transfer store",
-            lambda: self._store.set(key, json.dumps(value)),
-        )
-
-    def _read(self, what: str, fn: Callable[[], _T], limit_s: float) -> _T:
-        """Runs a store read on a daemon thread, `limit_s` at most.
-
-        torch's store client waits for an answer without a bound: a trainer that is stopped
-        (SIGSTOP, a debugger) but whose socket is open would hang it forever. A read that timed
-        out leaves the client mid-conversation, so the store is not read again.
-        """
-        if self._store_stuck:
-            raise WeightTransferTimeout(
-                f"{what}: the transfer store stopped answering earlier (timeout_s): its host is "
-                "stopped or stuck"
-            )
-        result: Future[_T] = Future()
-
-        def run() -> None:
-            try:
-                result.set_result(self._call(what, fn))
-            except BaseException as exc:  # handed to the waiting thread
-                result.set_exception(exc)
-
-        threading.Thread(target=run, name="weightsync-store", daemon=True).start()
-        try:
-            return result.result(limit_s + _STORE_GRACE_S)
-        except FutureTimeout:
-            self._store_stuck = True
-            raise WeightTransferTimeout(
-                f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
-                "trainer) does not answer: stopped, stuck or unreachable"
-            ) from None
-
-    def get(self, key: str, timeout_s: float | None = None) -> Any:
-        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-
-        def read() -> Any:
-            self._store.wait([key], datetime.timedelta(seconds=limit))
-            return json.loads(self._store.get(key))
-
-        return self._read(f"reading {key!r} from the transfer store", read, limit)
-
-    def try_get(self, key: str) -> Any:
-        """Returns the value under `key` if present and the store answers in time, else None."""
-
-        def read() -> Any:
-            if not self._store.check([key]):
-                return None
-            return json.loads(self._store.get(key))
-
-        try:
-            return self._read(f"reading {key!r}", read, self.timeout_s)
-        except Exception:  # a dead or stopped trainer takes the store with it: nothing to read
-            return None
-
-    def has(self, keys: list[str]) -> bool:
-        """Whether every key is in the store (the trainer's: it hosts the store, so this is local)."""
-        return bool(self._call("checking the transfer store", lambda: self._store.check(keys)))
-
-    def claim_rank(self, claimant: str) -> None:
-        """Registers this rank in the store for `claimant`; another claimant is refused.
-
-        The same claimant (an engine retrying its own join after a timeout) may claim again.
-        """
-        key = f"rank/{self.rank}"
-        owner = self._read(
-            "claiming a rank", lambda: self._store.compare_set(key, "", claimant), self.timeout_s
-        )
-        if owner.decode() != claimant:
-            raise WeightValidationError(
-                f"rank {self.rank} was claimed by another process already: each worker needs a "
-                "distinct worker_index (rank = rank_offset + worker_index)"
-            )
-
     # --- collectives --------------------------------------------------------------------------
 
-    def connect(self) -> None:
-        """Forms the process group; blocks until every rank has joined or the timeout passes."""
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Forms the process group; blocks until every rank has joined or the timeout passes.
+
+        Args:
+            timeout_s: Limit of the rendezvous in seconds: what is left of the caller's own
+                `timeout_s` (default: the group's). Collectives keep the group's timeout.
+        """
         if self._pg is not None:
             return
+        limit_s = self.timeout_s if timeout_s is None else max(timeout_s, 0.001)
+        limit = datetime.timedelta(seconds=limit_s)
         prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
+        what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
         if self.backend == "gloo":
+            # gloo bounds its rendezvous by this timeout; every collective passes its own.
             self._pg = self._call(
-                f"forming the gloo group (rank {self.rank} of {self.world_size})",
-                lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self._timeout),
+                what, lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
             )
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
             self._pg = self._call(
-                f"forming the NCCL group (rank {self.rank} of {self.world_size})",
-                lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options),
+                what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
             )
             # NCCL connects lazily; a tiny collective makes the rendezvous happen (and time out) here.
             probe = torch.zeros(1, device=self.device)
-            self.all_reduce(probe)
+            self.all_reduce(probe, timeout_s=limit_s)
 
     @property
     def is_connected(self) -> bool:
@@ -353,14 +291,18 @@ class BroadcastGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
+        options.timeout = self._timeout
         work = self._call(what, lambda: pg.broadcast([tensor], options))
         return BroadcastWork(work, what, self.timeout_s)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums `tensor` over all ranks, in place, and waits for it."""
+    def all_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> None:
+        """Sums `tensor` over all ranks, in place, and waits for it (`timeout_s`: the group's)."""
         pg = self._require_pg()
-        work = self._call("all-reduce", lambda: pg.allreduce([tensor], dist.AllreduceOptions()))
-        BroadcastWork(work, "all-reduce of the update status", self.timeout_s).wait()
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=limit_s)
+        work = self._call("all-reduce", lambda: pg.allreduce([tensor], options))
+        BroadcastWork(work, "all-reduce", limit_s).wait()
 
     def close(self, *, release_store: bool = False) -> None:
         """Drops the process group; peers blocked on this rank then fail fast.

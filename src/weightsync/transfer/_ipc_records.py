@@ -28,15 +28,12 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightValidationError
+from weightsync.transfer._checks import is_int
 from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
 
 __all__ = ["CUDAStorageHandle", "IPCHandle", "decode_b64", "encode_b64"]
 
 _RECORD_KEYS = frozenset({"segment", "cuda", "offset", "nbytes", "dtype", "shape"})
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def decode_b64(value: object, *, what: str) -> bytes:
@@ -107,7 +104,7 @@ class CUDAStorageHandle:
         if data["event_handle"] is not None:
             decode_b64(data["event_handle"], what=f"{where}.cuda.event_handle")
         for key in ("storage_nbytes", "storage_offset", "ref_counter_offset"):
-            if not _is_int(data[key]) or data[key] < 0:
+            if not is_int(data[key]) or data[key] < 0:
                 raise WeightValidationError(
                     f"{where}.cuda.{key} must be an int >= 0, got {data[key]!r}"
                 )
@@ -177,11 +174,11 @@ class IPCHandle:
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
         shape = data["shape"]
-        if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list | tuple) or not all(is_int(d) and d >= 0 for d in shape):
             raise WeightValidationError(f"{where}.shape must be a list of ints >= 0, got {shape!r}")
         offset, nbytes = data["offset"], data["nbytes"]
         for key, value in (("offset", offset), ("nbytes", nbytes)):
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise WeightValidationError(f"{where}.{key} must be an int >= 0, got {value!r}")
         expected_nbytes = math.prod(shape) * dtype.itemsize
         if nbytes != expected_nbytes:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 
 from weightsync.errors import WeightValidationError
@@ -9,6 +12,8 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._cuda_ipc import import_cuda_storage
 from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer.base import TensorSpec
+
+logger = logging.getLogger(__name__)
 
 
 class RegionCache:
@@ -25,6 +30,8 @@ class RegionCache:
         self._segments: dict[str, shm.AttachedSegment] = {}
         self._cuda: dict[tuple[str, int], torch.Tensor] = {}
         self._used: set[object] = set()
+        # Deliveries and the receiver's watch (`drop_gone`) change the maps from two threads.
+        self._lock = threading.Lock()
 
     def resolve(
         self, handle: IPCHandle, spec: TensorSpec, regions: dict[object, torch.Tensor], where: str
@@ -60,7 +67,12 @@ class RegionCache:
             raise WeightValidationError(f"{where}: {exc}") from None
 
     def _attach(self, name: str, where: str) -> torch.Tensor:
-        """Returns the mapping of segment `name`, reusing a cached one while it is still current."""
+        """Returns the mapping of segment `name`, reusing a cached one while it is still current.
+
+        Current means the same segment at the same size: a segment its owner truncated since is
+        mapped again at its new size, so that a record reaching past the new end is refused
+        (`IPCHandle.view`) instead of read, which would kill this process with SIGBUS.
+        """
         if self._session is None or not shm.segment_belongs_to(name, self._session):
             raise WeightValidationError(
                 f"{where}.segment {name!r} is not a segment of session {self._session}: "
@@ -68,12 +80,13 @@ class RegionCache:
             )
         try:
             identity = shm.segment_identity(name)
-            cached = self._segments.get(name)
-            if cached is None or cached.identity != identity:
-                cached = self._segments[name] = shm.attach_segment(name)
+            with self._lock:
+                cached = self._segments.get(name)
+                if cached is None or cached.identity != identity:
+                    cached = self._segments[name] = shm.attach_segment(name)
+                self._used.add(name)
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
-        self._used.add(name)
         return cached.tensor
 
     @property
@@ -87,10 +100,34 @@ class RegionCache:
         Its segments may be unlinked already (the trainer drops its buffers after a failure);
         a mapping would keep their memory alive for as long as this receiver lives.
         """
-        self._segments, self._cuda, self._used = {}, {}, set()
+        with self._lock:
+            self._segments, self._cuda, self._used = {}, {}, set()
 
     def drop_unused(self) -> None:
         """Unmaps what the update that just completed did not use."""
-        self._segments = {k: v for k, v in self._segments.items() if k in self._used}
-        self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
-        self._used = set()
+        with self._lock:
+            self._segments = {k: v for k, v in self._segments.items() if k in self._used}
+            self._cuda = {k: v for k, v in self._cuda.items() if k in self._used}
+            self._used = set()
+
+    def drop_gone(self) -> list[str]:
+        """Unmaps the segments that are gone: unlinked by their owner, or replaced or resized.
+
+        A trainer unlinks its segments when it closes its session (or its janitor does, when
+        it died): nothing will read their mappings again, which would keep their memory alive
+        for as long as this receiver lives. Returns the names unmapped.
+        """
+        gone = []
+        for name, attached in list(self._segments.items()):
+            try:
+                current = shm.segment_identity(name)
+            except WeightValidationError:  # unlinked: the name no longer opens
+                current = None
+            if current != attached.identity:
+                gone.append(name)
+        if gone:
+            with self._lock:
+                for name in gone:
+                    self._segments.pop(name, None)
+            logger.info("unmapped %d segments their trainer released: %s", len(gone), gone)
+        return gone

@@ -226,13 +226,14 @@ class AttachedSegment:
 
     Attributes:
         name: Segment name.
-        identity: `(device, inode)` of the segment; a new segment under an old name differs.
+        identity: `(device, inode, size)` of the segment when it was mapped: a new segment
+            under an old name differs, and so does the same segment truncated or grown.
         tensor: The segment's bytes (uint8, read-only memory: writing to it kills the process,
             which is what keeps a receiver from ever corrupting the trainer's weights).
     """
 
     name: str
-    identity: tuple[int, int]
+    identity: tuple[int, int, int]
     tensor: torch.Tensor
 
     @property
@@ -254,8 +255,11 @@ def _open_existing(name: str) -> int:
     return fd
 
 
-def segment_identity(name: str) -> tuple[int, int]:
-    """Returns `(device, inode)` of segment `name`, checking that it exists.
+def segment_identity(name: str) -> tuple[int, int, int]:
+    """Returns `(device, inode, size)` of segment `name`, checking that it exists.
+
+    A mapping is current only while this is unchanged: its owner may truncate a segment, and a
+    read of a mapped page past the new end kills the reader (SIGBUS).
 
     Raises:
         WeightValidationError: The segment does not exist or cannot be opened.
@@ -265,7 +269,7 @@ def segment_identity(name: str) -> tuple[int, int]:
         stat = os.fstat(fd)
     finally:
         os.close(fd)
-    return stat.st_dev, stat.st_ino
+    return stat.st_dev, stat.st_ino, stat.st_size
 
 
 def attach_segment(name: str) -> AttachedSegment:
@@ -286,7 +290,7 @@ def attach_segment(name: str) -> AttachedSegment:
         raise WeightValidationError(f"cannot map shared-memory segment {name!r}: {exc}") from exc
     finally:
         os.close(fd)
-    return AttachedSegment(name, (stat.st_dev, stat.st_ino), tensor)
+    return AttachedSegment(name, (stat.st_dev, stat.st_ino, stat.st_size), tensor)
 
 
 class SegmentJanitor:

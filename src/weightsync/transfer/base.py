@@ -14,6 +14,7 @@ through two plain-dict payloads that can travel over any control channel (a pipe
 from __future__ import annotations
 
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ import torch
 
 from weightsync.errors import WeightSyncError, WeightValidationError
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._dtypes import WIRE_DTYPES
 
 __all__ = [
     "LoadWeightsFn",
@@ -43,6 +43,37 @@ The tensors may be views of a reusable transfer buffer: copy them before returni
 """
 
 
+# The dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
+# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
+_WIRE_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+    "complex128",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+)
+_WIRE_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in _WIRE_DTYPE_NAMES
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Returns the wire name of `dtype` (`torch.bfloat16` -> `"bfloat16"`).
 
@@ -53,9 +84,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     'bfloat16'
     """
     name = str(dtype).removeprefix("torch.")
-    if WIRE_DTYPES.get(name) is not dtype:
+    if _WIRE_DTYPES.get(name) is not dtype:
         raise WeightValidationError(
-            f"dtype {dtype} cannot be transferred; supported: {', '.join(WIRE_DTYPES)}"
+            f"dtype {dtype} cannot be transferred; supported: {', '.join(_WIRE_DTYPES)}"
         )
     return name
 
@@ -66,10 +97,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     Raises:
         WeightValidationError: `name` is not a supported dtype name.
     """
-    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    dtype = _WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise WeightValidationError(
-            f"unknown dtype name {name!r}; expected one of: {', '.join(WIRE_DTYPES)}"
+            f"unknown dtype name {name!r}; expected one of: {', '.join(_WIRE_DTYPES)}"
         )
     return dtype
 
@@ -148,6 +179,9 @@ class WeightTransferUpdateInfo:
         dtype_names: Wire dtype names (see [`dtype_name`][weightsync.transfer.base.dtype_name]).
         shapes: Shapes as lists of non-negative ints (`[]` for a 0-d tensor).
         weight_version: Optional label of the weights being sent (the trainer's step, say).
+        send_id: The send this message belongs to (at most 64 characters), so that a broadcast
+            worker's refusal of it fails that send and no other; `from_specs` and
+            `from_named_tensors` set a fresh one. Without it, the content identifies a message.
 
     Raises:
         WeightValidationError: The lists differ in length, a name repeats, a dtype is unknown or
@@ -162,6 +196,7 @@ class WeightTransferUpdateInfo:
     dtype_names: list[str]
     shapes: list[list[int]]
     weight_version: str | int | None = None
+    send_id: str | None = None
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,19 +235,25 @@ class WeightTransferUpdateInfo:
             raise WeightValidationError(
                 f"weight_version must be a string, an int or null, got {type(version).__name__}"
             )
+        send_id = self.send_id
+        if send_id is not None and (not isinstance(send_id, str) or not 0 < len(send_id) <= 64):
+            raise WeightValidationError(
+                f"send_id must be a string of 1 to 64 characters or null, got {send_id!r:.80}"
+            )
         self._specs = specs
 
     @classmethod
     def from_specs(
         cls, specs: Iterable[TensorSpec], *, weight_version: str | int | None = None
     ) -> WeightTransferUpdateInfo:
-        """Builds the update info announcing `specs`, in order."""
+        """Builds the update info announcing `specs`, in order, with a fresh `send_id`."""
         specs = list(specs)
         return cls(
             names=[s.name for s in specs],
             dtype_names=[dtype_name(s.dtype) for s in specs],
             shapes=[list(s.shape) for s in specs],
             weight_version=weight_version,
+            send_id=secrets.token_hex(8),
         )
 
     @classmethod
@@ -244,12 +285,15 @@ class WeightTransferUpdateInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of parsing it."""
-        return {
+        data: dict[str, Any] = {
             "names": list(self.names),
             "dtype_names": list(self.dtype_names),
             "shapes": [list(s) for s in self.shapes],
             "weight_version": self.weight_version,
         }
+        if self.send_id is not None:
+            data["send_id"] = self.send_id
+        return data
 
 
 def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
@@ -376,9 +420,9 @@ class WeightTransferEngine(ABC):
     ) -> None:
         """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
 
-        A broadcast backend takes part in the update's handshake with `reason` as this rank's
-        rejection, so the trainer and every peer fail at once with it and the group stays usable
-        for the next attempt. The default does nothing: the caller raises `reason` itself.
+        A broadcast backend answers the update's handshake with `reason` at once, never waiting:
+        a trainer sending this message's update fails with it (now, or as soon as it starts),
+        and the group stays usable. The default does nothing: the caller raises `reason` itself.
         """
         return None
 

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._bucket_io import round_up, unpack_bucket
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
+from weightsync.transfer.packing import flat_layout, unpack_bucket
 
 __all__ = ["flat_tensors", "flatten_module"]
 
@@ -74,5 +73,5 @@ def flat_tensors(
     (512, torch.Size([]))
     """
     layout = flat_layout(specs)
-    buffer = torch.zeros(round_up(layout.nbytes, ALIGN_BYTES), dtype=torch.uint8, device=device)
+    buffer = torch.zeros(layout.aligned_nbytes, dtype=torch.uint8, device=device)
     return buffer, dict(unpack_bucket(layout, buffer))

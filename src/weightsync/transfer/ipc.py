@@ -51,6 +51,7 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._cuda_ipc import synchronize
 from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer._ipc_regions import RegionCache
+from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -218,6 +219,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         # Every send has a new update_id, so an announcement of one seen before is late or
         # repeated; the most recent ones are enough to tell.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
+        self._watch: Watch | None = None  # frees what a trainer left, between updates
 
     @property
     def is_initialized(self) -> bool:
@@ -243,7 +245,12 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.shutdown()
         self._session = info.session
         self._mappings = RegionCache(info.session)
+        self._watch = Watch(self._release_gone, name="weightsync-ipc-watch")
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
+
+    def _release_gone(self) -> bool:  # the watch's sweep: unmap what the trainer released
+        self._mappings.drop_gone()
+        return True  # watched until shutdown stops it
 
     def receive_weights(
         self,
@@ -388,7 +395,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._mappings.clear()
 
     def shutdown(self) -> None:
-        """Drops every mapping and the session. Safe to call twice."""
-        self._session, self._progress = None, None
+        """Drops every mapping and the session, and stops the watch. Safe to call twice."""
+        Watch.stop_if_any(self._watch)
+        self._session, self._progress, self._watch = None, None, None
         self._announced.clear()
         self._mappings = RegionCache()

@@ -7,6 +7,10 @@ exports: the packed bucket buffers and the shared-memory tensors it hands out. I
 trainer dies. [`ipc_trainer_send_weights`][weightsync.transfer.ipc_trainer.ipc_trainer_send_weights]
 sends one update through a `deliver` callable; see [`weightsync.transfer.ipc`][weightsync.transfer.ipc]
 for the protocol.
+
+One concept: the IPC sender. The session's buffers and the steps that fill and export them
+(announce, then packed buckets or one in-place part) work on the same memory under the same
+rules, so they are read together.
 """
 
 from __future__ import annotations
@@ -24,21 +28,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _courier
 from weightsync.transfer import _shm as shm
-from weightsync.transfer._bucket_io import round_up, unpack_bucket
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._courier import Courier
-from weightsync.transfer._ipc_send import Sending, send_packed, send_unpacked
-from weightsync.transfer._pipeline import BufferPool
+from weightsync.transfer._cuda_ipc import export_cuda_storage, synchronize
+from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
+from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import ALIGN_BYTES, flat_layout
+from weightsync.transfer.packing import (
+    Bucket,
+    flat_layout,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -159,7 +169,7 @@ class IPCTrainerSession:
         """
         self._check_open()
         layout = flat_layout(specs)
-        segment = self._new_segment(round_up(layout.nbytes, ALIGN_BYTES))
+        segment = self._new_segment(layout.aligned_nbytes)
         self._shared.append(segment)
         return dict(unpack_bucket(layout, segment.tensor))
 
@@ -200,7 +210,7 @@ class IPCTrainerSession:
 
             def allocate(nbytes: int) -> _BucketBuffer:
                 if device.type == "cpu":
-                    created = self._new_segment(round_up(nbytes, mmap.PAGESIZE))
+                    created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
                     return created.tensor, created
                 return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
 
@@ -258,6 +268,198 @@ def ipc_trainer_init(
     >>> session.close()
     """
     return IPCTrainerSession(WireParams.build(wire, **wire_fields))
+
+
+# --- the sending steps ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Sending:
+    """One update on its way: the session, what was announced, the tensors, the courier, stats."""
+
+    session: IPCTrainerSession
+    specs: list[TensorSpec]
+    source: AnnouncedTensors
+    header: dict[str, Any]
+    courier: Courier
+    stats: TransferStats
+
+
+def _in_place_record(
+    session: IPCTrainerSession,
+    spec: TensorSpec,
+    tensor: torch.Tensor,
+    exports: dict[int, CUDAStorageHandle],
+) -> IPCHandle:
+    """The record exporting `tensor` where it lies (unpacked mode).
+
+    `exports` caches the CUDA export of each storage: one export per storage and delivery.
+    """
+    if spec.nbytes == 0:
+        return IPCHandle.for_tensor(spec, 0)
+    if not tensor.is_contiguous():
+        raise WeightValidationError(
+            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
+            "contiguous or use packed=True"
+        )
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if tensor.is_cuda:
+        if key not in exports:
+            exports[key] = export_cuda_storage(storage)
+        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
+    found = session._locate(tensor, spec.nbytes)
+    if found is not None:
+        return IPCHandle.for_tensor(spec, found[1], segment=found[0])
+    raise WeightValidationError(
+        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
+        "tensors in place; allocate them with session.shared_tensors(), move the model with "
+        "session.share_module(model), or use packed=True"
+    )
+
+
+def _device_of(
+    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device | None
+) -> torch.device:
+    for spec, tensor in zip(specs, tensors, strict=True):
+        device = device or tensor.device
+        if tensor.device != device:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is on {tensor.device} but the update started on {device}: "
+                "IPC follows the tensors' device; send one device per update"
+            )
+    return device or torch.device("cpu")
+
+
+def _part(header: dict[str, Any], first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The delivery of tensors `first ..` of the update: their metadata slice and records."""
+    end = first + len(records)
+    return {
+        **header,
+        "names": header["names"][first:end],
+        "dtype_names": header["dtype_names"][first:end],
+        "shapes": header["shapes"][first:end],
+        "ipc_handles": records,
+        "first_index": first,
+    }
+
+
+def _announce(courier: Courier, header: dict[str, Any]) -> None:
+    courier.submit({**header, "ipc_handles": None, "first_index": 0}, "the update's announcement")
+    try:
+        courier.wait_oldest()
+    except WeightValidationError as exc:
+        raise WeightValidationError(f"a worker rejected the update; nothing moved: {exc}") from exc
+    except WeightTransferError:
+        raise
+    except Exception as exc:
+        raise WeightTransferError(
+            f"announcing the update failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Exception:
+    """The error to raise for a failure after the announcement was accepted."""
+    if isinstance(exc, WeightValidationError) and not delivered:
+        return exc
+    error_cls = (
+        WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
+    )
+    return error_cls(
+        f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
+        + ("; workers may hold _part of the update: send a complete one" if delivered else ""),
+        partially_applied=delivered,
+    )
+
+
+def _send_packed(send: _Sending) -> None:
+    """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
+    session, specs, source = send.session, send.specs, send.source
+    header, courier, stats = send.header, send.courier, send.stats
+    buckets = plan_buckets(specs, session.wire.bucket_size_bytes)
+    nbytes = max((b.nbytes for b in buckets), default=1)
+    _announce(courier, header)
+    device: torch.device | None = None
+    pool: BufferPool[_BucketBuffer] | None = None
+
+    def land(buffer_index: int) -> None:
+        courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
+        assert pool is not None
+        pool.give_back(buffer_index)
+
+    window: Window[int] = Window(session.wire.num_buffers, land)
+    timeout = session.wire.timeout_s
+    try:
+        for first, bucket, tensors in announced_buckets(buckets, source, len(specs)):
+            device = _device_of(tensors, [s.spec for s in bucket.slots], device)
+            if pool is None:
+                pool = session._pool(device)
+                pool.reset()
+            window.make_room()
+            courier.raise_if_failed()
+            buffer_index, (buffer, segment) = pool.take(nbytes)
+            window.push(buffer_index)
+            what = f"_part {stats.num_buckets + 1} of {len(buckets)}"
+            courier.submit(
+                _part(header, first, _pack_records(bucket, tensors, buffer, segment, timeout)), what
+            )
+            stats.num_buckets += 1
+        window.drain()
+    except Exception as exc:
+        window.clear()
+        session.drop_buffers()
+        cleanup = "; the bucket buffers were unlinked"
+        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
+
+
+def _pack_records(
+    bucket: Bucket,
+    tensors: list[torch.Tensor],
+    buffer: torch.Tensor,
+    segment: shm.SharedSegment | None,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """Packs `tensors` into `buffer` and returns the records that locate them there."""
+    with torch.no_grad():  # parameters that require grad are copied as plain bytes
+        pack_bucket(bucket, tensors, buffer)
+    cuda = None
+    if buffer.is_cuda:
+        # Workers read on their own streams: the packed bytes must be in memory first.
+        synchronize(buffer.device, timeout_s=timeout_s, what="packing a bucket")
+        cuda = export_cuda_storage(buffer.untyped_storage())
+    name = segment.name if segment is not None else None
+    return [
+        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
+        for s in bucket.slots
+    ]
+
+
+def _send_unpacked(send: _Sending) -> None:
+    """Exports every tensor where it lies and delivers them in one _part, after the announcement."""
+    session, specs, source = send.session, send.specs, send.source
+    header, courier, stats = send.header, send.courier, send.stats
+    tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
+    source.check_exhausted(len(specs))
+    _device_of(tensors, specs, None)
+    exports: dict[int, CUDAStorageHandle] = {}
+    records = [
+        _in_place_record(session, s, t, exports).to_dict()
+        for s, t in zip(specs, tensors, strict=True)
+    ]
+    if exports:
+        for device in {t.device for t in tensors if t.is_cuda}:
+            synchronize(device, timeout_s=session.wire.timeout_s, what="exporting the tensors")
+    _announce(courier, header)
+    if not specs:
+        return
+    try:
+        # `tensors` stays referenced until the workers acknowledged: they read its memory.
+        courier.submit(_part(header, 0, records), "the update")
+        stats.num_buckets = stats.direct_buckets = 1
+        courier.drain()
+    except Exception as exc:
+        raise _data_failed(exc, delivered=True) from exc
+    del tensors
 
 
 @dataclass
@@ -329,13 +531,14 @@ def ipc_trainer_send_weights(
     header = {
         **announced.to_dict(),
         "weight_version": announced.weight_version if version is None else version,
-        "update_id": secrets.token_hex(8),
+        "update_id": secrets.token_hex(8),  # an IPC update is known by it, not by a send_id
     }
+    header.pop("send_id", None)
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
     courier = Courier(trainer_args.deliver, session.wire.timeout_s)
-    sending = Sending(session, specs, source, header, courier, stats)
+    sending = _Sending(session, specs, source, header, courier, stats)
     try:
-        (send_packed if session.wire.packed else send_unpacked)(sending)
+        (_send_packed if session.wire.packed else _send_unpacked)(sending)
     finally:
         courier.close()
     stats.seconds = time.perf_counter() - start

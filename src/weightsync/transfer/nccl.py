@@ -10,21 +10,26 @@ one private base. The trainer side is in
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from weightsync.errors import WeightSyncError, WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._bucket_io import direct_region, unpack_bucket
-from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
+from weightsync.transfer._checks import is_int
+from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
+from weightsync.transfer._handshake import WorkerHandshake
+from weightsync.transfer._identity import send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
+from weightsync.transfer._watch import Watch, exclusive
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -33,11 +38,8 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import Bucket
+from weightsync.transfer.packing import Bucket, direct_region, unpack_bucket
 from weightsync.transfer.wire import WireParams
-
-if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
-    pass
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -47,12 +49,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_WIRE = WireParams()
-_WIRE_KEYS = ("backend", "world_size", "packed", "bucket_size_bytes", "num_buffers", "timeout_s")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_DEFAULT_WIRE = WireParams()  # the one place the wire's defaults are set
+_WIRE_KEYS = ("backend", "world_size", *_DEFAULT_WIRE.to_dict())
 
 
 @dataclass
@@ -93,7 +91,7 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         check_port(self.master_port, allow_zero=False)
         for key, low in (("world_size", 2), ("rank_offset", 1)):
             value = getattr(self, key)
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
         self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
 
@@ -162,7 +160,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
         self._pool: BufferPool[torch.Tensor] | None = None
-        self._seq = 0
+        self._handshake: WorkerHandshake | None = None
+        self._watch: Watch | None = None  # frees what a trainer left, between updates
+        # Held by every call that uses the group; the watch never waits for it.
+        self._busy = threading.RLock()
         # Who claims this worker's rank: the same engine retrying its join may claim it again.
         self._claimant = uuid.uuid4().hex
 
@@ -171,6 +172,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         """Whether this worker is in a live group."""
         return self._group is not None and self._group.is_connected
 
+    @exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
@@ -194,6 +196,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 f"rank_offset ({info.rank_offset}) + worker_index ({self.worker_index}) = {rank} "
                 f"is outside world_size {info.world_size}: world_size must be 1 + the number of workers"
             )
+        deadline = time.monotonic() + info.timeout_s  # one timeout_s for the whole join
         group = BroadcastGroup(
             backend=info.backend,
             master_address=info.master_address,
@@ -203,7 +206,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             timeout_s=info.timeout_s,
         )
         try:
-            trainer_wire = group.get("wire")
+            trainer_wire = group.get("wire", timeout_s=max(deadline - time.monotonic(), 0.001))
             if not isinstance(trainer_wire, dict):  # a value from the network: check its type
                 raise WeightValidationError(
                     f"the store at {info.master_address}:{info.master_port} holds no trainer's "
@@ -224,14 +227,17 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                     "the trainer's TrainerGroup.init_info unchanged"
                 )
             group.claim_rank(self._claimant)
-            group.connect()
+            group.connect(timeout_s=deadline - time.monotonic())
         except Exception as exc:
-            group.set(f"init_error/{rank}", f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):  # the store may be gone: the error matters
+                group.append(INIT_ERRORS, f"rank {rank}: {type(exc).__name__}: {exc}"[:4000])
             group.close()
             raise
-        self._group, self._info, self._seq = group, info, 0
+        self._group, self._info, self._handshake = group, info, WorkerHandshake(group)
+        self._watch = Watch(self._release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
+    @exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -239,29 +245,30 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
     ) -> TransferStats:
         """Receives one update (see the base class); validation happens before any byte moves.
 
-        After a failure the group is closed: call `init_transfer_engine` again for the next update.
+        A message this worker refuses is answered at once, whether or not the trainer is
+        broadcasting yet (see `refuse_update`); an accepted one waits, `timeout_s` at most, for
+        the trainer's update. After a failure the group is closed: call `init_transfer_engine`
+        again for the next update.
         """
-        group, info = self._group, self._info
-        if group is None or info is None or not group.is_connected:
+        group, info, handshake = self._group, self._info, self._handshake
+        if group is None or info is None or handshake is None or not group.is_connected:
             raise WeightTransferError(
                 "the transfer engine is not initialized (or its group closed after a failure): "
                 "call init_transfer_engine(init_info) first"
             )
         start = time.perf_counter()
-        self._seq += 1
-        specs: list[TensorSpec] | None = None
-        problem: WeightValidationError | None = None
+        send = send_identity(update_info)
         try:
             specs = self.check_update(self.parse_update_info(update_info))
         except WeightValidationError as exc:
-            problem = exc
+            self._refuse(send, str(exc))
+            raise
         try:
-            broadcast.handshake(group, self._seq, specs, problem)
+            handshake.join(send, specs)
         except WeightValidationError:
             raise
         except WeightTransferError as exc:
             raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
-        assert specs is not None
         stats = TransferStats(
             num_tensors=len(specs),
             num_bytes=sum(s.nbytes for s in specs),
@@ -298,26 +305,19 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         )
         return stats
 
+    @exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
         reason: WeightSyncError,
     ) -> None:
-        """Joins the update's handshake only to reject it with `reason` (see the base class).
+        """Answers the update's handshake with `reason` at once (see the base class)."""
+        if self.is_initialized:  # else no trainer can be waiting on this rank
+            self._refuse(send_identity(update_info), f"{type(reason).__name__}: {reason}")
 
-        Blocks until the trainer reaches the handshake of this update, or the group's timeout.
-        """
-        group = self._group
-        if group is None or not group.is_connected:
-            return  # no group: the trainer cannot be waiting on this rank
-        self._seq += 1
-        problem = WeightValidationError(f"{type(reason).__name__}: {reason}")
-        try:
-            broadcast.handshake(group, self._seq, None, problem)
-        except WeightValidationError:
-            pass  # the rejection went round: every rank fails this update with it
-        except WeightTransferError as exc:
-            raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
+    def _refuse(self, send: str, reason: str) -> None:
+        if self._handshake is not None and not self._handshake.refuse(send, reason):
+            self.shutdown()  # the trainer is gone: leave its group
 
     def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
@@ -355,11 +355,32 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             assert self._pool is not None
             self._pool.give_back(item.buffer_index)
 
+    def _release_gone(self) -> bool:
+        """The watch's: leaves the group if its trainer is gone, freeing its connections and port.
+
+        A call in progress finds out for itself: this never waits for it. Returns whether the
+        group is still joined.
+        """
+        if not self._busy.acquire(blocking=False):
+            return True
+        try:
+            if self._handshake is not None and self._handshake.trainer_is_gone():
+                self._leave()
+            return self._group is not None
+        finally:
+            self._busy.release()
+
+    @exclusive
     def shutdown(self) -> None:
-        """Leaves the group and frees the bucket buffers. Safe to call twice."""
+        """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
+        Watch.stop_if_any(self._watch)
+        self._watch = None
+        self._leave()
+
+    def _leave(self) -> None:
         if self._group is not None:
             self._group.close()
-        self._group, self._info, self._pool = None, None, None
+        self._group, self._info, self._pool, self._handshake = None, None, None, None
 
 
 class NCCLWeightTransferEngine(_BroadcastWeightTransferEngine):

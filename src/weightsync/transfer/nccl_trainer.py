@@ -23,9 +23,10 @@ import torch
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._bucket_io import direct_region, pack_bucket
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._group import BroadcastGroup
+from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup
+from weightsync.transfer._handshake import open_update
+from weightsync.transfer._identity import send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
 from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
@@ -34,7 +35,7 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-from weightsync.transfer.packing import Bucket
+from weightsync.transfer.packing import Bucket, direct_region, pack_bucket
 from weightsync.transfer.wire import WireKeywords, WireParams
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_ERRORS_SHOWN = 5
+_REPORT_READ_S = 1.0  # the reasons are in this process's own store: a read is instant
 
 
 class TrainerGroup:
@@ -76,7 +80,7 @@ class TrainerGroup:
         return self._info.world_size
 
     def connect(self, *, joining: Sequence[Future[Any]] = ()) -> None:
-        """Blocks until every worker joined (idempotent).
+        """Blocks until every worker joined, `timeout_s` at most in all (idempotent).
 
         Args:
             joining: The workers' join calls, when this process made them (on threads, as
@@ -93,21 +97,28 @@ class TrainerGroup:
             raise WeightTransferError(
                 "this trainer group was closed after a failure: call trainer_init again"
             )
+        if self._group.is_connected:
+            return
+        # One timeout_s for the whole call: waiting for the workers, then the rendezvous.
+        deadline = time.monotonic() + self._group.timeout_s
         try:
             if joining:
-                self._await_workers(joining)
-            self._group.connect()
+                self._await_workers(joining, deadline)
+            self._group.connect(timeout_s=deadline - time.monotonic())
         except WeightTransferError as exc:
-            errors = [
-                f"rank {r}: {e}"
-                for r in range(1, self._info.world_size)
-                if (e := self._group.try_get(f"init_error/{r}")) is not None
-            ]
+            # One read of what the workers reported, however many they are.
+            errors = [str(e) for e in self._group.read_list(INIT_ERRORS, _REPORT_READ_S)]
             if errors:
-                raise type(exc)(f"{exc}; workers reported: {'; '.join(errors)}") from exc
+                shown = "; ".join(errors[:_ERRORS_SHOWN])
+                more = (
+                    f" (and {len(errors) - _ERRORS_SHOWN} more)"
+                    if len(errors) > _ERRORS_SHOWN
+                    else ""
+                )
+                raise type(exc)(f"{exc}; workers reported: {shown}{more}") from exc
             raise
 
-    def _await_workers(self, joining: Sequence[Future[Any]]) -> None:
+    def _await_workers(self, joining: Sequence[Future[Any]], deadline: float) -> None:
         """Waits until every worker claimed its rank in the store, or one of `joining` failed.
 
         Forming the group blocks, uninterruptibly, until every rank is in or `timeout_s` passed:
@@ -115,7 +126,6 @@ class TrainerGroup:
         failed before it got there fails this call at once rather than at the timeout.
         """
         keys = [f"rank/{rank}" for rank in range(1, self.world_size)]
-        deadline = time.monotonic() + self._group.timeout_s
         while not self._group.has(keys):
             for call in joining:
                 if call.done() and (error := call.exception()) is not None:
@@ -167,7 +177,9 @@ def trainer_init(
         **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
 
     Raises:
-        WeightValidationError: A bad argument, or `nccl` without CUDA.
+        WeightValidationError: A bad argument, `nccl` without CUDA, or a `world_size` larger
+            than this process's open-file limit allows (every rank keeps up to two connections
+            per other rank); the message gives the limit.
 
     >>> group = trainer_init(world_size=2, backend="gloo")
     >>> sorted(group.init_info)[:3]
@@ -205,11 +217,17 @@ class NCCLTrainerSendWeightsArgs:
             tensor the iterator yields is checked against it, in order.
         post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to send
             (e.g. to gather a sharded parameter); by default the pair's tensor.
+        receiving: The workers' calls that hand them `update_info` (their `update_weights`),
+            in worker order, when this process made them on threads: one that fails before
+            the worker answered the handshake is that worker's refusal, at once (a server that
+            refused the request itself, or that nothing listens for). Optional: a worker's own
+            refusal reaches the trainer through the group's store either way.
     """
 
     group: TrainerGroup
     update_info: Mapping[str, Any] | WeightTransferUpdateInfo
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+    receiving: Sequence[Future[Any]] = ()
 
 
 def _send_failure(
@@ -246,7 +264,7 @@ def trainer_send_weights(
     trainer.connect()
     group, info = trainer._group, trainer._info
     start = time.perf_counter()
-    specs = _handshake(trainer, trainer_args.update_info)
+    specs = _handshake(trainer, trainer_args.update_info, trainer_args.receiving)
     buckets = broadcast.plan(specs, info.wire)
     tensors = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     stats = TransferStats(
@@ -295,7 +313,9 @@ def trainer_send_weights(
 
 
 def _handshake(
-    trainer: TrainerGroup, update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+    trainer: TrainerGroup,
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
+    receiving: Sequence[Future[Any]],
 ) -> list[TensorSpec]:
     """Announces the update to every worker; returns its specs once all of them accepted it."""
     specs: list[TensorSpec] | None = None
@@ -306,7 +326,15 @@ def _handshake(
         problem = exc  # told to the workers in the handshake, then raised
     trainer._seq += 1
     try:
-        broadcast.handshake(trainer._group, trainer._seq, specs, problem)
+        open_update(
+            trainer._group,
+            trainer._seq,
+            send_identity(update_info),
+            specs,
+            problem,
+            receiving=receiving,
+            rank_offset=trainer._info.rank_offset,
+        )
     except WeightValidationError:
         raise
     except WeightTransferError as exc:

@@ -57,6 +57,11 @@ class EngineRegistry:
         Raises:
             WeightValidationError: Unknown backend; the message lists the known ones.
         """
+        if not isinstance(name, str):
+            raise WeightValidationError(
+                f"backend must be a string naming a weight transfer backend, got "
+                f"{type(name).__name__} {name!r:.80}; known backends: {', '.join(self.names())}"
+            )
         entry = self._engines.get(name)
         if entry is None:
             raise WeightValidationError(

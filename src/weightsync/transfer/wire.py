@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from weightsync.errors import WeightValidationError
+from weightsync.transfer._checks import is_int
 
 __all__ = ["CLIENT_MARGIN_S", "DEFAULT_TIMEOUT_S", "WireKeywords", "WireParams"]
 
@@ -26,10 +27,6 @@ first and its error (which names the step) is what the caller sees. A trainer's 
 engine therefore defaults to `DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S`
 (see [`WireParams.client_timeout_s`][weightsync.transfer.wire.WireParams.client_timeout_s]).
 """
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -63,11 +60,11 @@ class WireParams:
     def __post_init__(self) -> None:
         if not isinstance(self.packed, bool):
             raise WeightValidationError(f"packed must be a bool, got {self.packed!r}")
-        if not _is_int(self.bucket_size_bytes) or self.bucket_size_bytes < 1:
+        if not is_int(self.bucket_size_bytes) or self.bucket_size_bytes < 1:
             raise WeightValidationError(
                 f"bucket_size_bytes must be an int >= 1 (bytes), got {self.bucket_size_bytes!r}"
             )
-        if not _is_int(self.num_buffers) or self.num_buffers < 1:
+        if not is_int(self.num_buffers) or self.num_buffers < 1:
             raise WeightValidationError(
                 f"num_buffers must be an int >= 1, got {self.num_buffers!r}"
             )

@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import SOURCES, LocalSource, greedy, make_engine
 
-from weightsync import EngineConfig, SamplingParams
+from weightsync import EngineConfig, SamplingParams, WeightTransferConfig
 from weightsync.errors import (
     EngineBusyError,
     EngineConfigError,
@@ -114,6 +114,9 @@ CASES = [
          InvalidRequestError, r"stop_token_ids holds 1000000 ids; at most 128 are accepted"),
     # Prompts.
     Case("prompt-empty-ids", add([]), InvalidRequestError, "prompt is empty"),
+    Case("prompt-empty-text", add(""), InvalidRequestError, "prompt is empty"),
+    Case("generate-prompt-empty-text", lambda ctx: ctx.engine.generate("", greedy(2)),
+         InvalidRequestError, "prompt is empty"),
     Case("prompt-id-past-vocab", add([1, 10**6]), InvalidRequestError, r"token ids must be ints"),
     Case("prompt-id-negative", add([-1]), InvalidRequestError, r"token ids must be ints"),
     Case("prompt-id-bool", add([True, 2]), InvalidRequestError, r"token ids must be ints"),
@@ -160,13 +163,13 @@ CASES = [
         "finish-version-bool",
         lambda ctx: ctx.engine.finish_weight_update(True),
         WeightValidationError,
-        "weight_version must be a string, an int or None",
+        "weight_version must be a string of at most 256 characters or a 64-bit int",
     ),
     Case(
         "finish-version-list",
         lambda ctx: ctx.engine.finish_weight_update(["v"]),
         WeightValidationError,
-        "weight_version must be a string, an int or None",
+        "weight_version must be a string of at most 256 characters or a 64-bit int",
     ),
     Case(
         "update-envelope-missing",
@@ -224,6 +227,8 @@ CASES = [
         "refuse_non_finite_weights",
     ),
     Case("config-max-model-len", lambda ctx: EngineConfig(max_model_len=1), EngineConfigError, "max_model_len"),
+    Case("config-transfer-backend-list", lambda ctx: WeightTransferConfig(backend=["gloo"]),
+         WeightValidationError, r"backend must be a string .* got list \['gloo'\]"),
 ]  # fmt: skip
 
 
@@ -275,6 +280,6 @@ def test_bad_python_input_is_refused_and_changes_nothing(ctx, case, record_prope
     assert final is not None
     assert final.outputs[0].token_ids == ctx.expected.outputs[0].token_ids
     assert engine.weight_version == version
-    assert engine.weights.transaction is None and not engine.weights.is_torn
+    assert engine.weight_update is None and not engine.weights.is_torn
     for name, tensor in engine.model.named_weights():
         assert torch.equal(tensor, ctx.weights[name]), name

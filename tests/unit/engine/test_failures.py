@@ -108,7 +108,7 @@ def test_non_finite_update_is_refused_at_finish(local_source, new_weights, stagi
     with pytest.raises(NonFiniteWeightsError, match=bad_name.replace(".", r"\.")):
         engine.finish_weight_update("v-nan")
     assert engine.weight_version == 0
-    assert engine.weights.transaction is None
+    assert engine.weight_update is None
     if staging:  # the previous weights, bit for bit, and the engine serves them
         for name, tensor in engine.model.named_weights():
             assert torch.equal(tensor, before[name]), name

@@ -3,7 +3,7 @@ import torch
 from engine_helpers import DTYPE, PROMPTS, greedy, reference_greedy, small_config
 
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.errors import EngineConfigError, InvalidRequestError
+from weightsync.engine.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
@@ -179,3 +179,27 @@ def test_a_config_of_the_wrong_type_and_a_prompt_of_the_wrong_type_are_named():
     engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
     with pytest.raises(InvalidRequestError, match="a string or a list of token ids, got NoneType"):
         engine.generate([None], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_shut_down_engine_runs_nothing_more(debug_model, record_property):
+    """`LLMEngine.generate` after `shutdown()`: refused, as by a shut-down `AsyncEngine`."""
+    engine = LLMEngine(debug_model, engine_config=small_config())
+    engine.add_request("in-flight", "in flight", greedy(8))
+    engine.step()
+    engine.shutdown()
+    engine.shutdown()  # harmless twice
+    calls = {
+        "generate": lambda: engine.generate("hi", greedy(2)),
+        "add_request": lambda: engine.add_request("late", "hi", greedy(2)),
+        "step": engine.step,
+        "init_weight_transfer_engine": lambda: engine.init_weight_transfer_engine(
+            {"init_info": {"backend": "ipc", "session": "weightsync-0123456789ab"}}
+        ),
+        "start_weight_update": engine.start_weight_update,
+        "update_weights": lambda: engine.update_weights({"update_info": {}}),
+    }
+    for call, run in calls.items():
+        with pytest.raises(EngineStateError, match=rf"{call}: this LLMEngine was shut down"):
+            run()
+    record_property("error", "EngineStateError")

@@ -14,6 +14,7 @@ from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
     EngineBusyError,
+    EngineStateError,
     IncompleteWeightUpdateError,
     TornWeightsError,
     WeightTransferError,
@@ -95,8 +96,11 @@ def test_the_version_moves_only_at_finish_and_nothing_computes_in_between(local_
 
 def test_calls_out_of_order_are_refused_and_say_what_comes_next(local_source):
     engine = make_engine()
-    with pytest.raises(Exception, match=r"init_weight_transfer_engine"):
-        engine.start_weight_update()
+    engine.start_weight_update()  # as vLLM: an update with no message is a relabel
+    with pytest.raises(EngineStateError, match=r"init_weight_transfer_engine"):
+        engine.update_weights(local_source.update_info())  # a message needs a transfer
+    engine.finish_weight_update("relabelled")
+    assert engine.weight_version == "relabelled"
     engine.init_weight_transfer_engine(local_source.init_request)
     with pytest.raises(WeightUpdateStateError, match=r"start_weight_update\(\) and update_weights"):
         engine.finish_weight_update()
@@ -116,7 +120,7 @@ def test_start_on_a_busy_unpaused_engine_says_to_pause_first(local_source):
     engine.step()
     with pytest.raises(EngineBusyError, match=r"call pause_generation"):
         engine.start_weight_update()
-    assert engine.weights.transaction is None
+    assert engine.weight_update is None
     engine.pause_generation(mode="keep")
     engine.start_weight_update()
     engine.finish_weight_update()
@@ -152,7 +156,7 @@ def test_a_rejection_by_another_engine_leaves_every_engine_resumable(session, po
     with IPCWeightSender([accepting, rejecting]) as sender, pytest.raises(WeightValidationError):
         sender.send(policy.items(), weight_version=1)
     for engine in (accepting, rejecting):
-        assert engine.weights.transaction is None and not engine.weights.is_torn
+        assert engine.weight_update is None and not engine.weights.is_torn
         assert engine.weight_version == 0
         engine.resume_generation()
     assert_weights(accepting, before)
@@ -304,7 +308,7 @@ def test_abort_after_bytes_moved_tears_or_restores(session, policy, staging):
     engine.update_weights(messages[0])
     engine.update_weights(messages[1])
     engine.abort_weight_update()
-    assert engine.weight_version == 0 and engine.weights.transaction is None
+    assert engine.weight_version == 0 and engine.weight_update is None
     if staging:
         assert_weights(engine, before)
         assert not engine.is_paused()  # back to running, on the previous weights
@@ -376,17 +380,59 @@ def test_a_failed_staging_copy_refuses_the_update_and_leaves_no_transaction(
     with pytest.raises(WeightTransferError, match=r"staging a copy .* nothing moved") as failure:
         engine.update_weights(local_source.update_info(weight_version=1))
     assert not failure.value.partially_applied
-    assert engine.weights.transaction is None and not engine.weights.holds_generation
+    assert engine.weight_update is None and not engine.weights.holds_generation
     assert engine.weight_version == 0 and not engine.is_paused()
 
 
-@pytest.mark.parametrize("version", [True, 1.5, ["v"]])
-def test_a_weight_version_that_is_not_a_string_or_an_int_is_refused(local_source, version):
+@pytest.mark.parametrize("version", [True, 1.5, ["v"], "x" * 257, 10**4000 // 10**3950])
+def test_a_weight_version_that_is_not_a_short_string_or_an_int_is_refused(local_source, version):
+    # Every generated token carries the label: a 4000-digit int or a long text would bloat
+    # every answer.
     engine = make_engine()
     engine.init_weight_transfer_engine(local_source.init_request)
     engine.start_weight_update()
-    with pytest.raises(WeightValidationError, match=r"weight_version must be a string, an int"):
+    with pytest.raises(
+        WeightValidationError, match="weight_version must be a string of at most 256 characters"
+    ):
         engine.finish_weight_update(version)
-    assert engine.weights.transaction is not None  # still open: finish it properly
+    assert engine.weight_update is not None  # still open: finish it properly
     engine.finish_weight_update("v1")
     assert engine.weight_version == "v1"
+
+
+def test_shutting_the_transfer_engine_down_unmaps_and_a_later_init_starts_afresh(session, policy):
+    engine = ipc_engine(session)
+    for message in record(session, policy.items(), weight_version="v1"):
+        engine.update_weights(message)
+    mappings = engine.weights._transfer._mappings
+    assert engine.weight_version == "v1" and mappings.open_segments != []
+    engine.start_weight_update()
+    with pytest.raises(WeightUpdateStateError, match="shutdown_weight_transfer_engine: a weight"):
+        engine.shutdown_weight_transfer_engine()  # the update in progress stays
+    engine.abort_weight_update()
+    engine.shutdown_weight_transfer_engine()
+    assert mappings.open_segments == [] and engine.weight_version == "v1"
+    assert engine.weights._transfer is None  # forgotten: the next init may name any backend
+    with pytest.raises(EngineStateError, match=r"call init_weight_transfer_engine"):
+        engine.update_weights(record(session, policy.items())[0])  # no transfer until an init
+    again = ipc_trainer_init(packed=True, bucket_size_bytes=BUCKET, num_buffers=16)
+    try:
+        engine.init_weight_transfer_engine({"init_info": again.init_info})
+        for message in record(again, policy.items(), weight_version="v2"):
+            engine.update_weights(message)
+        assert engine.weight_version == "v2"
+    finally:
+        engine.shutdown()
+        again.close()
+
+
+def test_the_async_engine_shuts_its_transfer_engine_down_off_the_event_loop(session, policy):
+    async def main():
+        async with AsyncEngine(ipc_engine(session)) as engine:
+            for message in record(session, policy.items()):
+                await engine.update_weights(message)
+            transfer = engine.engine.weights._transfer
+            await engine.shutdown_weight_transfer_engine()
+            assert not transfer.is_initialized and engine.engine.weights._transfer is None
+
+    asyncio.run(main())

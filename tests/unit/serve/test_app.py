@@ -5,7 +5,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from weightsync import AsyncEngine, EngineConfig
+from weightsync import AsyncEngine, EngineConfig, EngineConfigError
 from weightsync.serve import ServerConfig, create_app
 
 
@@ -97,6 +97,29 @@ def test_openapi_schema_lists_every_route(client):
     for path in ("/v1/completions", "/v1/chat/completions", "/pause", "/update_weights",
                  "/finish_weight_update", "/weight_checker", "/abort_weight_update"):  # fmt: skip
         assert path in paths
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_key_outside_ascii_is_compared_as_the_utf8_bytes_it_travels_as(record_property):
+    """An admin key outside ASCII, sent as UTF-8: accepted; a near miss is a 401."""
+    key = "clé-🔑-ключ"
+    with make_client(admin_api_key=key) as client:
+        right = client.get("/is_paused", headers={"Authorization": b"Bearer " + key.encode()})
+        assert right.status_code == 200, right.text
+        wrong = client.get("/is_paused", headers={"Authorization": "Bearer clé".encode()})
+        assert wrong.status_code == 401
+        latin1 = client.get("/is_paused", headers={"Authorization": "Bearer clé".encode("latin-1")})
+        assert latin1.status_code == 401  # the same text, other bytes: not the key
+    record_property("status", right.status_code)
+
+
+@pytest.mark.reliability("bad-input")
+@pytest.mark.parametrize("key", ["two\nlines", " padded", "tab\tbed", ""])
+def test_a_key_no_header_can_carry_is_refused_at_start(key, record_property):
+    """A configured key with a control character or surrounding spaces: refused at start."""
+    with pytest.raises(EngineConfigError, match="admin_api_key"):
+        ServerConfig(admin_api_key=key)
+    record_property("error", "EngineConfigError")
 
 
 @pytest.mark.reliability("output")

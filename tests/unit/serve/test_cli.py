@@ -56,14 +56,14 @@ def test_help_lists_the_serve_command(capsys):
 
 def test_the_parsers_defaults_are_the_engines_and_the_servers():
     from weightsync import EngineConfig
-    from weightsync.serve.app import DEFAULT_MAX_REQUEST_BYTES
     from weightsync.serve.cli import _DTYPES
+    from weightsync.serve.config import ServerConfig
 
     args = build_parser().parse_args(["serve"])
     defaults = EngineConfig()
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
         assert getattr(args, name) == getattr(defaults, name), name
-    assert args.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert args.max_request_bytes == ServerConfig().max_request_bytes
     assert set(build_parser().parse_args(["serve"]).__dict__) >= {"dtype", "device"}
     assert sorted(_DTYPES) == sorted(
         build_parser()

@@ -47,6 +47,10 @@ CASES = [
     ("host-public-without-admin-key", ["debug", "--host", "0.0.0.0"], 2, "--admin-api-key"),
     ("host-unresolvable-without-admin-key", ["debug", "--host", "no.such.host.invalid"], 2,
      "not a loopback address"),
+    ("admin-key-two-lines", ["debug", "--admin-api-key", "two\nlines"], 2,
+     "admin_api_key cannot travel in an HTTP header"),
+    ("api-key-padded", ["debug", "--api-key", " padded "], 2,
+     "api_key cannot travel in an HTTP header"),
 ]  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from weightsync import (
     EngineBusyError,
+    EngineConfigError,
     EngineStateError,
     EngineTimeoutError,
     InvalidRequestError,
@@ -123,3 +124,18 @@ def test_stream_accumulates_chunks():
     assert [o.outputs[0].text for o in outputs] == ["a", "ab"]
     assert outputs[-1].outputs[0].weight_versions == [0, 1]
     assert outputs[-1].finished
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_key_outside_ascii_is_sent_as_utf8():
+    """`HTTPEngineClient(admin_api_key=...)` outside ASCII: sent as UTF-8, not a bare error."""
+    seen = []
+
+    def handler(request):
+        seen.append(dict(request.headers.raw)[b"Authorization"])
+        return httpx.Response(200, json={"status": "paused"})
+
+    client_with(handler, admin_api_key="clé-🔑").pause_generation(mode="keep")
+    assert seen == [b"Bearer " + "clé-🔑".encode()]
+    with pytest.raises(EngineConfigError, match="admin_api_key cannot travel in an HTTP header"):
+        HTTPEngineClient("http://engine.test", admin_api_key="two\nlines")

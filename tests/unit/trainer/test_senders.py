@@ -1,6 +1,8 @@
 """Weight senders into in-process engines: broadcast over gloo, IPC through shared memory."""
 
+import contextlib
 import socket
+import threading
 
 import pytest
 import torch
@@ -61,8 +63,30 @@ def test_a_sender_needs_engines():
 
 
 def test_broadcast_ranks_follow_the_engines_order():
+    sender = BroadcastWeightSender([engine(worker_index=1), engine(worker_index=0)], backend="gloo")
     with pytest.raises(WeightValidationError, match=r"engines\[0\] has worker_index 1"):
-        BroadcastWeightSender([engine(worker_index=1), engine(worker_index=0)], backend="gloo")
+        sender.connect()  # checked before any group forms
+    sender.close()
+
+
+class TwoWorkers:
+    """An engine that holds two transfer workers, as a data-parallel server does."""
+
+    worker_index = 1
+
+    def get_world_size(self) -> int:
+        return 2
+
+
+def test_an_engine_of_several_workers_takes_as_many_ranks():
+    # The engine after a two-replica server is worker 3, not 2: it is refused as worker 2.
+    sender = BroadcastWeightSender(
+        [engine(worker_index=0), TwoWorkers(), engine(worker_index=2)], backend="gloo"
+    )
+    with pytest.raises(WeightValidationError, match=r"engines\[2\] has worker_index 2, but the "
+                       r"engines before it hold 3 workers"):  # fmt: skip
+        sender.connect()
+    sender.close()
 
 
 def test_send_before_connect_says_to_connect(policy):
@@ -118,8 +142,8 @@ def test_a_send_refused_by_an_open_transaction_leaves_that_transaction_alone(pol
         busy.start_weight_update()  # someone else's update, in progress
         with pytest.raises(WeightUpdateStateError, match=r"already in progress"):
             sender.send(policy.named_weights(), weight_version=1)
-        assert busy.weights.transaction is not None  # not aborted by the failed send
-        assert free.weights.transaction is None  # the one this send opened is closed
+        assert busy.weight_update is not None  # not aborted by the failed send
+        assert free.weight_update is None  # the one this send opened is closed
         busy.abort_weight_update()
         sender.send(policy.named_weights(), weight_version=1)
     assert busy.weight_version == free.weight_version == 1
@@ -143,13 +167,36 @@ def test_an_engine_that_never_joins_times_out_once_naming_its_rank():
     # A server that takes the connection but never answers: its join neither succeeds nor
     # fails before the group's timeout. The wait for workers and the group's own rendezvous
     # share that one bound (it used to be spent twice), and the error names the missing rank.
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        host, port = silent.getsockname()
-        never = HTTPEngineClient(f"http://{host}:{port}", timeout_s=5)
+    with _ServerThatNeverJoins() as url:
+        never = HTTPEngineClient(url, timeout_s=5)
         sender = BroadcastWeightSender([never], backend="gloo", timeout_s=1)
         with pytest.raises(WeightTransferTimeout, match="rank/1 never joined"):
             sender.connect()
         sender.close()
         never.close()
+
+
+class _ServerThatNeverJoins:
+    """A server (a thread) that tells its world size, then takes a join and never answers it."""
+
+    def __enter__(self) -> str:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+        host, port = self._listener.getsockname()
+        return f"http://{host}:{port}"
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self._listener.accept()
+                self._held.append(connection)
+                if connection.recv(65536).startswith(b"GET /get_world_size"):
+                    body = b'{"world_size": 1}'
+                    connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                       b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._listener.close()
+        for connection in self._held:
+            connection.close()

@@ -117,7 +117,7 @@ def test_a_rejected_update_resumes_the_engine_on_its_weights(policy):
     wrong = [(n, t.double()) for n, t in policy.named_weights()]
     with IPCWeightSender([target]) as sender, pytest.raises(WeightValidationError):
         sync_weights(sender, wrong, weight_version=1)
-    assert not target.is_paused() and target.weights.transaction is None
+    assert not target.is_paused() and target.weight_update is None
     for name, tensor in target.model.named_weights():
         assert torch.equal(tensor, before[name]), name
     assert run_to_end(target)["a"].weight_versions == [0] * 8

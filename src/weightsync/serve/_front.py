@@ -3,19 +3,17 @@
 Completions go to the replica with the fewest open requests, and its answer (a stream's bytes
 as they come) goes back unchanged. A replica that dies ends its streams with
 `finish_reason="error"` for every unfinished choice, then `[DONE]`; a non-streamed request it ran
-is answered with the same finish reason. The RL routes ([`_fleet_routes`]) act on every replica.
+is answered with the same finish reason. The RL routes are the one server's, over the replicas
+([`FleetControl`][weightsync.serve._fleet_control.FleetControl]).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import re
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,51 +22,17 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import weightsync
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._errors import _RequestRefused, error_response, install_error_handlers
+from weightsync.serve._errors import RequestRefused
 from weightsync.serve._fleet import Fleet, Replica
-from weightsync.serve.app import ServerConfig
+from weightsync.serve._fleet_control import FleetControl
+from weightsync.serve._http import build_app, unless_disconnected
+from weightsync.serve.config import ServerConfig
 
 logger = logging.getLogger("weightsync.serve")
 
 _FINISH = re.compile(rb'"finish_reason":\s*"')  # an event that ends a choice (not `null`)
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class FleetState:
-    """The front's state: its replicas, its config, and the completions running on them.
-
-    Attributes:
-        fleet: The replicas.
-        config: The HTTP layer's settings (the front's keys; `world_size` is the replicas').
-        live: Each running completion's id -> the index of the replica running it.
-        transaction: `"explicit"` between `/start_weight_update` and its end, `"implicit"`
-            while a bare multi-part `/update_weights` is open, else None.
-        update_id: The `update_id` of the implicit transaction's messages (IPC), if any.
-        seen_update_ids: The latest `update_id`s of the messages passed on (IPC).
-        lock: Serializes the weight-update calls, so a finish's check and commit see the
-            same transactions.
-    """
-
-    fleet: Fleet
-    config: ServerConfig
-    live: dict[str, int] = field(default_factory=dict)
-    transaction: str | None = None
-    update_id: str | None = None
-    seen_update_ids: deque[str] = field(default_factory=lambda: deque(maxlen=1024))
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    async def abort_all(self) -> int:
-        """Aborts every running completion on every live replica; returns how many ran."""
-        running = len(self.live)
-        live = [r for r in self.fleet.replicas if r.alive]
-        await asyncio.gather(
-            *(r.call("POST", "/abort_requests", body={}, timeout_s=10) for r in live),
-            return_exceptions=True,  # shutting down: a replica that cannot answer is stopped next
-        )
-        return running
 
 
 @dataclass(frozen=True)
@@ -121,7 +85,7 @@ def _finished_indices(event: bytes) -> list[int]:
 
 
 async def _relay(
-    state: FleetState, replica: Replica, upstream: httpx.Response, shape: _Shape
+    state: FleetControl, replica: Replica, upstream: httpx.Response, shape: _Shape
 ) -> AsyncIterator[bytes]:
     """Passes a replica's stream through; ends it with error finishes if the replica dies."""
     finished: set[int] = set()
@@ -146,26 +110,30 @@ async def _relay(
         await upstream.aclose()
 
 
-def _release(state: FleetState, replica: Replica, completion_id: str) -> None:
+def _release(state: FleetControl, replica: Replica, completion_id: str) -> None:
     replica.open_requests -= 1
     state.live.pop(completion_id, None)
 
 
-def _identify(state: FleetState, raw: bytes, chat: bool) -> tuple[bytes, dict[str, Any], _Shape]:
+def _identify(state: FleetControl, raw: bytes, chat: bool) -> tuple[bytes, dict[str, Any], _Shape]:
     """The request with its completion id set (the front routes `/abort_requests` by it)."""
     try:
         body = json.loads(raw)
     except ValueError:
         body = None
+    except RecursionError:  # a JSON body nested thousands deep
+        raise RequestRefused(
+            400, "the body is not valid JSON: it nests too deeply", param="body"
+        ) from None
     if not isinstance(body, dict):  # a replica answers it with its own 400
         body = {}
     completion_id = body.get("request_id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if not isinstance(completion_id, str):  # a list or a dict cannot even be looked up
-        raise _RequestRefused(
+        raise RequestRefused(
             400, f"request_id must be a string, got {completion_id!r}", param="request_id"
         )
     if completion_id in state.live:
-        raise _RequestRefused(
+        raise RequestRefused(
             400, f"request_id {completion_id!r} is already running; use a unique id",
             param="request_id",
         )  # fmt: skip
@@ -187,13 +155,33 @@ def _broken_off(shape: _Shape, *, stream: bool) -> Response:
 
 
 async def _completion(request: Request, path: str, chat: bool) -> Response:
-    """Sends a completion request to the least-loaded replica and relays its answer."""
-    state: FleetState = request.app.state.serve
+    """Sends a completion request to the least-loaded replica and relays its answer.
+
+    A client that leaves before a non-streamed answer cancels the call to the replica, whose
+    server then aborts the request (a stream's client that leaves closes the relay, likewise).
+    """
+    state: FleetControl = request.app.state.serve
     raw, body, shape = _identify(state, await request.body(), chat)
     replica = state.fleet.pick()
-    assert replica.http is not None
     replica.open_requests += 1
     state.live[shape.completion_id] = replica.index
+    relayed = False
+    try:
+        answer = await unless_disconnected(
+            request, _forward(state, replica, path, raw, shape, stream=bool(body.get("stream")))
+        )
+        relayed = isinstance(answer, StreamingResponse)  # the relay releases it when it ends
+        return answer if answer is not None else Response(status_code=499)
+    finally:
+        if not relayed:
+            _release(state, replica, shape.completion_id)
+
+
+async def _forward(
+    state: FleetControl, replica: Replica, path: str, raw: bytes, shape: _Shape, *, stream: bool
+) -> Response:
+    """The replica's answer: a relayed stream, its whole answer, or error finishes if it died."""
+    assert replica.http is not None
     try:
         upstream = await replica.http.send(
             replica.http.build_request(
@@ -202,15 +190,13 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
             stream=True,
         )
     except httpx.ConnectError as exc:  # it never reached the replica: nothing started
-        _release(state, replica, shape.completion_id)
-        raise replica.unavailable() if not replica.alive else _RequestRefused(
+        raise replica.unavailable() if not replica.alive else RequestRefused(
             503, f"{replica.name}: POST {path} failed: {exc!r}",
             error_type="ReplicaUnavailableError",
         ) from exc  # fmt: skip
     except httpx.HTTPError as exc:  # the replica broke off while it held the request
-        _release(state, replica, shape.completion_id)
         logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
-        return _broken_off(shape, stream=bool(body.get("stream")))
+        return _broken_off(shape, stream=stream)
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
             _relay(state, replica, upstream, shape),
@@ -222,19 +208,11 @@ async def _completion(request: Request, path: str, chat: bool) -> Response:
     except httpx.HTTPError:
         return _broken_off(shape, stream=False)
     finally:
-        _release(state, replica, shape.completion_id)
         await upstream.aclose()
     return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
 
 
 _v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
-
-
-@_v1.get("/models", operation_id="list_models")
-async def _list_models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
-    model = {"id": request.app.state.serve.config.model_name, "object": "model"}
-    return {"object": "list", "data": [{**model, "owned_by": "weightsync", "created": 0}]}
 
 
 @_v1.post("/completions", response_model=None, operation_id="create_completion")
@@ -259,49 +237,13 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
     Returns:
         The app, ready for uvicorn.
     """
-    from weightsync.serve._fleet_routes import router as rl_router
-    from weightsync.serve._fleet_updates import router as update_router
-    from weightsync.serve.app import _BodyLimit
 
-    state = FleetState(fleet, config)
+    async def close() -> None:
+        await fleet.close()
+        logger.info("replicas shut down")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await state.abort_all()
-            await fleet.close()
-            logger.info("replicas shut down")
-
-    app = FastAPI(title="weightsync serve (data parallel)", version=weightsync.__version__,
-                  lifespan=lifespan)  # fmt: skip
-    app.state.serve = state
-    install_error_handlers(app)
-    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes)
-
-    @app.get("/health", tags=["server"])
-    async def health() -> Any:
-        """200 while every replica runs; 503 naming the first one that exited.
-
-        `replicas` lists each one's index, whether it runs, and its process id.
-        """
-        replicas = [
-            {"replica": r.index, "alive": r.alive, "pid": r.process.pid} for r in fleet.replicas
-        ]
-        dead = fleet.dead()
-        if dead:
-            return error_response(
-                503, "ReplicaUnavailableError", str(dead[0].unavailable()), replicas=replicas
-            )
-        return {"status": "ok", "replicas": replicas}
-
-    @app.get("/version", tags=["server"])
-    async def version() -> dict[str, Any]:
-        """The weightsync version serving."""
-        return {"version": weightsync.__version__}
-
-    app.include_router(_v1)
-    app.include_router(rl_router)
-    app.include_router(update_router)
-    return app
+    control = FleetControl(fleet, config)
+    return build_app(
+        control, _v1, close=close, start=control.watch_replicas,
+        title="weightsync serve (data parallel)",
+    )  # fmt: skip

@@ -1,0 +1,296 @@
+"""The control surface of a data-parallel front: each call acts on every replica, or on none.
+
+The rules of an update are each replica's own ([`LiveWeights`][weightsync.engine.weights.LiveWeights],
+the same as one engine's): every replica gets every message, and decides as one engine would. The
+front keeps only what spans replicas:
+
+- fan-out: a call goes to every replica at once, and answers once all of them did;
+- the two-phase pause: `/pause` answers once every replica stopped at its own step boundary;
+- the two-phase commit: the version moves on every replica or on none. A replica's bare update
+  waits for the front's finish (`finish_bare_updates=False`); a finish first asks every replica
+  whether its own would pass (`/prepare_weight_update`), then finishes all of them. If every one
+  refuses, each finishes as one engine would (and refuses the same way); if only some refuse,
+  the update ends on all of them, the version stays.
+- a message some replicas accepted and others refused ends the update on all of them (their
+  weights as one engine's failed update leaves them); one every replica refused changed nothing.
+- a replica that dies: its completions end with `finish_reason="error"` (the relay), the update
+  in progress ends on the survivors, which resume and keep serving completions; the RL routes
+  answer 503 naming it, except `/abort_weight_update`, `/abort_requests` and `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.engine.outputs import WeightVersion
+from weightsync.engine.scheduler import PauseMode
+from weightsync.errors import WeightSyncError, WeightTransferError
+from weightsync.serve._control import Body
+from weightsync.serve._fleet import Fleet, Replica, raise_failures
+from weightsync.serve.config import ServerConfig
+
+logger = logging.getLogger("weightsync.serve")
+
+
+@dataclass
+class FleetControl:
+    """The control surface over the replicas of a data-parallel front.
+
+    Attributes:
+        fleet: The replicas.
+        config: The HTTP layer's settings (the front's keys; `world_size` is the replicas').
+        live: Each running completion's id -> the index of the replica running it.
+    """
+
+    fleet: Fleet
+    config: ServerConfig
+    live: dict[str, int] = field(default_factory=dict)
+    # Serializes the weight-update calls (and a replica's death), so a finish's check and commit
+    # see the same updates.
+    _updates: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def watch_replicas(self) -> None:
+        """From now on, a replica's death ends the update on the others (call on the loop)."""
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+
+        def on_death(replica: Replica) -> None:  # a reader thread's call
+            def schedule() -> None:
+                task = loop.create_task(self._replica_died(replica))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+            loop.call_soon_threadsafe(schedule)
+
+        self.fleet.on_death = on_death
+
+    async def _replica_died(self, replica: Replica) -> None:
+        """Ends the update in progress on the survivors and resumes them: they keep serving."""
+        logger.error("%s exited with status %s: the update in progress ends on the others, "
+                     "which keep serving completions", replica.name, replica.process.exit_status)  # fmt: skip
+        async with self._updates:
+            survivors = self.fleet.live()
+            await self.fleet.each("POST", "/abort_weight_update", replicas=survivors)
+            resumed = await self.fleet.each("POST", "/resume", replicas=survivors)
+        for survivor, answer in zip(survivors, resumed, strict=True):
+            if isinstance(answer, BaseException):  # torn weights, say: it stays paused
+                logger.error("%s stays paused: %s", survivor.name, answer)
+
+    # --- pause and requests -----------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode, clear_cache: bool, timeout_s: float | None) -> Body:
+        """Pauses every replica at its own step boundary; answers once all of them are paused.
+
+        A replica that misses `timeout_s` makes the call fail naming it, while the others stay
+        paused: the fleet never serves mixed weights.
+        """
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        timeout = timeout_s or self.fleet.timeout_s
+        await self.fleet.all("POST", "/pause", params=params, timeout_s=timeout)
+        return {"status": "paused"}
+
+    async def arm_pause(self, after_tokens: int, mode: PauseMode, clear_cache: bool) -> Body:
+        """Arms the same pause on every replica."""
+        params = {
+            "after_tokens": after_tokens,
+            "mode": mode,
+            "clear_cache": str(clear_cache).lower(),
+        }
+        await self.fleet.all("POST", "/arm_pause", params=params)
+        return {"status": "armed"}
+
+    async def resume(self) -> Body:
+        """Resumes every replica."""
+        await self.fleet.all("POST", "/resume")
+        return {"status": "resumed"}
+
+    async def is_paused(self) -> Body:
+        """Whether every replica is paused; `replicas` gives each one's answer."""
+        each = [bool(a["is_paused"]) for a in await self.fleet.all("GET", "/is_paused")]
+        return {"is_paused": all(each), "replicas": each}
+
+    async def abort_all(self) -> int:
+        """Aborts every running completion on every live replica; returns how many ran."""
+        running = len(self.live)
+        await self.fleet.each("POST", "/abort_requests", body={}, timeout_s=10,
+                              replicas=self.fleet.live())  # fmt: skip
+        return running
+
+    def _by_replica(self, completion_ids: list[str]) -> dict[int, list[str]]:
+        """The running completions of `completion_ids`, grouped by the replica that runs each."""
+        owners: dict[int, list[str]] = {}
+        for completion_id in completion_ids:
+            if completion_id in self.live:
+                owners.setdefault(self.live[completion_id], []).append(completion_id)
+        return owners
+
+    async def abort_requests(self, completion_ids: list[str] | None) -> Body:
+        """Aborts running completions by id on the replica running each (every one when None).
+
+        Acts on the replicas that run: a dead replica's completions have ended already.
+        """
+        if not completion_ids:
+            answers = raise_failures(
+                await self.fleet.each(
+                    "POST", "/abort_requests", body={}, replicas=self.fleet.live()
+                )
+            )
+            return {"status": "aborted", "aborted": sum(int(a["aborted"]) for a in answers)}
+        aborted = 0
+        for index, owned in self._by_replica(completion_ids).items():
+            answer = await self.fleet.replicas[index].call(
+                "POST", "/abort_requests", body={"request_ids": owned}
+            )
+            aborted += int(answer["aborted"])
+        return {"status": "aborted", "aborted": aborted}
+
+    async def unfinished_requests(self, completion_ids: list[str]) -> Body:
+        """The given completion ids still unfinished on their replica."""
+        unfinished: list[str] = []
+        for index, owned in self._by_replica(completion_ids).items():
+            answer = await self.fleet.replicas[index].call(
+                "POST", "/unfinished_requests", body={"request_ids": owned}
+            )
+            unfinished += answer["unfinished"]
+        return {"unfinished": unfinished}
+
+    # --- the weight update ------------------------------------------------------------------
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Body:
+        """Joins every replica to the trainer's transfer, each as its own rank."""
+        await self.fleet.all("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
+        return {"message": "Weight transfer initialized"}
+
+    async def shutdown_weight_transfer_engine(self) -> Body:
+        """Every replica leaves the trainer's transfer."""
+        async with self._updates:
+            await self.fleet.all("POST", "/shutdown_weight_transfer_engine")
+        return {"message": "Weight transfer shut down"}
+
+    async def start_weight_update(self) -> Body:
+        """Opens the transaction on every replica; if one refuses, none keeps it open."""
+        async with self._updates:
+            self.fleet.require_alive()
+            outcomes = await self.fleet.each("POST", "/start_weight_update")
+            if any(isinstance(o, BaseException) for o in outcomes):
+                await self._end_everywhere()  # nothing moved: each is as it was
+            raise_failures(outcomes)
+        return {"message": "Weight update started"}
+
+    async def update_weights(self, update_info: dict[str, Any]) -> Body:
+        """Delivers one update message to every replica at once (a broadcast needs them all).
+
+        A bare update's transaction finishes on every replica, or on none, once its last
+        message landed everywhere. `stats` are replica 0's.
+        """
+        async with self._updates:
+            self.fleet.require_alive()
+            body = {"update_info": update_info}
+            outcomes = await self.fleet.each("POST", "/update_weights", body=body)
+            failures = [o for o in outcomes if isinstance(o, BaseException)]
+            if failures:
+                if len(failures) < len(outcomes) or any(
+                    isinstance(f, WeightTransferError) for f in failures
+                ):
+                    await self._end_everywhere()  # replicas would hold different updates
+                raise_failures(outcomes)  # every one refused: nothing changed anywhere
+            answers = raise_failures(outcomes)
+            states = [a.get("weight_update") for a in answers]
+            if all(s is not None and not s["explicit"] and s["complete"] for s in states):
+                await self._commit(None)
+                states = [None]
+        return {
+            "message": "Weights updated",
+            "stats": answers[0]["stats"],
+            "weight_update": states[0],
+        }
+
+    async def finish_weight_update(self, weight_version: WeightVersion | None) -> Body:
+        """Moves the version on every replica, or on none: each is checked before any commits."""
+        async with self._updates:
+            self.fleet.require_alive()
+            await self._commit(weight_version)
+        return {"message": "Weight update finished"}
+
+    async def _commit(self, weight_version: WeightVersion | None) -> None:
+        """The two-phase commit of the update in progress (see the module docstring)."""
+        body = {"weight_version": weight_version}
+        checks = await self.fleet.each("POST", "/prepare_weight_update", body=body)
+        refusals = [c for c in checks if isinstance(c, BaseException)]
+        if refusals and len(refusals) < len(checks):
+            await self._end_everywhere()
+            first = refusals[0]
+            if isinstance(first, WeightSyncError):
+                first.args = (f"{first} (the other replicas would have finished: the update "
+                              "ended on every replica, the version stays)",)  # fmt: skip
+        elif refusals:  # each one ends it as one engine would, and refuses the same way
+            with contextlib.suppress(WeightSyncError):
+                raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
+        raise_failures(checks)
+        raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
+
+    async def _end_everywhere(self) -> None:
+        """Ends the update on every live replica (each restores or marks what it touched)."""
+        await self.fleet.each("POST", "/abort_weight_update", replicas=self.fleet.live())
+
+    async def abort_weight_update(self) -> Body:
+        """Ends the transaction on every live replica; `aborted`: one was open somewhere.
+
+        Answers even when a replica is gone: its survivors are the ones to end it on.
+        """
+        async with self._updates:
+            answers = raise_failures(
+                await self.fleet.each("POST", "/abort_weight_update", replicas=self.fleet.live())
+            )
+        return {"message": "Weight update aborted", "aborted": any(a["aborted"] for a in answers)}
+
+    async def update_weight_version(self, new_version: WeightVersion) -> Body:
+        """Relabels the weights of every replica."""
+        async with self._updates:
+            await self.fleet.all(
+                "POST", "/update_weight_version", body={"new_version": new_version}
+            )
+        return {"success": True, "new_version": new_version}
+
+    async def weight_info(self) -> Body:
+        """The weight version (replica 0's); `replicas` gives each one's."""
+        versions = [a["weight_version"] for a in await self.fleet.all("GET", "/weight_info")]
+        return {"weight_version": versions[0], "replicas": versions}
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        """Each replica's checksums, in order."""
+        body = {"action": "checksum"}
+        return [a["checksums"] for a in await self.fleet.all("POST", "/weight_checker", body=body)]
+
+    async def engine_stats(self) -> Body:
+        """Each replica's counters, and their sums."""
+        answers = await self.fleet.all("GET", "/engine_stats")
+        return {
+            "num_steps": sum(a["num_steps"] for a in answers),
+            "num_unfinished": sum(a["num_unfinished"] for a in answers),
+            "is_paused": all(a["is_paused"] for a in answers),
+            "weight_version": answers[0]["weight_version"],
+            "replicas": answers,
+        }
+
+    async def health(self) -> tuple[int, Body]:
+        """`ok` while every replica runs; `degraded`, naming the replicas gone, once one exited.
+
+        A degraded front still answers 200: its survivors serve completions.
+        """
+        replicas = [
+            {"replica": r.index, "alive": r.alive, "pid": r.process.pid}
+            for r in self.fleet.replicas
+        ]
+        dead = self.fleet.dead()
+        if not dead:
+            return 200, {"status": "ok", "replicas": replicas}
+        return 200, {
+            "status": "degraded",
+            "message": "; ".join(str(r.unavailable()) for r in dead),
+            "replicas": replicas,
+        }

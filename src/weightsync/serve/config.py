@@ -1,0 +1,44 @@
+"""[`ServerConfig`][weightsync.serve.config.ServerConfig]: what the HTTP layer needs besides the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync._keys import check_api_key
+from weightsync.errors import EngineConfigError
+
+__all__ = ["ServerConfig"]
+
+_DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # room for the IPC handle records of large models
+
+
+@dataclass
+class ServerConfig:
+    """What the HTTP layer needs besides the engine.
+
+    Attributes:
+        model_name: The model id `/v1/models` lists and completions echo.
+        api_key: When set, `/v1` routes need `Authorization: Bearer <api_key>` (the admin key
+            works there too).
+        admin_api_key: When set, the RL routes need `Authorization: Bearer <admin_api_key>`.
+        max_request_bytes: Largest request body in bytes (64 MiB by default: room for the IPC
+            handle records of large models); larger ones get a 413.
+        world_size: Transfer workers behind this server (`/get_world_size`).
+
+    Raises:
+        EngineConfigError: A value is out of range.
+    """
+
+    model_name: str = "tiny"
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    max_request_bytes: int = _DEFAULT_MAX_REQUEST_BYTES
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise EngineConfigError(
+                f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}"
+            )
+        for name in ("api_key", "admin_api_key"):
+            check_api_key(getattr(self, name), name=name)
