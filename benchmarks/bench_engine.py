@@ -1,11 +1,13 @@
 """Engine benchmark: against `transformers`' `generate`, by concurrency, and pause latency.
 
     python benchmarks/bench_engine.py --json
+    python benchmarks/model_dir.py DIR && python benchmarks/bench_engine.py --model DIR --only hf --json
 
-Measures, on one model in one process:
+Measures, on one model in one process (a preset, or a Hugging Face directory with its tokenizer:
+`benchmarks/model_dir.py` writes a Qwen2-shaped one with the real vocabulary size):
 
 - the engine against Hugging Face `transformers`' `generate` on the same weights (loaded into
-  `transformers.LlamaForCausalLM` through the engine's Hugging Face names) and the same greedy
+  the family's `transformers` model through the engine's Hugging Face names) and the same greedy
   requests, checking that the outputs are token-for-token identical:
   - `hf_static_ratio`: 32 prompts of equal length, 64 tokens each, one batch for `generate` (its
     best case);
@@ -34,8 +36,10 @@ import asyncio
 import importlib.metadata
 import json
 import os
+import resource
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,8 +48,11 @@ from machine import describe_machine  # benchmarks/machine.py, beside this scrip
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.loader import load_model
 from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.model_config import PRESETS
 from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.tokenizer import Tokenizer
 
 MODES = ("abort", "wait", "keep")
 PARTS = ("hf", "concurrency", "batching", "pause")
@@ -65,8 +72,21 @@ def prompts(count: int) -> list[str]:
     return [f"Request {i}: tell me about weight {i * 7 % 13}." for i in range(count)]
 
 
-def bench_batching(model: LlamaForCausalLM, requests: int, max_tokens: int) -> dict[str, Any]:
-    engine = LLMEngine(model, engine_config=EngineConfig(max_num_seqs=requests))
+def engine_config(model: LlamaForCausalLM, **settings: Any) -> EngineConfig:
+    """An engine config of `settings` and sequences of at most 4,096 tokens.
+
+    A real checkpoint's 32,768 positions would not fit the default KV cache; these requests need
+    a few hundred.
+    """
+    return EngineConfig(max_model_len=min(model.config.max_position_embeddings, 4096), **settings)
+
+
+def bench_batching(
+    model: LlamaForCausalLM, tokenizer: Tokenizer, requests: int, max_tokens: int
+) -> dict[str, Any]:
+    engine = LLMEngine(
+        model, tokenizer=tokenizer, engine_config=engine_config(model, max_num_seqs=requests)
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     texts = prompts(requests)
     engine.generate(texts[:4], params)  # warm-up
@@ -89,14 +109,15 @@ def bench_batching(model: LlamaForCausalLM, requests: int, max_tokens: int) -> d
 
 
 def hf_twin(model: LlamaForCausalLM) -> Any:
-    """`transformers.LlamaForCausalLM` with `model`'s config and weights (by Hugging Face name)."""
+    """The family's `transformers` model with `model`'s config and weights (by Hugging Face name)."""
     import transformers  # the dev extra; only this benchmark needs it
 
-    config = transformers.LlamaConfig(**model.config.to_hf_dict())
-    # The byte tokenizer's ids mean nothing to `generate`: no early end, pad with id 0.
+    fields = model.config.to_hf_dict()
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    # Every request runs to its max_tokens (the engine's run ignore EOS): no early end, pad with 0.
     config.bos_token_id = config.eos_token_id = None
     config.pad_token_id = 0
-    hf = transformers.LlamaForCausalLM(config).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(model.dtype).eval()
     hf.load_state_dict(dict(model.named_weights()), strict=not model.config.tie_word_embeddings)
     hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
@@ -170,17 +191,20 @@ def timed_rounds(
     return results
 
 
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    """Prompts of byte token ids, one per length."""
+def random_prompts(lengths: list[int], seed: int, high: int = 256) -> list[list[int]]:
+    """Prompts of token ids below `high` (bytes for a preset), one per length."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(0, high, (n,), generator=generator).tolist() for n in lengths]
 
 
-def bench_hf(model: LlamaForCausalLM, rounds: int, mixed_rounds: int) -> dict[str, Any]:
+def bench_hf(
+    model: LlamaForCausalLM, tokenizer: Tokenizer, rounds: int, mixed_rounds: int, high: int
+) -> dict[str, Any]:
     """The engine against `generate`: a static batch, then requests of mixed lengths."""
     hf = hf_twin(model)
-    engine = LLMEngine(model, engine_config=EngineConfig(max_num_seqs=64))
-    static_prompts, static_tokens = random_prompts([32] * 32, seed=1), [64] * 32
+    config = engine_config(model, max_num_seqs=64)
+    engine = LLMEngine(model, tokenizer=tokenizer, engine_config=config)
+    static_prompts, static_tokens = random_prompts([32] * 32, seed=1, high=high), [64] * 32
     static = timed_rounds(
         {
             "engine": lambda: engine_generate(engine, static_prompts, static_tokens),
@@ -194,7 +218,7 @@ def bench_hf(model: LlamaForCausalLM, rounds: int, mixed_rounds: int) -> dict[st
     mixed_tokens = [mixed_tokens[i] for i in torch.randperm(count, generator=spread).tolist()]
     lengths = [16 + round(i * 48 / (count - 1)) for i in range(count)]  # 16 .. 64
     lengths = [lengths[i] for i in torch.randperm(count, generator=spread).tolist()]
-    mixed_prompts = random_prompts(lengths, seed=3)
+    mixed_prompts = random_prompts(lengths, seed=3, high=high)
     mixed = timed_rounds(
         {
             "engine": lambda: engine_generate(engine, mixed_prompts, mixed_tokens),
@@ -225,10 +249,11 @@ def bench_hf(model: LlamaForCausalLM, rounds: int, mixed_rounds: int) -> dict[st
 
 
 def bench_concurrency(
-    model: LlamaForCausalLM, rounds: int, max_tokens: int, levels: list[int]
+    model: LlamaForCausalLM, tokenizer: Tokenizer, rounds: int, max_tokens: int, levels: list[int]
 ) -> dict[str, float]:
     """Output tokens/s with `n` requests in flight at once, for each `n` in `levels`."""
-    engine = LLMEngine(model, engine_config=EngineConfig(max_num_seqs=max(levels)))
+    config = engine_config(model, max_num_seqs=max(levels))
+    engine = LLMEngine(model, tokenizer=tokenizer, engine_config=config)
     prompts = random_prompts([32] * max(levels), seed=4)
     runs = {
         str(n): (lambda n=n: engine_generate(engine, prompts[:n], [max_tokens] * n)) for n in levels
@@ -267,15 +292,16 @@ async def _first(awaitables: list[Any]) -> None:
 
 
 async def bench_pause(
-    model: LlamaForCausalLM, streams: int, trials: int, max_tokens: int
+    model: LlamaForCausalLM, tokenizer: Tokenizer, streams: int, trials: int, max_tokens: int
 ) -> dict[str, Any]:
-    config = EngineConfig(max_num_seqs=streams, num_kv_blocks=1024)
+    config = engine_config(model, max_num_seqs=streams, num_kv_blocks=1024)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     steps: dict[str, list[float]] = {mode: [] for mode in MODES}
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     resume_first: list[float] = []
     resume_all: list[float] = []
-    async with AsyncEngine.from_engine(LLMEngine(model, engine_config=config)) as engine:
+    llm_engine = LLMEngine(model, tokenizer=tokenizer, engine_config=config)
+    async with AsyncEngine.from_engine(llm_engine) as engine:
         for trial in range(trials):
             for mode in MODES:
                 texts = prompts(streams)
@@ -345,8 +371,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="small", help="model preset (default small)")
+    parser.add_argument(
+        "--model", default="small", help="model preset (default small) or Hugging Face directory"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype"
+    )
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each figure")
     parser.add_argument(
         "--mixed-rounds", type=int, default=None, help="rounds of the mixed figure (--rounds)"
@@ -362,12 +393,18 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.only or PARTS)
     torch.set_num_threads(args.threads)
-    model = LlamaForCausalLM.from_preset(args.model, seed=0)
+    model, tokenizer = load_model(args.model, seed=0, dtype=getattr(torch, args.dtype))
+    preset = args.model in PRESETS
+    # A directory's prompts draw from its whole vocabulary; a preset's are bytes.
+    high = 256 if preset else min(tokenizer.vocab_size, model.config.vocab_size)
     started = time.perf_counter()
     result: dict[str, Any] = {
-        "model": args.model,
+        "model": args.model if preset else Path(args.model).name,
+        "model_type": model.config.model_type,
+        "vocab_size": model.config.vocab_size,
         "parameters": sum(p.numel() for p in model.parameters()),
         "threads": args.threads,
+        "dtype": args.dtype,
         "repeats": args.rounds,
         "mixed_repeats": args.mixed_rounds or args.rounds,
         "cpu_count": os.cpu_count(),
@@ -375,29 +412,34 @@ def main() -> None:
         "transformers": importlib.metadata.version("transformers"),
     }
     if "hf" in parts:
-        hf = bench_hf(model, args.rounds, args.mixed_rounds or args.rounds)
+        hf = bench_hf(model, tokenizer, args.rounds, args.mixed_rounds or args.rounds, high)
         if not args.json:
             print(f"transformers: {hf}")
         result.update(hf_figures(hf))
     if "concurrency" in parts:
         levels = [1, 2, 4, 8, 16, 32, 64]
-        concurrency = bench_concurrency(model, args.rounds, 64, levels)
+        concurrency = bench_concurrency(model, tokenizer, args.rounds, 64, levels)
         if not args.json:
             print(f"tokens/s by concurrency: {concurrency}")
         result["tokens_per_s_by_concurrency"] = concurrency
     if "batching" in parts:
-        batching = bench_batching(model, args.requests, args.max_tokens)
+        batching = bench_batching(model, tokenizer, args.requests, args.max_tokens)
         if not args.json:
             print(f"batching: {batching}")
         result.update(batching=batching, batching_speedup=batching["speedup"])
     if "pause" in parts:
-        pause = asyncio.run(bench_pause(model, args.streams, args.trials, args.max_tokens * 2))
+        pause = asyncio.run(
+            bench_pause(model, tokenizer, args.streams, args.trials, args.max_tokens * 2)
+        )
         if not args.json:
             print(f"pause: {pause}")
         result.update(pause_figures(pause, args.streams, args.trials))
     # Load average of the machine over the run's last minute, at its end: the committed runs
     # share their cores with other work, which the wall-clock figures feel.
     result["load_average_1min"] = round(os.getloadavg()[0], 2)
+    # Peak resident memory of the process: the model (and its transformers twin, for `hf`),
+    # the KV cache and the activations.
+    result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["total_seconds"] = time.perf_counter() - started
     result["machine"] = describe_machine()
     print(json.dumps(result))

@@ -27,6 +27,7 @@ SOAK_FIGURES = ("requests", "requests_aborted", "requests_lost", "tokens_receive
 # Where a case was tried, by the file that holds it.
 SURFACES = {
     "tests/unit/engine/test_bad_input.py": "Python API",
+    "tests/unit/engine/test_stop_strings.py": "Python API, streamed outputs",
     "tests/unit/serve/test_cli_bad_input.py": "`weightsync serve` flags",
     "tests/integration/test_serve_bad_input.py": "HTTP routes (and the real command)",
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",
@@ -36,7 +37,7 @@ SURFACES = {
     "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",
     "tests/unit/test_group.py": "the broadcast group: world size and timeouts",
     "tests/unit/engine/test_llm_engine.py": "`LLMEngine`",
-    "tests/unit/serve/test_app.py": "the app in-process: keys",
+    "tests/unit/serve/test_app.py": "the app in-process: keys, streamed text",
     "tests/unit/serve/test_server.py": "the HTTP server's connection limits",
     "tests/unit/trainer/test_http_client.py": "`HTTPEngineClient`",
 }

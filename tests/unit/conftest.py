@@ -9,9 +9,13 @@ from __future__ import annotations
 import multiprocessing.process
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+
+from model_dirs import write_model_dir
 
 # The one process a unit test may cause: the shared-memory janitor that every IPC trainer session
 # starts (a watchdog that unlinks leftover segments if the trainer dies; it runs no test code).
@@ -44,3 +48,16 @@ def _no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("Process.start"))
     popen = subprocess.Popen.__init__
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("subprocess.Popen", popen))
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Builds (once per session) and returns the model directory of a family of `FAMILIES`."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = write_model_dir(tmp_path_factory.mktemp(name), name)
+        return built[name]
+
+    return get

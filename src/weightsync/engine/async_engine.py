@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -206,6 +206,10 @@ class AsyncEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
         return self.engine.tokenize(prompt)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A conversation's prompt token ids; see `LLMEngine.apply_chat_template`."""
+        return self.engine.apply_chat_template(messages)
 
     @property
     def max_model_len(self) -> int:

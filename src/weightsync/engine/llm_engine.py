@@ -31,16 +31,15 @@ from weightsync.engine._sleep import Sleep
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.kv_cache import BlockManager
-from weightsync.engine.loader import load_hf_directory
+from weightsync.engine.loader import load_model
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.model_config import PRESETS
 from weightsync.engine.model_runner import ModelRunner
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
 from weightsync.engine.sequence import Sequence as Seq
-from weightsync.engine.tokenizer import ByteTokenizer
+from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
 from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
 from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
@@ -51,21 +50,14 @@ __all__ = ["LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
-def _load_model(name: str, *, seed: int, dtype: torch.dtype) -> LlamaForCausalLM:
-    """A preset's model with weights drawn from `seed`, or a local Hugging Face directory's."""
-    if name in PRESETS:
-        return LlamaForCausalLM.from_preset(name, seed=seed, dtype=dtype)
-    return load_hf_directory(name, dtype=dtype)
-
-
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
     Args:
         model: A `LlamaForCausalLM`, a preset name (`"debug"`, `"tiny"`, `"small"`) or a local
-            Hugging Face directory. A given model is moved to `engine_config.device`.
+            Hugging Face directory (see `load_model`). A model is moved to `engine_config.device`.
         engine_config: Scheduler and KV-cache limits, and the device the engine computes on.
-        tokenizer: Turns text prompts into ids and output ids into text.
+        tokenizer: Text prompts to ids, output ids to text (default: the model's own, see `load_model`).
         weight_transfer_config: Transfer backend for `update_weights`; None takes the backend
             named in the init info.
         seed: Seed of a preset's random weights.
@@ -79,7 +71,7 @@ class LLMEngine:
 
     Raises:
         EngineConfigError: A config of the wrong type, inconsistent limits (e.g. a KV cache
-            smaller than one sequence), or a device this machine does not have.
+            smaller than one sequence), a missing device, or a directory that does not load.
 
     >>> engine = LLMEngine("debug", engine_config=EngineConfig(num_kv_blocks=64))
     >>> out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -92,7 +84,7 @@ class LLMEngine:
         model: LlamaForCausalLM | str = "tiny",
         *,
         engine_config: EngineConfig | None = None,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         weight_transfer_config: WeightTransferConfig | None = None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
@@ -105,11 +97,12 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         self.device = config.resolve_device()
         if isinstance(model, str):
-            model = _load_model(model, seed=seed, dtype=dtype)
+            model, own_tokenizer = load_model(model, seed=seed, dtype=dtype)
+            tokenizer = tokenizer or own_tokenizer
         # Before LiveWeights: updates are received into these parameters, on the device.
         self.model = model.to(self.device).eval()
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
-        self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer: Tokenizer = (tokenizer := tokenizer or ByteTokenizer())
         self.input_processor = InputProcessor(
             tokenizer,
             vocab_size=model.config.vocab_size,
@@ -171,6 +164,10 @@ class LLMEngine:
                 )
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A conversation's prompt token ids: see `InputProcessor.apply_chat_template`."""
+        return self.input_processor.apply_chat_template(messages)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids of a prompt, checked as `add_request` checks it; no side effect.

@@ -1,5 +1,8 @@
 """Loading and saving Hugging Face-format model directories: `config.json` + safetensors.
 
+`load_model` resolves what `LLMEngine` is given by name: a preset, or a directory with its model
+and its tokenizer.
+
 The safetensors format is small enough to read and write here directly (an 8-byte little-endian
 header length, a JSON header of names, dtypes, shapes and byte offsets, then raw little-endian
 data), so loading a checkpoint needs no extra package and never unpickles anything.
@@ -14,15 +17,24 @@ import struct
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from weightsync.engine.hf_tokenizer import load_tokenizer
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.model_config import LlamaConfig
-from weightsync.errors import EngineConfigError
+from weightsync.engine.model_config import PRESETS, LlamaConfig
+from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
+from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.checksums import _byte_view
 
-__all__ = ["load_hf_directory", "read_safetensors", "save_hf_directory", "write_safetensors"]
+__all__ = [
+    "load_hf_directory",
+    "load_model",
+    "read_safetensors",
+    "save_hf_directory",
+    "write_safetensors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,21 +121,29 @@ def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> 
     write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
+
+
 def load_hf_directory(
     path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
 ) -> LlamaForCausalLM:
-    """Builds a model from a local Hugging Face Llama directory; never downloads anything.
+    """Builds a model from a local Hugging Face directory (Llama, Qwen2, Qwen3); never downloads.
 
     Reads `config.json` and `model.safetensors` (or the shards listed in
-    `model.safetensors.index.json`). A tied model's `lm_head.weight`, if present, is skipped.
+    `model.safetensors.index.json`). A tied model's `lm_head.weight` and an older checkpoint's
+    rotary frequencies, if present, are skipped.
 
     Args:
         path: The directory.
         dtype: Parameter dtype of the built model (weights are cast).
 
     Raises:
-        EngineConfigError: Missing files, an unsupported config, or weights that do not cover
-            the model; the message names what is missing.
+        EngineConfigError: Missing or malformed files, an unsupported architecture, or weights
+            that do not cover the model; the message names the file and what is wrong.
     """
     directory = Path(path)
     config_path = directory / "config.json"
@@ -131,10 +151,14 @@ def load_hf_directory(
         raise EngineConfigError(
             f"{directory} has no config.json: pass a Hugging Face model directory or a preset name"
         )
-    config = LlamaConfig.from_hf_dict(json.loads(config_path.read_text()))
+    config = LlamaConfig.from_hf_dict(_read_json(config_path), source=str(config_path))
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise EngineConfigError(f"{index_path}: weight_map must map names to file names")
+        files = sorted(set(map(str, weight_map.values())))
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -148,9 +172,16 @@ def load_hf_directory(
     for file in files:
         pairs = read_safetensors(directory / file)
         kept = (
-            (n, t) for n, t in pairs if not (n == "lm_head.weight" and config.tie_word_embeddings)
+            (n, t)
+            for n, t in pairs
+            if not (n == "lm_head.weight" and config.tie_word_embeddings)
+            # Older Llama checkpoints saved the rotary frequencies, which the model computes.
+            and not n.endswith("rotary_emb.inv_freq")
         )
-        loaded.update(model.load_weights(kept))
+        try:
+            loaded.update(model.load_weights(kept))
+        except WeightValidationError as exc:
+            raise EngineConfigError(f"{directory / file} does not fit config.json: {exc}") from None
     missing = sorted(expected - loaded)
     if missing:
         raise EngineConfigError(
@@ -158,3 +189,24 @@ def load_hf_directory(
         )
     logger.info("loaded %s (%d weights, %d files)", directory, len(loaded), len(files))
     return model
+
+
+def load_model(
+    name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """A model and its tokenizer, by name: a preset, or a local Hugging Face directory.
+
+    A preset (`"debug"`, `"tiny"`, `"small"`) has random weights from `seed` and the byte
+    tokenizer. A directory of a supported family (Llama 1 to 3.x, Qwen2 and Qwen2.5, Qwen3:
+    `SUPPORTED_MODEL_TYPES`) brings its weights (`load_hf_directory`) and its tokenizer,
+    `tokenizer.json` with its special tokens, EOS ids and chat template (`HFTokenizer`); without
+    a `tokenizer.json` text goes through the byte tokenizer.
+
+    Raises:
+        EngineConfigError: Not a preset and not a loadable directory; the message names the
+            file and the key at fault.
+    """
+    if name in PRESETS:
+        return LlamaForCausalLM.from_preset(name, seed=seed, dtype=dtype), ByteTokenizer()
+    model = load_hf_directory(name, dtype=dtype)
+    return model, load_tokenizer(name, vocab_size=model.config.vocab_size)

@@ -1,10 +1,12 @@
 """A Llama-family decoder in plain torch whose parameter names match Hugging Face's.
 
-RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP, with a tied or
-untied LM head. The engine fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (fewer,
-larger matmuls), yet speaks `LlamaForCausalLM`'s names at its edges: `weight_specs`,
-`named_weights` and `load_weights` use `model.layers.N.self_attn.q_proj.weight` and friends, so a
-trainer holding a Hugging Face model pushes its `named_parameters()` unchanged.
+RMSNorm, rotary position embeddings (optionally scaled, `llama3` or `linear`), grouped-query
+attention and a SwiGLU MLP, with a tied or untied LM head. The families differ in three switches
+of `LlamaConfig`: biases on q/k/v (Qwen2) or on q/k/v/o (`attention_bias`), and an RMSNorm on each
+head's queries and keys before rotation (Qwen3). The engine fuses q/k/v into `qkv_proj` and
+gate/up into `gate_up_proj` (fewer, larger matmuls), yet speaks Hugging Face's names at its edges:
+`weight_specs`, `named_weights` and `load_weights` use `model.layers.N.self_attn.q_proj.weight`
+and friends, so a trainer holding a Hugging Face model pushes its `named_parameters()` unchanged.
 
 The forward pass works on a flat list of tokens from any number of sequences (the scheduler's
 batch); attention finds each token's context through `AttentionMetadata`, or, without it, treats
@@ -56,6 +58,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """The rotary frequencies (head_dim / 2,), in float32, after the config's scaling."""
+    dim = config.kv_head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":  # position interpolation: positions / factor
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the pre-training context / low_freq_factor are stretched by
+    # `factor`, those shorter than context / high_freq_factor are kept, and the band between
+    # blends the two, linearly in context / wavelength.
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > context / scaling.low_freq_factor,
+                            inv_freq / scaling.factor, inv_freq)  # fmt: skip
+    blend = (context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - blend) * stretched / scaling.factor + blend * stretched
+    in_band = (wavelength >= context / scaling.high_freq_factor) & (
+        wavelength <= context / scaling.low_freq_factor
+    )
+    return torch.where(in_band, blended, stretched)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary embeddings; q/k/v fused in one projection."""
 
@@ -67,8 +95,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.kv_head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: each head's queries and keys are normalized over head_dim before rotation.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -86,6 +119,9 @@ class LlamaAttention(nn.Module):
         # Queries and keys rotate together, as one (tokens, heads + kv_heads, head_dim) tensor:
         # half as many small elementwise ops per layer as rotating them apart.
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (tokens, 1, head_dim)
         qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (tokens, heads|kv, dim)
@@ -147,10 +183,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM with Hugging Face's parameter names at its edges.
+    """A Llama-family causal LM (Llama, Qwen2, Qwen3) with Hugging Face's names at its edges.
 
     Args:
-        config: The model's shape.
+        config: The model's shape and family.
         dtype: Parameter dtype.
 
     >>> model = LlamaForCausalLM.from_preset("debug", seed=0)
@@ -169,8 +205,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
-        head_dim = config.kv_head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        inv_freq = _rope_inv_freq(config)  # (head_dim / 2,)
         angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # (max_positions, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
@@ -197,15 +232,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fills the weights from `seed`: matrices N(0, 1/fan_in), norms 1.
+        """Fills the weights from `seed`: matrices N(0, 1/fan_in), biases N(0, 1/size), norms 1.
 
         The scale keeps every sublayer's output near unit size, so a random model's output
         depends on its whole context (a test of the KV cache then means something). Draws follow
         `named_weights()` order in float32, so a seed gives the same model in any dtype.
         """
         generator = torch.Generator().manual_seed(seed)
-        for _, weight in self.named_weights():
-            if weight.dim() == 1:
+        for name, weight in self.named_weights():
+            if name.endswith(".bias"):
+                values = torch.randn(weight.shape, generator=generator) / math.sqrt(weight.numel())
+                weight.copy_(values)
+            elif weight.dim() == 1:
                 weight.fill_(1.0)
             else:
                 values = torch.randn(weight.shape, generator=generator) / math.sqrt(weight.shape[1])
@@ -243,15 +281,17 @@ class LlamaForCausalLM(nn.Module):
     # --- Hugging Face names -------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields every weight under its Hugging Face name, in `LlamaForCausalLM` order.
+        """Yields every weight under its Hugging Face name, in Hugging Face's order.
 
-        Fused parameters yield views of their shards, so writing into a yielded tensor writes
-        the model. A tied LM head is not yielded (as in Hugging Face's `named_parameters()`).
+        That is `named_parameters()` order of the family's Hugging Face model (`q_proj.weight`,
+        `q_proj.bias`, `k_proj.weight`, ...). Fused parameters yield views of their shards, so
+        writing into a yielded tensor writes the model. A tied LM head is not yielded (as in
+        Hugging Face's `named_parameters()`).
         """
         config = self.config
         q_size = config.num_attention_heads * config.kv_head_dim
         kv_size = config.num_key_value_heads * config.kv_head_dim
-        # Fused parameter -> its Hugging Face parts and their rows, in Hugging Face order.
+        # Fused module -> its Hugging Face parts and their rows, in Hugging Face order.
         fused_parts = {
             "qkv_proj": (["q_proj", "k_proj", "v_proj"], [q_size, kv_size, kv_size]),
             "gate_up_proj": (["gate_proj", "up_proj"], [config.intermediate_size] * 2),
@@ -262,9 +302,18 @@ class LlamaForCausalLM(nn.Module):
             if fused not in fused_parts:
                 yield name, param.data
                 continue
+            if leaf != "weight":
+                continue  # a fused bias went out with its weight, part by part
             parts, sizes = fused_parts[fused]
-            for part, shard in zip(parts, torch.split(param.data, sizes, dim=0), strict=True):
-                yield f"{prefix}.{part}.{leaf}", shard
+            module = self.get_submodule(module_name)
+            # Each part's weight, then its bias, as the unfused modules list them.
+            leaves = [
+                (leaf_name, torch.split(tensor.data, sizes, dim=0))
+                for leaf_name, tensor in module.named_parameters(recurse=False)
+            ]
+            for index, part in enumerate(parts):
+                for leaf_name, shards in leaves:
+                    yield f"{prefix}.{part}.{leaf_name}", shards[index]
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         """Name, dtype and shape of every weight, by Hugging Face name: what an update must match."""
@@ -301,8 +350,8 @@ class LlamaForCausalLM(nn.Module):
             target = shards.get(name)
             if target is None:
                 raise WeightValidationError(
-                    f"load_weights: unknown weight {name!r}; expected a LlamaForCausalLM name "
-                    "such as 'model.layers.0.self_attn.q_proj.weight'"
+                    f"load_weights: unknown weight {name!r}; expected a Hugging Face name of "
+                    "this model such as 'model.layers.0.self_attn.q_proj.weight'"
                 )
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightValidationError(

@@ -1,13 +1,70 @@
-"""`LlamaConfig`: the shape of a Llama-family model, its presets, and its `config.json` form."""
+"""`LlamaConfig`: the shape of a Llama-family model, its presets, and its `config.json` form.
+
+The family covers the dense, full-attention checkpoints RL users train: Llama 1 to 3.x (rotary
+scaling `llama3` or `linear`), Qwen2 and Qwen2.5 (biases on q, k and v) and Qwen3 (an RMSNorm on
+each head's queries and keys, an explicit `head_dim`). Each is a few switches of one config, not
+a model of its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.errors import EngineConfigError
 
-__all__ = ["PRESETS", "LlamaConfig"]
+__all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "LlamaConfig", "RopeScaling"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+"""The `config.json` model types the engine serves (dense, full attention)."""
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+_ROPE_TYPES = ("default", "linear", "llama3")
+# The keys of config.json without which the model's shape is unknown.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary embedding stretches to longer contexts (`config.json`'s `rope_scaling`).
+
+    Attributes:
+        rope_type: `"linear"` (every frequency divided by `factor`: position interpolation) or
+            `"llama3"` (Llama 3.1's: long wavelengths divided by `factor`, short ones kept, the
+            band between them blended).
+        factor: How many times longer the context is than in pre-training.
+        low_freq_factor: `llama3`: wavelengths above `original_max_position_embeddings /
+            low_freq_factor` are scaled fully.
+        high_freq_factor: `llama3`: wavelengths below `original_max_position_embeddings /
+            high_freq_factor` are kept.
+        original_max_position_embeddings: `llama3`: the context length of pre-training.
+
+    Raises:
+        EngineConfigError: An unknown type or a factor that is not a positive number.
+    """
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise EngineConfigError(
+                f"RopeScaling.rope_type must be 'linear' or 'llama3', got {self.rope_type!r}"
+            )
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise EngineConfigError(f"RopeScaling.{name} must be a number > 0, got {value!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise EngineConfigError(
+                f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
 
 
 @dataclass(frozen=True)
@@ -26,6 +83,11 @@ class LlamaConfig:
         rope_theta: Base of the rotary embedding frequencies.
         max_position_embeddings: Longest sequence the model handles.
         tie_word_embeddings: Whether the LM head shares the embedding matrix.
+        model_type: The family, one of `SUPPORTED_MODEL_TYPES`: `"llama"`, `"qwen2"` (biases
+            on q, k and v) or `"qwen3"` (RMSNorm on each head's queries and keys).
+        attention_bias: Biases on q, k, v and o (Llama's and Qwen3's switch; Qwen2 always has
+            them on q, k and v only, and leaves this False).
+        rope_scaling: How the rotary embedding is stretched; None for none.
 
     Raises:
         EngineConfigError: Inconsistent or out-of-range values; the message names the field.
@@ -42,6 +104,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,12 +132,41 @@ class LlamaConfig:
             raise EngineConfigError(
                 f"LlamaConfig.head_dim must be an even int >= 2, got {self.head_dim!r}"
             )
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise EngineConfigError(
+                f"LlamaConfig.model_type must be one of {list(SUPPORTED_MODEL_TYPES)}, got "
+                f"{self.model_type!r}"
+            )
+        if self.attention_bias and self.model_type == "qwen2":
+            raise EngineConfigError(
+                "LlamaConfig.attention_bias must be False for model_type 'qwen2': Qwen2 has "
+                "biases on q, k and v always, and none on o"
+            )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise EngineConfigError(
+                f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+            )
 
     @property
     def kv_head_dim(self) -> int:
         """`head_dim`, typed as an int (it is always set after construction)."""
         assert self.head_dim is not None
         return self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections have biases (Qwen2 always; else `attention_bias`)."""
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention's output projection has a bias."""
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each head's queries and keys go through an RMSNorm before rotation (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
@@ -91,52 +185,96 @@ class LlamaConfig:
         return replace(PRESETS[name], **overrides)
 
     @classmethod
-    def from_hf_dict(cls, data: dict[str, Any]) -> LlamaConfig:
-        """Reads a Hugging Face Llama `config.json` (older `rope_theta` or newer `rope_parameters`).
+    def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config.json") -> LlamaConfig:
+        """Reads a Hugging Face `config.json` of a supported family.
+
+        Both forms of the rotary settings are read: the older top-level `rope_theta` with
+        `rope_scaling`, and the newer `rope_parameters`.
+
+        Args:
+            data: The parsed `config.json`.
+            source: How error messages name the file.
 
         Raises:
-            EngineConfigError: Not a plain Llama: another `model_type`, biases, an activation
-                other than SiLU, or rope scaling; the message names the key.
+            EngineConfigError: An architecture outside the family (another `model_type`, MoE,
+                sliding-window attention, an activation other than SiLU, MLP biases, a rotary
+                scaling other than `linear` and `llama3`), or a required key missing or out of
+                range; one line naming the file and the key.
+
+        >>> LlamaConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32,
+        ...     "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}).qkv_bias
+        True
         """
-        if data.get("model_type", "llama") != "llama":
+        if not isinstance(data, dict):
+            raise EngineConfigError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise EngineConfigError(
-                f"config.json model_type must be 'llama', got {data.get('model_type')!r}"
+                f"{source}: model_type {model_type!r} is not supported; weightsync serves the "
+                f"dense, full-attention families {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for key in ("attention_bias", "mlp_bias"):
-            if data.get(key):
-                raise EngineConfigError(
-                    f"config.json {key}=true is not supported; only bias-free Llama"
-                )
+        layer_types = data.get("layer_types") or []
+        if data.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise EngineConfigError(
+                f"{source}: sliding-window attention (use_sliding_window / layer_types) is not "
+                f"supported; weightsync serves the dense, full-attention families "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if data.get("mlp_bias"):
+            raise EngineConfigError(
+                f"{source}: mlp_bias=true is not supported; only bias-free MLPs"
+            )
         if data.get("hidden_act", "silu") != "silu":
             raise EngineConfigError(
-                f"config.json hidden_act must be 'silu', got {data.get('hidden_act')!r}"
+                f"{source}: hidden_act must be 'silu', got {data.get('hidden_act')!r}"
             )
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        missing = [key for key in _REQUIRED_KEYS if key not in data]
+        if missing:
             raise EngineConfigError(
-                f"config.json rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                "only the default rotary embedding"
+                f"{source}: required key {missing[0]!r} is missing (a {model_type} config.json "
+                f"has {', '.join(_REQUIRED_KEYS)})"
             )
+        rope: dict[str, Any] = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise EngineConfigError(f"{source}: rope_scaling must be an object, got {rope!r}")
         heads = data["num_attention_heads"]
-        return cls(
-            vocab_size=data["vocab_size"],
-            hidden_size=data["hidden_size"],
-            intermediate_size=data["intermediate_size"],
-            num_hidden_layers=data["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=data.get("num_key_value_heads") or heads,
-            head_dim=data.get("head_dim"),
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
-            max_position_embeddings=data.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        )
+        rope_scaling = _rope_scaling(rope, source)
+        try:
+            return cls(
+                vocab_size=data["vocab_size"],
+                hidden_size=data["hidden_size"],
+                intermediate_size=data["intermediate_size"],
+                num_hidden_layers=data["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=data.get("num_key_value_heads") or heads,
+                head_dim=data.get("head_dim"),
+                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta") or data.get("rope_theta") or 10000.0),
+                max_position_embeddings=data.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+                model_type=model_type,
+                # Qwen2's config has no switch: its biases are part of the architecture.
+                attention_bias=model_type != "qwen2" and bool(data.get("attention_bias", False)),
+                rope_scaling=rope_scaling,
+            )
+        except (EngineConfigError, TypeError, ValueError) as exc:
+            raise EngineConfigError(f"{source}: {exc}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """Returns the Hugging Face `config.json` fields describing this model."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        scaling = self.rope_scaling
+        rope_scaling: dict[str, Any] | None = None
+        if scaling is not None:
+            rope_scaling = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+            if scaling.rope_type == "llama3":
+                rope_scaling.update(
+                    low_freq_factor=scaling.low_freq_factor,
+                    high_freq_factor=scaling.high_freq_factor,
+                    original_max_position_embeddings=scaling.original_max_position_embeddings,
+                )
+        data: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -146,12 +284,42 @@ class LlamaConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
         }
+        if self.model_type == "llama":
+            data["mlp_bias"] = False
+        if self.model_type != "qwen2":
+            data["attention_bias"] = self.attention_bias
+        return data
+
+
+def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling | None:
+    """The rotary scaling of `config.json`'s `rope_scaling` or `rope_parameters` object."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise EngineConfigError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return None
+    if "factor" not in rope:
+        raise EngineConfigError(f"{source}: rope_scaling of type {rope_type!r} has no 'factor'")
+    if rope_type == "linear":
+        return RopeScaling("linear", rope["factor"])
+    missing = [key for key in ("low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if key not in rope]  # fmt: skip
+    if missing:
+        raise EngineConfigError(f"{source}: rope_scaling of type 'llama3' has no {missing[0]!r}")
+    return RopeScaling(
+        "llama3",
+        rope["factor"],
+        low_freq_factor=rope["low_freq_factor"],
+        high_freq_factor=rope["high_freq_factor"],
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+    )
 
 
 PRESETS: dict[str, LlamaConfig] = {

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections import abc
+from typing import Any
 
 import torch
 
+from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
 from weightsync.engine.scheduler import ScheduledSequence
 from weightsync.engine.sequence import Sequence
-from weightsync.engine.tokenizer import ByteTokenizer
+from weightsync.engine.tokenizer import Tokenizer
 from weightsync.errors import InvalidRequestError
 
 __all__ = ["InputProcessor", "OutputProcessor", "Prompt"]
@@ -28,11 +30,15 @@ class InputProcessor:
         max_model_len: Longest sequence in tokens.
         seed: Seeds the sampling of requests that set no seed of their own.
         device: Where sampling runs: each sequence's generator lives there.
+
+    Attributes:
+        chat_template: The tokenizer's chat template, else the documented default
+            (`ChatTemplate.default()`).
     """
 
     def __init__(
         self,
-        tokenizer: ByteTokenizer,
+        tokenizer: Tokenizer,
         *,
         vocab_size: int,
         max_model_len: int,
@@ -40,16 +46,21 @@ class InputProcessor:
         device: torch.device | str = "cpu",
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = tokenizer.chat_template or ChatTemplate.default()
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.seed = seed
         self._num_requests = 0
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: Prompt, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """Checks a prompt and returns its text (None for token ids) and token ids.
 
         Has no side effect, so a server can refuse a bad prompt before it answers.
+        `add_special_tokens=False` encodes a text without the tokenizer's BOS token (a chat
+        template's output carries its own).
 
         Raises:
             InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
@@ -58,7 +69,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             text: str | None = prompt
             try:
-                token_ids = self.tokenizer.encode(prompt)
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except UnicodeEncodeError as exc:  # a lone surrogate, say ("\ud800" in JSON)
                 raise InvalidRequestError(
                     f"prompt is not valid Unicode text: {exc.reason} at character {exc.start} "
@@ -86,6 +97,28 @@ class InputProcessor:
             )
         return text, token_ids
 
+    def apply_chat_template(
+        self, messages: abc.Sequence[abc.Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The prompt token ids of a conversation, through `chat_template`.
+
+        Renders `messages` (dicts with `role` and `content`) and encodes the text as
+        `transformers`' `apply_chat_template` does: a model's own template writes its special
+        tokens itself; the default template's text gets the tokenizer's BOS token.
+
+        Raises:
+            InvalidRequestError: The template refused or failed on the messages, or the prompt
+                is empty, not valid Unicode, or leaves no room for output within `max_model_len`.
+
+        >>> from weightsync.engine.tokenizer import ByteTokenizer
+        >>> processor = InputProcessor(ByteTokenizer(), vocab_size=259, max_model_len=64, seed=0)
+        >>> processor.apply_chat_template([{"role": "user", "content": "hi"}])[:4]
+        [256, 60, 124, 117]
+        """
+        template = self.chat_template
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenize(text, add_special_tokens=template.add_special_tokens)[1]
+
     def process(
         self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None
     ) -> Sequence:
@@ -112,7 +145,7 @@ class InputProcessor:
             token_ids,
             params,
             generator=torch.Generator(self.device).manual_seed(seed),
-            decoder=self.tokenizer.incremental_decoder(),
+            decoder=self.tokenizer.incremental_decoder(token_ids),
             prompt=text,
         )
 
@@ -152,12 +185,13 @@ class OutputProcessor:
     """Applies a step's sampled tokens to their sequences and ends those that should stop.
 
     Args:
-        tokenizer: Names the end-of-sequence token.
+        tokenizer: Names the end-of-sequence tokens.
         max_model_len: Longest sequence in tokens.
     """
 
-    def __init__(self, tokenizer: ByteTokenizer, *, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
 
     def process(
@@ -195,23 +229,30 @@ class OutputProcessor:
         return changed
 
     def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+        # Each check costs this request alone, whatever its lists hold (they are bounded): a
+        # set lookup per token, and stop strings searched in the newest text only.
         params = seq.sampling_params
-        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
+        if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish("stop")
-        elif token in params.stop_token_ids:
+        elif token in seq.stop_token_ids:
             seq.finish("stop", token)
-        elif params.stop and delta:
-            found = []
-            for stop in params.stop:
-                # Only the newest text can complete a stop string.
-                start = max(0, len(seq.output_text) - len(delta) - len(stop) + 1)
-                if (index := seq.output_text.find(stop, start)) >= 0:
-                    found.append((index, stop))
-            if found:
-                index, stop = min(found)
-                seq.output_text = seq.output_text[:index]
-                seq.finish("stop", stop, flush_text=False)
+        elif params.stop and delta and (found := _find_stop(seq.output_text, delta, params.stop)):
+            index, stop = found
+            seq.output_text = seq.output_text[:index]
+            seq.finish("stop", stop, flush_text=False)
         if not seq.is_finished and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish("length")
+
+
+def _find_stop(text: str, delta: str, stops: abc.Sequence[str]) -> tuple[int, str] | None:
+    """The earliest stop string that `delta`, the end of `text`, completes: (index, string)."""
+    found = []
+    for stop in stops:
+        # A stop string completed now ends within delta, so it starts at most len(stop) - 1
+        # characters before it.
+        start = max(0, len(text) - len(delta) - len(stop) + 1)
+        if (index := text.find(stop, start)) >= 0:
+            found.append((index, stop))
+    return min(found) if found else None

@@ -10,10 +10,29 @@ import torch
 
 from weightsync.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprobs", "sample", "token_logprobs"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "MAX_STOP_TOKEN_IDS",
+    "SamplingParams",
+    "TokenLogprobs",
+    "sample",
+    "token_logprobs",
+]
 
 MAX_LOGPROBS = 20
 """Most alternatives `SamplingParams.logprobs` may ask for at each step."""
+
+# A request's stop checks run in the step every request shares, on each of its new tokens: their
+# lists are bounded so that no request can slow the others down. No real client comes near
+# (OpenAI takes 4 stop strings; vLLM's model runner takes 128 stop token ids).
+MAX_STOP_STRINGS = 64
+"""Most strings `SamplingParams.stop` may hold."""
+MAX_STOP_STRING_CHARS = 512
+"""Longest string of `SamplingParams.stop`, in characters."""
+MAX_STOP_TOKEN_IDS = 128
+"""Most ids `SamplingParams.stop_token_ids` may hold."""
 
 
 @dataclass
@@ -28,7 +47,12 @@ class SamplingParams:
         seed: Seeds this request's sampler, so its output does not depend on the other requests
             in the batch; None draws a seed from the engine's.
         stop: Strings that end the output; the output text stops before the first one found.
-        stop_token_ids: Token ids that end the output (kept in the output's token ids).
+            At most `MAX_STOP_STRINGS` strings of at most `MAX_STOP_STRING_CHARS` characters.
+            While a request runs, the end of its text that could still begin a stop string is
+            held back from its outputs (at most the longest stop string's length less one
+            character), so that every output's text is a prefix of the final one.
+        stop_token_ids: Token ids that end the output (kept in the output's token ids); at most
+            `MAX_STOP_TOKEN_IDS`.
         ignore_eos: Keep generating past the end-of-sequence token (benchmarks want fixed lengths).
         logprobs: Return the log-probability of each sampled token, and of the `logprobs` most
             likely tokens at each step (0 for the sampled token alone); None returns none.
@@ -75,16 +99,27 @@ class SamplingParams:
                 f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}"
             )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check_length("stop", "strings", len(stop), MAX_STOP_STRINGS)
         if not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(
                 f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
             )
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop holds a string of {longest} characters; each may have at most "
+                f"{MAX_STOP_STRING_CHARS}: stop on a shorter suffix of it"
+            )
         self.stop = stop
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        stop_token_ids = list(self.stop_token_ids)
+        _check_length("stop_token_ids", "ids", len(stop_token_ids), MAX_STOP_TOKEN_IDS)
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids
+        ):
             raise InvalidRequestError(
                 f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}"
             )
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = stop_token_ids
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int)
             or isinstance(self.logprobs, bool)
@@ -98,6 +133,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether sampling is greedy (temperature 0)."""
         return self.temperature == 0
+
+
+def _check_length(field: str, items: str, count: int, limit: int) -> None:
+    """Refuses a list of more than `limit` items, naming the field, the limit and the count."""
+    if count > limit:
+        raise InvalidRequestError(
+            f"{field} holds {count} {items}; at most {limit} are accepted: send fewer"
+        )
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -56,6 +56,10 @@ class Sequence:
         was_started: Whether it has been admitted once (a preempted sequence has).
         output_weight_versions: The weight version that generated each output token.
         output_logprobs: Log-probabilities of each output token, when the request asked for them.
+        output_text: The text decoded so far (outputs hold back its end while a stop string
+            may begin there; see `visible_text`).
+        stop_token_ids: The request's stop token ids, as a set: a lookup per token, whatever
+            their number.
     """
 
     def __init__(
@@ -76,6 +80,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_text = ""
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # While running, this many trailing characters might begin a stop string.
+        self._stop_hold = max(map(len, sampling_params.stop or []), default=1) - 1
         self.output_weight_versions: list[WeightVersion] = []
         self.output_logprobs: list[TokenLogprobs] | None = (
             None if sampling_params.logprobs is None else []
@@ -122,6 +129,18 @@ class Sequence:
         """Whether the sequence has ended."""
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def visible_text(self) -> str:
+        """The output text an output may show now: every later output's text extends it.
+
+        While the request runs, the last characters that could still be the start of a stop
+        string are held back: were the stop string to complete, they would not be part of the
+        answer, and a stream cannot take back what it sent.
+        """
+        if self.is_finished or not self._stop_hold:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self._stop_hold)]
+
     def append_token(
         self, token_id: int, weight_version: WeightVersion, logprobs: TokenLogprobs | None = None
     ) -> str:
@@ -167,7 +186,7 @@ class Sequence:
         """Returns the cumulative output so far."""
         completion = CompletionOutput(
             index=0,
-            text=self.output_text,
+            text=self.visible_text,
             token_ids=self.output_token_ids,
             weight_versions=list(self.output_weight_versions),
             logprobs=None

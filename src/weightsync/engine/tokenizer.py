@@ -1,39 +1,91 @@
-"""A byte-level tokenizer: token ids 0..255 are bytes, then a few special tokens.
+"""What the engine asks of a tokenizer (`Tokenizer`), and the byte-level one the presets use.
 
-Any text round-trips through UTF-8 with no vocabulary file and no download, which is all a test or
-an example needs. Models loaded from a directory may have a larger vocabulary: ids the tokenizer
-does not know decode to nothing.
+Token ids 0..255 of [`ByteTokenizer`][weightsync.engine.tokenizer.ByteTokenizer] are bytes, then
+a few special tokens: any text round-trips through UTF-8 with no vocabulary file and no download,
+which is all a test or an example needs. A model directory brings its own tokenizer
+([`HFTokenizer`][weightsync.engine.hf_tokenizer.HFTokenizer]); both satisfy `Tokenizer`.
 """
 
 from __future__ import annotations
 
 import codecs
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-__all__ = ["ByteTokenizer", "IncrementalDecoder"]
+if TYPE_CHECKING:
+    from weightsync.engine.chat_template import ChatTemplate
+
+__all__ = ["ByteTokenizer", "IncrementalDecoder", "Tokenizer"]
 
 
-class IncrementalDecoder:
-    """Turns a stream of token ids into text, holding back an incomplete UTF-8 character.
+class IncrementalDecoder(Protocol):
+    """Turns one sequence's output token ids into text as they arrive.
 
-    >>> tok = ByteTokenizer()
-    >>> decoder = tok.incremental_decoder()
-    >>> [decoder.add(i) for i in "é".encode()]
-    ['', 'é']
+    The texts returned, joined, are the text of all the ids: a decoder holds back what a later
+    token may still change (an incomplete character, a merge) rather than take it back.
     """
-
-    def __init__(self, tokenizer: ByteTokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
         """Consumes one token id and returns the text it completes (possibly empty)."""
+        ...
+
+    def flush(self) -> str:
+        """Ends the stream and returns what was held back (incomplete characters as U+FFFD)."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """The tokenizer an `LLMEngine` uses: text prompts to ids, output ids to text."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (the model's vocabulary may be larger)."""
+        ...
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence token, if the tokenizer has one."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a request (unless it sets `ignore_eos`)."""
+        ...
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's own chat template, if it has one."""
+        ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Returns the token ids of `text`, with the tokenizer's special tokens (BOS) if asked.
+
+        Raises:
+            UnicodeEncodeError: `text` holds a lone surrogate (it has no UTF-8 form).
+        """
+        ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Returns the text of `token_ids`; ids the tokenizer does not know give no text."""
+        ...
+
+    def incremental_decoder(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        """Returns a fresh decoder for one sequence's output, which follows `prompt_token_ids`."""
+        ...
+
+
+class _ByteDecoder:
+    """`ByteTokenizer`'s incremental decoder: holds back an incomplete UTF-8 character."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
         if 0 <= token_id < 256:
             return str(self._utf8.decode(bytes((token_id,))))
         return ""  # special or out-of-vocabulary ids carry no text
 
     def flush(self) -> str:
-        """Ends the stream: an incomplete trailing character becomes U+FFFD."""
         return str(self._utf8.decode(b"", final=True))
 
 
@@ -41,30 +93,39 @@ class ByteTokenizer:
     """Bytes as tokens (ids 0..255) plus `<|bos|>` (256), `<|eos|>` (257) and `<|pad|>` (258).
 
     Args:
-        add_bos: Whether `encode` starts every prompt with the BOS token by default.
+        add_bos: Whether `encode` starts a prompt with the BOS token (its one special token).
 
     >>> tok = ByteTokenizer()
     >>> tok.encode("hi")
     [256, 104, 105]
     >>> tok.decode([256, 104, 105, 257])
     'hi'
+    >>> decoder = tok.incremental_decoder()
+    >>> [decoder.add(i) for i in "é".encode()]
+    ['', 'é']
     """
 
     bos_token_id = 256
     eos_token_id = 257
     pad_token_id = 258
+    eos_token_ids = frozenset({257})
     vocab_size = 259
     special_tokens: ClassVar[dict[str, int]] = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
+    chat_template = None  # the engine's documented default template applies
 
     def __init__(self, *, add_bos: bool = True) -> None:
         self.add_bos = add_bos
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Returns the token ids of `text` (its UTF-8 bytes), after a BOS token if enabled."""
-        prefix = [self.bos_token_id] if (self.add_bos if add_bos is None else add_bos) else []
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Returns the token ids of `text`: its UTF-8 bytes, after the BOS token if enabled.
+
+        Raises:
+            UnicodeEncodeError: `text` holds a lone surrogate.
+        """
+        prefix = [self.bos_token_id] if add_special_tokens and self.add_bos else []
         return prefix + list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Returns the text of `token_ids`; invalid UTF-8 becomes U+FFFD.
 
         Special tokens are dropped, or rendered by name when `skip_special_tokens` is False.
@@ -83,6 +144,6 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def incremental_decoder(self) -> IncrementalDecoder:
-        """Returns a fresh decoder for streaming one sequence's output."""
-        return IncrementalDecoder(self)
+    def incremental_decoder(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        """Returns a fresh decoder for streaming one sequence's output (bytes need no context)."""
+        return _ByteDecoder()

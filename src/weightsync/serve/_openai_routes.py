@@ -29,12 +29,7 @@ from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
-from weightsync.serve._protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-    apply_chat_template,
-)
+from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
 
 __all__ = ["router"]
@@ -266,7 +261,11 @@ async def _create_chat_completion(
 ) -> Response | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
     state: EngineControl = request.app.state.serve
-    prompt = apply_chat_template(body.messages)
+    messages = [m.template_fields() for m in body.messages]
+    try:  # the model's own template, or the documented default
+        prompt = state.engine.apply_chat_template(messages)
+    except InvalidRequestError as exc:
+        raise RequestRefused(400, str(exc), param="messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
     model = state.config.model_name
     asked = body.num_logprobs() is not None

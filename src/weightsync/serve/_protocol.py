@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the server accepts, and the chat template over the byte tokenizer.
+"""The OpenAI request bodies the server accepts.
 
 Unknown fields are refused (400 naming the field) rather than silently ignored, so a misspelt
 `max_token` is caught. Fields beyond OpenAI's (`ignore_eos`, `stop_token_ids`, `request_id`) are
@@ -20,7 +20,6 @@ __all__ = [
     "CompletionRequest",
     "StreamOptions",
     "TextPart",
-    "apply_chat_template",
 ]
 
 _Prompt = StrictStr | list[StrictInt]
@@ -109,11 +108,18 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_fields(self) -> dict[str, str]:
+        """The message as a chat template reads it: role, content as one text, name if given."""
+        fields = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
+
 
 class ChatCompletionRequest(_SamplingFields):
     """The body of `POST /v1/chat/completions`.
 
-    `messages` are rendered by `apply_chat_template`.
+    `messages` are rendered by the model's chat template (`LLMEngine.apply_chat_template`).
     `logprobs=true` asks for the sampled tokens' log-probabilities, `top_logprobs` for that many
     alternatives.
     """
@@ -131,20 +137,3 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         """The engine's `logprobs` for this request."""
         return (self.top_logprobs or 0) if self.logprobs or self.top_logprobs else None
-
-
-def apply_chat_template(messages: list[ChatMessage]) -> str:
-    """Renders chat messages into one prompt for the byte tokenizer.
-
-    Each message becomes `<|role|>` on a line of its own, then its content and a newline; the
-    prompt ends with `<|assistant|>` and a newline, where the reply begins. The markers are plain
-    text (bytes), since the byte tokenizer has no special tokens for roles; the tokenizer puts
-    its BOS token first.
-
-    >>> print(apply_chat_template([ChatMessage(role="user", content="hi")]), end="")
-    <|user|>
-    hi
-    <|assistant|>
-    """
-    rendered = "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages)
-    return rendered + "<|assistant|>\n"

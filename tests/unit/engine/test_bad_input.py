@@ -100,6 +100,18 @@ CASES = [
     sampling(logprobs=21),
     sampling(logprobs=True),
     sampling(logprobs=-1),
+    # Stop lists a real client never sends: bounded, since every stop check runs in the step all
+    # requests share.
+    Case("sampling-stop-65-strings", add(stop=["x"] * 65), InvalidRequestError,
+         r"stop holds 65 strings; at most 64 are accepted"),
+    Case("sampling-stop-200000-strings", add(stop=["x"] * 200_000), InvalidRequestError,
+         r"stop holds 200000 strings; at most 64 are accepted"),
+    Case("sampling-stop-string-513-chars", add(stop=["x" * 513]), InvalidRequestError,
+         r"stop holds a string of 513 characters; each may have at most 512"),
+    Case("sampling-stop-token-ids-129", add(stop_token_ids=list(range(129))), InvalidRequestError,
+         r"stop_token_ids holds 129 ids; at most 128 are accepted"),
+    Case("sampling-stop-token-ids-1000000", add(stop_token_ids=[7] * 1_000_000),
+         InvalidRequestError, r"stop_token_ids holds 1000000 ids; at most 128 are accepted"),
     # Prompts.
     Case("prompt-empty-ids", add([]), InvalidRequestError, "prompt is empty"),
     Case("prompt-empty-text", add(""), InvalidRequestError, "prompt is empty"),

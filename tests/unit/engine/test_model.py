@@ -66,9 +66,9 @@ def test_presets_and_config_validation():
         LlamaConfig.preset("huge")
     with pytest.raises(EngineConfigError, match="num_key_value_heads"):
         LlamaConfig(num_attention_heads=8, num_key_value_heads=3)
-    with pytest.raises(EngineConfigError, match="rope type 'llama3'"):
+    with pytest.raises(EngineConfigError, match="rope type 'yarn' is not supported"):
         LlamaConfig.from_hf_dict(
-            {**LlamaConfig().to_hf_dict(), "rope_scaling": {"rope_type": "llama3"}}
+            {**LlamaConfig().to_hf_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
         )
 
 
@@ -110,5 +110,5 @@ def test_directory_errors_say_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({**LlamaConfig().to_hf_dict(), "model_type": "gpt2"})
     )
-    with pytest.raises(EngineConfigError, match="model_type must be 'llama'"):
+    with pytest.raises(EngineConfigError, match="model_type 'gpt2' is not supported"):
         load_hf_directory(tmp_path)

@@ -7,7 +7,6 @@ from fastapi.testclient import TestClient
 
 from weightsync import AsyncEngine, EngineConfig, EngineConfigError
 from weightsync.serve import ServerConfig, create_app
-from weightsync.serve._protocol import ChatMessage, apply_chat_template
 
 
 def make_client(**config):
@@ -60,7 +59,7 @@ def test_a_stream_adds_up_to_the_whole_answer(client):
 def test_chat_uses_the_documented_template(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
-    prompt = apply_chat_template([ChatMessage(role="user", content="hi")])
+    prompt = "<|user|>\nhi\n<|assistant|>\n"  # after the byte tokenizer's BOS
     assert answer.json()["choices"][0]["prompt_token_ids"] == [256, *prompt.encode()]
     assert answer.json()["choices"][0]["message"]["role"] == "assistant"
 
@@ -121,3 +120,17 @@ def test_a_key_no_header_can_carry_is_refused_at_start(key, record_property):
     with pytest.raises(EngineConfigError, match="admin_api_key"):
         ServerConfig(admin_api_key=key)
     record_property("error", "EngineConfigError")
+
+
+@pytest.mark.reliability("output")
+def test_a_stream_with_a_stop_string_sends_exactly_the_answer(client):
+    """With a multi-character stop string, the stream's text joins into the non-streamed text."""
+    body = {"prompt": "xyz", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = free[6:9]  # its first characters arrive a step before it completes
+    whole = client.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == free[: free.index(stop)]
+    with client.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as r:
+        deltas = [chunk["choices"][0] for chunk in events(r)]
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]

@@ -1,0 +1,173 @@
+"""`ChatTemplate`: a model's Jinja chat template, rendered in a sandbox as `transformers` does.
+
+A model directory's template (`chat_template.jinja`, or `tokenizer_config.json`'s
+`chat_template`) is code from whoever published the model, and the messages it renders come from
+clients. It runs in Jinja's immutable sandbox, with the settings and helpers templates on the
+Hugging Face Hub are written for (`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that
+keeps non-ASCII text, `raise_exception`, `strftime_now`), so it renders exactly what
+`transformers`' `apply_chat_template` renders. A model without a template gets the engine's
+documented default (`ChatTemplate.default()`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.sandbox
+
+from weightsync.errors import EngineConfigError, InvalidRequestError
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplate"]
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The template of a model without one: `<|role|>`, a newline, the content and a newline per
+message, then `<|assistant|>` and a newline where the reply begins. The markers are plain text;
+the tokenizer adds its BOS token before them."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own `tojson` escapes HTML characters; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format_: str) -> str:
+    return datetime.datetime.now().strftime(format_)
+
+
+class ChatTemplate:
+    """A chat template: messages in, the prompt text out.
+
+    Args:
+        source: The Jinja source.
+        origin: Where it came from, for error messages (`"tokenizer_config.json's
+            chat_template"`, say).
+        variables: Names the template may read besides `messages` and `add_generation_prompt`:
+            the tokenizer's special tokens (`bos_token`, `eos_token`, ...), as `transformers`
+            passes them.
+        add_special_tokens: Whether the rendered text is encoded with the tokenizer's special
+            tokens. A model's own template writes them itself (`transformers` encodes its output
+            without them); the default template leaves the BOS token to the tokenizer.
+
+    Raises:
+        EngineConfigError: The source is not a valid Jinja template; the message names `origin`
+            and the line.
+
+    >>> template = ChatTemplate.default()
+    >>> print(template.render([{"role": "user", "content": "hi"}]), end="")
+    <|user|>
+    hi
+    <|assistant|>
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        origin: str = "chat template",
+        variables: Mapping[str, str] | None = None,
+        add_special_tokens: bool = False,
+    ) -> None:
+        self.source = source
+        self.origin = origin
+        self.variables = dict(variables or {})
+        self.add_special_tokens = add_special_tokens
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        environment.filters["tojson"] = _tojson
+        environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        try:
+            self._template = environment.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise EngineConfigError(
+                f"{origin} is not a valid Jinja template: {exc.message} (line {exc.lineno})"
+            ) from None
+
+    @classmethod
+    def default(cls) -> ChatTemplate:
+        """The documented template of a model without its own (see `DEFAULT_CHAT_TEMPLATE`)."""
+        return cls(
+            DEFAULT_CHAT_TEMPLATE, origin="the default chat template", add_special_tokens=True
+        )
+
+    @classmethod
+    def from_directory(
+        cls, directory: Path, tokenizer_config: Mapping[str, Any], variables: Mapping[str, str]
+    ) -> ChatTemplate | None:
+        """The template of a model directory, or None when it has none.
+
+        `chat_template.jinja` comes first, then `tokenizer_config.json`'s `chat_template` (a
+        text, or a list of named templates of which `default` is taken), as in `transformers`.
+
+        Raises:
+            EngineConfigError: A template that is not valid Jinja, or a `chat_template` entry of
+                the wrong shape; the message names the file and key.
+        """
+        path = directory / "chat_template.jinja"
+        if path.is_file():
+            return cls(path.read_text(encoding="utf-8"), origin=str(path), variables=variables)
+        source = tokenizer_config.get("chat_template")
+        origin = f"{directory / 'tokenizer_config.json'}: chat_template"
+        if isinstance(source, list):
+            named = {
+                entry.get("name"): entry.get("template")
+                for entry in source
+                if isinstance(entry, dict)
+            }
+            source, origin = named.get("default"), f"{origin} 'default'"
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise EngineConfigError(
+                f"{origin} must be a Jinja text (or a list of named templates with a 'default'), "
+                f"got {type(source).__name__}"
+            )
+        return cls(source, origin=origin, variables=variables)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Renders `messages` (dicts with `role` and `content`) into the prompt text.
+
+        Args:
+            messages: The conversation.
+            add_generation_prompt: End with the marker where the assistant's reply begins.
+
+        Raises:
+            InvalidRequestError: The template refused the messages (its `raise_exception`, say:
+                roles that do not alternate) or failed on them; the message names the template.
+        """
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.variables,
+            )
+        except jinja2.TemplateError as exc:  # raise_exception, an undefined name, the sandbox
+            raise InvalidRequestError(f"{self.origin} refused the messages: {exc}") from None
+        except Exception as exc:  # a template's own bug (a wrong type, say) on these messages
+            raise InvalidRequestError(
+                f"{self.origin} failed on the messages: {type(exc).__name__}: {exc}"
+            ) from None
