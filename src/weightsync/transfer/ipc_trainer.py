@@ -530,10 +530,11 @@ def ipc_trainer_send_weights(
     specs = announced.specs()
     header = {
         **announced.to_dict(),
-        "weight_version": announced.weight_version if version is None else version,
         "update_id": secrets.token_hex(8),  # an IPC update is known by it, not by a send_id
     }
     header.pop("send_id", None)
+    if version is not None:
+        header["weight_version"] = version
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
     courier = Courier(trainer_args.deliver, session.wire.timeout_s)
     sending = _Sending(session, specs, source, header, courier, stats)
