@@ -50,7 +50,7 @@ from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.loader import load_model
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.model_config import PRESETS
+from weightsync.engine.model_config import _PRESETS
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Tokenizer
 
@@ -394,7 +394,7 @@ def main() -> None:
     parts = set(args.only or PARTS)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, seed=0, dtype=getattr(torch, args.dtype))
-    preset = args.model in PRESETS
+    preset = args.model in _PRESETS
     # A directory's prompts draw from its whole vocabulary; a preset's are bytes.
     high = 256 if preset else min(tokenizer.vocab_size, model.config.vocab_size)
     started = time.perf_counter()

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 from weightsync.errors import WeightValidationError
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer.base import WeightTransferEngine
-from weightsync.transfer.registry import default_registry
+from weightsync.transfer.registry import _default_registry
 
-__all__ = ["WeightTransferConfig", "parse_dataclass_arg", "parse_weight_transfer_config"]
+__all__ = ["WeightTransferConfig", "parse_weight_transfer_config"]
 
 _ConfigT = TypeVar("_ConfigT")
 
@@ -40,11 +40,11 @@ class WeightTransferConfig:
     backend: str = "nccl"
 
     def __post_init__(self) -> None:
-        default_registry.get(self.backend)
+        _default_registry.get(self.backend)
 
     def create_engine(self, **kwargs: Any) -> WeightTransferEngine:
         """Builds this backend's receiver engine; `kwargs` go to its constructor."""
-        return default_registry.create(self.backend, **kwargs)
+        return _default_registry.create(self.backend, **kwargs)
 
 
 def _coerce(text: str) -> Any:
@@ -55,7 +55,7 @@ def _coerce(text: str) -> Any:
         return text
 
 
-def parse_dataclass_arg(
+def _parse_dataclass_arg(
     argv: Sequence[str], flag: str, cls: type[_ConfigT]
 ) -> tuple[_ConfigT | None, list[str]]:
     """Takes a dataclass-valued option out of `argv`, in JSON or dotted-key form.
@@ -75,7 +75,7 @@ def parse_dataclass_arg(
         WeightValidationError: Malformed JSON, a missing value, or unknown keys; the message names
             the flag and lists the valid keys.
 
-    >>> cfg, rest = parse_dataclass_arg(["--cfg.backend", "gloo", "-v"], "--cfg", WeightTransferConfig)
+    >>> cfg, rest = _parse_dataclass_arg(["--cfg.backend", "gloo", "-v"], "--cfg", WeightTransferConfig)
     >>> cfg.backend, rest
     ('gloo', ['-v'])
     """
@@ -132,4 +132,4 @@ def parse_weight_transfer_config(
     >>> parse_weight_transfer_config(['--weight-transfer-config', '{"backend": "gloo"}'])[0]
     WeightTransferConfig(backend='gloo')
     """
-    return parse_dataclass_arg(argv, "--weight-transfer-config", WeightTransferConfig)
+    return _parse_dataclass_arg(argv, "--weight-transfer-config", WeightTransferConfig)

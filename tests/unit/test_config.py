@@ -3,7 +3,7 @@ import pytest
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.nccl import GlooWeightTransferEngine
-from weightsync.transfer.registry import EngineRegistry, default_registry
+from weightsync.transfer.registry import _default_registry, _EngineRegistry
 
 FLAG = "--weight-transfer-config"
 
@@ -53,7 +53,7 @@ def test_parse_errors_are_clear(argv, message):
 
 
 def test_registry_register_lazy_duplicate_and_create():
-    registry = EngineRegistry()
+    registry = _EngineRegistry()
     registry.register("cpu-broadcast", "weightsync.transfer.nccl:GlooWeightTransferEngine")
     assert registry.get("cpu-broadcast") is GlooWeightTransferEngine
     with pytest.raises(WeightValidationError, match="already registered; pass replace=True"):
@@ -72,10 +72,10 @@ def test_third_party_backend_is_selectable_by_config():
     class MyEngine(GlooWeightTransferEngine):
         pass
 
-    default_registry.register("test-third-party", MyEngine)
+    _default_registry.register("test-third-party", MyEngine)
     try:
         assert isinstance(
             WeightTransferConfig(backend="test-third-party").create_engine(), MyEngine
         )
     finally:
-        default_registry._engines.pop("test-third-party")
+        _default_registry._engines.pop("test-third-party")

@@ -3,7 +3,7 @@ from torch import nn
 
 from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flatten_module
-from weightsync.transfer.packing import direct_region, plan_buckets
+from weightsync.transfer.packing import _direct_region, plan_buckets
 
 
 def make_model():
@@ -36,4 +36,4 @@ def test_flat_layout_matches_every_bucket_plan():
     specs = [TensorSpec.of(n, p) for n, p in params.items()]
     for bucket_size in (64, 300, 1 << 20):
         for bucket in plan_buckets(specs, bucket_size):
-            assert direct_region(bucket, [params[s.spec.name] for s in bucket.slots]) is not None
+            assert _direct_region(bucket, [params[s.spec.name] for s in bucket.slots]) is not None

@@ -8,7 +8,7 @@ from weightsync.transfer.base import TensorSpec
 from weightsync.transfer.flat import flat_tensors
 from weightsync.transfer.packing import (
     ALIGN_BYTES,
-    direct_region,
+    _direct_region,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
@@ -101,15 +101,15 @@ def test_direct_region_found_for_flat_layout_only():
     ]
     (bucket,) = plan_buckets(specs, 1 << 20)
     _, flat = flat_tensors(specs)
-    region = direct_region(bucket, list(flat.values()))
+    region = _direct_region(bucket, list(flat.values()))
     assert region is not None
     assert region.data.data_ptr() == flat["a"].data_ptr() and region.data.numel() == bucket.nbytes
     assert region.gaps == [(12, ALIGN_BYTES), (ALIGN_BYTES + 8, 2 * ALIGN_BYTES)]
     separate = allocate_tensors(specs, flat=False)
-    assert direct_region(bucket, list(separate.values())) is None
+    assert _direct_region(bucket, list(separate.values())) is None
     # Same storage but in another order: offsets differ, so no region.
     assert (
-        direct_region(
+        _direct_region(
             bucket, [flat["a"], flat["c"].new_zeros((2, 2), dtype=torch.bfloat16), flat["c"]]
         )
         is None
@@ -121,7 +121,7 @@ def test_direct_region_gaps_are_restored():
     (bucket,) = plan_buckets(specs, 1 << 20)
     buffer, flat = flat_tensors(specs)
     buffer[10:ALIGN_BYTES] = 7  # bytes that belong to someone else
-    region = direct_region(bucket, list(flat.values()))
+    region = _direct_region(bucket, list(flat.values()))
     saved = region.save_gaps()
     region.data.fill_(1)
     region.restore_gaps(saved)

@@ -52,7 +52,7 @@ from weightsync.conformance._probe import (
     expect_refusal,
 )
 
-__all__ = ["CASES", "Case", "CaseResult", "ConformanceReport", "format_table", "run_conformance"]
+__all__ = ["CASES", "CaseResult", "ConformanceReport", "run_conformance"]
 
 
 def _basics(probe: Probe) -> str:
@@ -155,25 +155,23 @@ class ConformanceReport:
             "cases": [asdict(result) for result in self.cases],
         }
 
+    def table(self, *, width: int = 110) -> str:
+        """The report as a table: one row per case (name, outcome, a short detail), then a count.
 
-def format_table(report: ConformanceReport, *, width: int = 110) -> str:
-    """The report as a table: one row per case (name, outcome, a short detail), then a count.
-
-    Args:
-        report: The report.
-        width: The longest line, in characters; longer details are cut.
-    """
-    name_width = max([len("case"), *(len(result.name) for result in report.cases)])
-    lines = [f"{'case':<{name_width}}  {'result':<7}  detail"]
-    for result in report.cases:
-        row = f"{result.name:<{name_width}}  {result.outcome:<7}  {' '.join(result.detail.split())}"
-        lines.append(row if len(row) <= width else row[: width - 3] + "...")
-    counts = report.counts()
-    lines.append(
-        f"{len(report.cases)} cases: {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['skipped']} skipped ({report.url})"
-    )
-    return "\n".join(lines)
+        Args:
+            width: The longest line, in characters; longer details are cut.
+        """
+        name_width = max([len("case"), *(len(result.name) for result in self.cases)])
+        lines = [f"{'case':<{name_width}}  {'result':<7}  detail"]
+        for result in self.cases:
+            row = f"{result.name:<{name_width}}  {result.outcome:<7}  {' '.join(result.detail.split())}"
+            lines.append(row if len(row) <= width else row[: width - 3] + "...")
+        counts = self.counts()
+        lines.append(
+            f"{len(self.cases)} cases: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{counts['skipped']} skipped ({self.url})"
+        )
+        return "\n".join(lines)
 
 
 def run_conformance(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from weightsync.conformance import format_table, run_conformance
+from weightsync.conformance import run_conformance
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -17,5 +17,5 @@ def run_command(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         keep_weights=args.keep_weights,
     )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0 if report.ok else 1

@@ -2,10 +2,10 @@
 
 A request flows
 [`LLMEngine.add_request`][weightsync.engine.llm_engine.LLMEngine.add_request] ->
-[`Scheduler.schedule`][weightsync.engine.scheduler.Scheduler.schedule] (continuous batching under a
-token budget, KV blocks from the [`BlockManager`][weightsync.engine.kv_cache.BlockManager]) ->
-[`ModelRunner.execute`][weightsync.engine.model_runner.ModelRunner.execute] (one forward pass over
-every scheduled token, then sampling) -> [`OutputProcessor`][weightsync.engine.processing.OutputProcessor]
+`Scheduler.schedule` (continuous batching under a
+token budget, KV blocks from the `BlockManager`) ->
+`ModelRunner.execute` (one forward pass over
+every scheduled token, then sampling) -> `OutputProcessor`
 (stop checks, per-token weight versions) -> [`RequestOutput`][weightsync.engine.outputs.RequestOutput].
 [`AsyncEngine`][weightsync.engine.async_engine.AsyncEngine] drives the same loop from asyncio and
 streams outputs, while `pause_generation`, `resume_generation` and `update_weights` stay responsive

@@ -15,11 +15,11 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from weightsync.engine.model_runner import ModelRunner
+    from weightsync.engine._model_runner import ModelRunner
+    from weightsync.engine._processing import OutputProcessor
+    from weightsync.engine._scheduler import ScheduledSequence
+    from weightsync.engine._sequence import Sequence
     from weightsync.engine.outputs import WeightVersion
-    from weightsync.engine.processing import OutputProcessor
-    from weightsync.engine.scheduler import ScheduledSequence
-    from weightsync.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.engine.attention import LaneGroup
-from weightsync.engine.sequence import Sequence
+from weightsync.engine._attention import LaneGroup
+from weightsync.engine._sequence import Sequence
 
 
 class _Lane:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from weightsync.engine.model_runner import ModelRunner
+from weightsync.engine._model_runner import ModelRunner
 from weightsync.engine.weights import LiveWeights
 from weightsync.errors import EngineStateError, InvalidRequestError
 

@@ -13,8 +13,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.engine._scheduler import Scheduler
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.scheduler import PauseState, Scheduler
+from weightsync.engine.pause import PauseState
 from weightsync.engine.weights import LiveWeights
 from weightsync.errors import (
     EngineBusyError,

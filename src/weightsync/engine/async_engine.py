@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
-from weightsync.engine.processing import Prompt
+from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
-from weightsync.engine.scheduler import PauseMode, PauseState
+from weightsync.engine.tokenizer import Prompt
 from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats

@@ -22,9 +22,9 @@ import jinja2.sandbox
 
 from weightsync.errors import EngineConfigError, InvalidRequestError
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplate"]
+__all__ = ["ChatTemplate"]
 
-DEFAULT_CHAT_TEMPLATE = (
+_DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -105,9 +105,9 @@ class ChatTemplate:
 
     @classmethod
     def default(cls) -> ChatTemplate:
-        """The documented template of a model without its own (see `DEFAULT_CHAT_TEMPLATE`)."""
+        """The documented template of a model without its own (see `_DEFAULT_CHAT_TEMPLATE`)."""
         return cls(
-            DEFAULT_CHAT_TEMPLATE, origin="the default chat template", add_special_tokens=True
+            _DEFAULT_CHAT_TEMPLATE, origin="the default chat template", add_special_tokens=True
         )
 
     @classmethod

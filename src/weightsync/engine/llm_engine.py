@@ -27,19 +27,20 @@ import torch
 from weightsync.config import WeightTransferConfig
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._isolation import run_batch
+from weightsync.engine._kv_cache import BlockManager
+from weightsync.engine._model_runner import ModelRunner
+from weightsync.engine._processing import InputProcessor, OutputProcessor
+from weightsync.engine._scheduler import Scheduler
+from weightsync.engine._sequence import Sequence as Seq
 from weightsync.engine._sleep import Sleep
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig, _check_optional
-from weightsync.engine.kv_cache import BlockManager
 from weightsync.engine.loader import load_model
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.model_runner import ModelRunner
 from weightsync.engine.outputs import RequestOutput, WeightVersion
-from weightsync.engine.processing import InputProcessor, OutputProcessor, Prompt
+from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
-from weightsync.engine.scheduler import PauseMode, PauseState, Scheduler
-from weightsync.engine.sequence import Sequence as Seq
-from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
+from weightsync.engine.tokenizer import ByteTokenizer, Prompt, Tokenizer
 from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
 from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats

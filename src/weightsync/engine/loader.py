@@ -23,7 +23,7 @@ import torch
 
 from weightsync.engine.hf_tokenizer import load_tokenizer
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.model_config import PRESETS, LlamaConfig
+from weightsync.engine.model_config import _PRESETS, LlamaConfig
 from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
 from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.checksums import _byte_view
@@ -31,9 +31,7 @@ from weightsync.transfer.checksums import _byte_view
 __all__ = [
     "load_hf_directory",
     "load_model",
-    "read_safetensors",
     "save_hf_directory",
-    "write_safetensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,7 +44,7 @@ _DTYPES = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
 
     Raises:
@@ -89,7 +87,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
             yield name, torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
     """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -118,7 +116,7 @@ def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> 
     directory.mkdir(parents=True, exist_ok=True)
     config = {**model.config.to_hf_dict(), "torch_dtype": str(model.dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
+    _write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
 
 
 def _read_json(path: Path) -> Any:
@@ -170,7 +168,7 @@ def load_hf_directory(
     expected = set(model.weight_specs())
     loaded: set[str] = set()
     for file in files:
-        pairs = read_safetensors(directory / file)
+        pairs = _read_safetensors(directory / file)
         kept = (
             (n, t)
             for n, t in pairs
@@ -206,7 +204,7 @@ def load_model(
         EngineConfigError: Not a preset and not a loadable directory; the message names the
             file and the key at fault.
     """
-    if name in PRESETS:
+    if name in _PRESETS:
         return LlamaForCausalLM.from_preset(name, seed=seed, dtype=dtype), ByteTokenizer()
     model = load_hf_directory(name, dtype=dtype)
     return model, load_tokenizer(name, vocab_size=model.config.vocab_size)

@@ -1,8 +1,8 @@
 """A Llama-family decoder in plain torch whose parameter names match Hugging Face's.
 
-RMSNorm, rotary position embeddings (optionally scaled, `llama3` or `linear`), grouped-query
+_RMSNorm, rotary position embeddings (optionally scaled, `llama3` or `linear`), grouped-query
 attention and a SwiGLU MLP, with a tied or untied LM head. The families differ in three switches
-of `LlamaConfig`: biases on q/k/v (Qwen2) or on q/k/v/o (`attention_bias`), and an RMSNorm on each
+of `LlamaConfig`: biases on q/k/v (Qwen2) or on q/k/v/o (`attention_bias`), and an _RMSNorm on each
 head's queries and keys before rotation (Qwen3). The engine fuses q/k/v into `qkv_proj` and
 gate/up into `gate_up_proj` (fewer, larger matmuls), yet speaks Hugging Face's names at its edges:
 `weight_specs`, `named_weights` and `load_weights` use `model.layers.N.self_attn.q_proj.weight`
@@ -23,22 +23,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from weightsync.engine.attention import AttentionMetadata, causal_attention, paged_attention
+from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import TensorSpec
 
-__all__ = [
-    "LlamaAttention",
-    "LlamaDecoderLayer",
-    "LlamaForCausalLM",
-    "LlamaMLP",
-    "LlamaModel",
-    "RMSNorm",
-]
+__all__ = ["LlamaForCausalLM"]
 
 
-class RMSNorm(nn.Module):
+class _RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like Hugging Face's `LlamaRMSNorm`."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -84,7 +77,7 @@ def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(in_band, blended, stretched)
 
 
-class LlamaAttention(nn.Module):
+class _LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary embeddings; q/k/v fused in one projection."""
 
     def __init__(self, config: LlamaConfig, layer_index: int) -> None:
@@ -100,8 +93,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: each head's queries and keys are normalized over head_dim before rotation.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -134,7 +127,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
 
 
-class LlamaMLP(nn.Module):
+class _LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, gate and up fused."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -148,15 +141,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
 
 
-class LlamaDecoderLayer(nn.Module):
+class _LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP."""
 
     def __init__(self, config: LlamaConfig, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = _LlamaAttention(config, layer_index)
+        self.mlp = _LlamaMLP(config)
+        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -170,16 +163,16 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
-class LlamaModel(nn.Module):
+class _LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (Hugging Face's `model.` prefix)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            _LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = _LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -215,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
     def from_preset(
         cls, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
     ) -> LlamaForCausalLM:
-        """Builds preset `name` (see `PRESETS`) with weights drawn from `seed`."""
+        """Builds preset `name` (see `_PRESETS`) with weights drawn from `seed`."""
         model = cls(LlamaConfig.preset(name, **overrides), dtype=dtype)
         model.init_weights(seed)
         return model

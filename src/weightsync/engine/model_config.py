@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from weightsync.errors import EngineConfigError
 
-__all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "LlamaConfig", "RopeScaling"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "LlamaConfig", "RopeScaling"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """The `config.json` model types the engine serves (dense, full attention)."""
@@ -170,7 +170,7 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """Returns the preset `name` (see `PRESETS`), with `overrides` applied.
+        """Returns the preset `name` (see `_PRESETS`), with `overrides` applied.
 
         Raises:
             EngineConfigError: Unknown preset; the message lists the known ones.
@@ -178,11 +178,11 @@ class LlamaConfig:
         >>> LlamaConfig.preset("tiny", tie_word_embeddings=True).tie_word_embeddings
         True
         """
-        if name not in PRESETS:
+        if name not in _PRESETS:
             raise EngineConfigError(
-                f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}"
+                f"unknown model preset {name!r}; known presets: {sorted(_PRESETS)}"
             )
-        return replace(PRESETS[name], **overrides)
+        return replace(_PRESETS[name], **overrides)
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config.json") -> LlamaConfig:
@@ -322,7 +322,7 @@ def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling | None:
     )
 
 
-PRESETS: dict[str, LlamaConfig] = {
+_PRESETS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
     "tiny": LlamaConfig(),

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 if TYPE_CHECKING:
     from weightsync.engine.chat_template import ChatTemplate
 
-__all__ = ["ByteTokenizer", "IncrementalDecoder", "Tokenizer"]
+__all__ = ["ByteTokenizer", "IncrementalDecoder", "Prompt", "Tokenizer"]
+
+Prompt = str | list[int]
+"""A prompt: text (tokenized by the engine's tokenizer) or token ids."""
 
 
 class IncrementalDecoder(Protocol):

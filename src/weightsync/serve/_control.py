@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.pause import PauseMode
 from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.serve.config import ServerConfig
 

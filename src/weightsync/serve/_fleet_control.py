@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve._control import Body
 from weightsync.serve._fleet import Fleet, Replica, raise_failures

@@ -4,7 +4,7 @@ Completions go to the replica with the fewest open requests, and its answer (a s
 as they come) goes back unchanged. A replica that dies ends its streams with
 `finish_reason="error"` for every unfinished choice, then `[DONE]`; a non-streamed request it ran
 is answered with the same finish reason. The RL routes are the one server's, over the replicas
-([`FleetControl`][weightsync.serve._fleet_control.FleetControl]).
+(`FleetControl`).
 """
 
 from __future__ import annotations

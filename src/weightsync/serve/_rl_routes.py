@@ -2,7 +2,7 @@
 
 Paths, query parameters and success bodies are vLLM's, so a trainer written against vLLM's HTTP
 control plane drives this server unchanged. Each route checks its parameters and calls the
-server's [`ControlSurface`][weightsync.serve._control.ControlSurface] (one engine, or the
+server's `ControlSurface` (one engine, or the
 replicas of a data-parallel front): the same routes serve both. Unlike vLLM's, every route takes
 the admin key when the server has one, and every failure is JSON naming the field and the
 weightsync error type with the status of its class (never a 500 for a known failure). Transfer
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.pause import PauseMode
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._control import Body as Answer
 from weightsync.serve._control import ControlSurface

@@ -43,7 +43,7 @@ from weightsync import (
 from weightsync.serve._parser import ADMIN_API_KEY_ENV
 from weightsync.serve._parser import build_parser as _build_parser
 
-__all__ = ["build_parser", "main", "parse_serve_args"]
+__all__ = ["main"]
 
 logger = logging.getLogger("weightsync.serve")
 
@@ -87,12 +87,7 @@ def _fail(message: str, *, status: int) -> int:
     return status
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `weightsync` command's parser (the CLI reference page is generated from it)."""
-    return _build_parser(weightsync.__version__)
-
-
-def parse_serve_args(
+def _parse_serve_args(
     argv: Sequence[str],
 ) -> tuple[argparse.Namespace, WeightTransferConfig | None]:
     """Parses a `weightsync serve ...` command line.
@@ -104,18 +99,18 @@ def parse_serve_args(
         WeightValidationError: A malformed `--weight-transfer-config`.
         SystemExit: Any other malformed option (argparse prints why).
 
-    >>> args, config = parse_serve_args(["serve", "--weight-transfer-config.backend", "gloo"])
+    >>> args, config = _parse_serve_args(["serve", "--weight-transfer-config.backend", "gloo"])
     >>> args.model, args.host, config.backend
     ('tiny', '127.0.0.1', 'gloo')
     """
     transfer_config, rest = parse_weight_transfer_config(argv)
-    return build_parser().parse_args(rest), transfer_config
+    return _build_parser(weightsync.__version__).parse_args(rest), transfer_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `weightsync` command; returns its exit status."""
     try:
-        args, transfer_config = parse_serve_args(list(sys.argv[1:] if argv is None else argv))
+        args, transfer_config = _parse_serve_args(list(sys.argv[1:] if argv is None else argv))
     except WeightSyncError as exc:
         return _fail(str(exc), status=2)
     if args.command == "conformance":

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.engine.outputs import CompletionOutput, RequestOutput
-from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.tokenizer import Prompt
 
 
 def completion_body(

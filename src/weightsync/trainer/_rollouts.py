@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 
 from weightsync.engine.outputs import RequestOutput
-from weightsync.engine.processing import Prompt
 from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.tokenizer import Prompt
 from weightsync.errors import EngineStateError, EngineTimeoutError
+from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._completions import accumulate, completion_body, to_output
-from weightsync.trainer.http_client import error_from_answer
 
 _PATH = "/v1/completions"
 

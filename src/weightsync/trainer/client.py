@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.pause import PauseMode
 from weightsync.trainer._calls import collect, in_threads
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S

@@ -22,9 +22,9 @@ from typing import Any
 
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.outputs import RequestOutput, WeightVersion
-from weightsync.engine.processing import Prompt
+from weightsync.engine.pause import PauseMode
 from weightsync.engine.sampling import SamplingParams
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.tokenizer import Prompt
 from weightsync.errors import EngineStateError, EngineTimeoutError, InvalidRequestError
 from weightsync.trainer._rollouts import Rollouts
 from weightsync.trainer._serve_process import ServeProcess

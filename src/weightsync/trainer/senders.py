@@ -41,7 +41,7 @@ from weightsync.transfer.nccl_trainer import (
     trainer_init,
     trainer_send_weights,
 )
-from weightsync.transfer.wire import WireKeywords, WireParams
+from weightsync.transfer.wire import WireParams, _WireKeywords
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
@@ -209,7 +209,7 @@ class BroadcastWeightSender(WeightSender):
         master_address: str = "127.0.0.1",
         master_port: int = 0,
         wire: WireParams | None = None,
-        **wire_fields: Unpack[WireKeywords],
+        **wire_fields: Unpack[_WireKeywords],
     ) -> None:
         super().__init__(engines)
         self.wire = WireParams.build(wire, **wire_fields)
@@ -333,7 +333,7 @@ class IPCWeightSender(WeightSender):
         engines: Sequence[EngineClient],
         *,
         wire: WireParams | None = None,
-        **wire_fields: Unpack[WireKeywords],
+        **wire_fields: Unpack[_WireKeywords],
     ) -> None:
         super().__init__(engines)
         self.backend = "ipc"

@@ -16,7 +16,7 @@ import torch
 
 from weightsync.engine.errors import TornWeightsError
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.scheduler import PauseMode
+from weightsync.engine.pause import PauseMode
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.trainer.senders import WeightSender
 from weightsync.transfer.base import TransferStats

@@ -23,7 +23,7 @@ import torch
 from weightsync.errors import WeightTransferError
 from weightsync.transfer._group import BroadcastGroup, BroadcastWork
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import Bucket, DirectRegion, Slot, plan_buckets
+from weightsync.transfer.packing import Bucket, Slot, _DirectRegion, plan_buckets
 from weightsync.transfer.wire import WireParams
 
 __all__ = ["InFlight", "abort", "peer_reasons", "plan", "transfer_failed"]
@@ -47,7 +47,7 @@ class InFlight:
     bucket: Bucket
     data: torch.Tensor | None = None
     buffer_index: int | None = None
-    region: DirectRegion | None = None
+    region: _DirectRegion | None = None
     saved_gaps: list[torch.Tensor] | None = None
     keepalive: Sequence[torch.Tensor] = ()
 

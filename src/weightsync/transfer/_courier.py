@@ -12,7 +12,7 @@ from typing import Any
 
 from weightsync.errors import WeightTransferTimeout
 
-DeliverFn = Callable[[dict[str, Any]], None]
+_DeliverFn = Callable[[dict[str, Any]], None]
 """Hands one JSON-safe update info dict to every worker's `receive_weights`."""
 
 
@@ -26,7 +26,7 @@ class Courier:
     wait for).
     """
 
-    def __init__(self, deliver: DeliverFn, timeout_s: float) -> None:
+    def __init__(self, deliver: _DeliverFn, timeout_s: float) -> None:
         self._deliver = deliver
         self._timeout_s = timeout_s
         self._jobs: queue.SimpleQueue[tuple[dict[str, Any], Future[None]] | None] = (

@@ -49,13 +49,12 @@ from weightsync.transfer.packing import (
     plan_buckets,
     unpack_bucket,
 )
-from weightsync.transfer.wire import WireKeywords, WireParams
+from weightsync.transfer.wire import WireParams, _WireKeywords
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
 
 __all__ = [
-    "DeliverFn",
     "IPCTrainerSendWeightsArgs",
     "IPCTrainerSession",
     "ipc_trainer_init",
@@ -67,7 +66,7 @@ logger = logging.getLogger(__name__)
 # A bucket buffer: its bytes, and on the CPU the shared-memory segment they live in.
 _BucketBuffer = tuple[torch.Tensor, "shm.SharedSegment | None"]
 
-DeliverFn = _courier.DeliverFn
+_DeliverFn = _courier._DeliverFn
 """Hands one JSON-safe update info dict to every worker's `receive_weights`.
 
 Returns once every worker returned; raises if any failed (a `WeightValidationError` for a
@@ -248,7 +247,7 @@ class IPCTrainerSession:
 
 
 def ipc_trainer_init(
-    *, wire: WireParams | None = None, **wire_fields: Unpack[WireKeywords]
+    *, wire: WireParams | None = None, **wire_fields: Unpack[_WireKeywords]
 ) -> IPCTrainerSession:
     """Starts the trainer's end of an IPC transfer; pass `session.init_info` to every worker.
 
@@ -479,7 +478,7 @@ class IPCTrainerSendWeightsArgs:
     """
 
     session: IPCTrainerSession
-    deliver: DeliverFn
+    deliver: _DeliverFn
     update_info: Mapping[str, Any] | WeightTransferUpdateInfo | None = None
     weight_version: str | int | None = None
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None

@@ -38,7 +38,7 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.packing import Bucket, direct_region, unpack_bucket
+from weightsync.transfer.packing import Bucket, _direct_region, unpack_bucket
 from weightsync.transfer.wire import WireParams
 
 __all__ = [
@@ -145,11 +145,11 @@ def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any
             unique-id rendezvous is asked for (weightsync's rendezvous is the trainer's store).
     """
     data = dict(init_info)
-    if "nccl_unique_id_b64" in data:
+    unique_id = "nccl_unique_id_b64"
+    if unique_id in data:
         raise WeightValidationError(
-            "init_info.nccl_unique_id_b64: vLLM's NCCL unique-id rendezvous is not weightsync's "
-            "wire; a weightsync worker joins the trainer's store at master_address:master_port "
-            "(the wire page of the docs specifies it): send those instead"
+            f"init_info.{unique_id}: vLLM's NCCL unique-id rendezvous is not weightsync's wire; a "
+            "weightsync worker joins the trainer's store at master_address:master_port"
         )
     for vllm_key, key in _VLLM_INIT_KEYS.items():
         if vllm_key in data:
@@ -370,7 +370,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         if self.params is not None:
             targets = [self.params.get(slot.spec.name) for slot in bucket.slots]
             if all(t is not None and t.device == group.device for t in targets):
-                region = direct_region(bucket, targets)  # type: ignore[arg-type]
+                region = _direct_region(bucket, targets)  # type: ignore[arg-type]
         what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         if region is not None:
             saved = region.save_gaps()

@@ -35,8 +35,8 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-from weightsync.transfer.packing import Bucket, direct_region, pack_bucket
-from weightsync.transfer.wire import WireKeywords, WireParams
+from weightsync.transfer.packing import Bucket, _direct_region, pack_bucket
+from weightsync.transfer.wire import WireParams, _WireKeywords
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
@@ -160,7 +160,7 @@ def trainer_init(
     master_address: str = "127.0.0.1",
     master_port: int = 0,
     wire: WireParams | None = None,
-    **wire_fields: Unpack[WireKeywords],
+    **wire_fields: Unpack[_WireKeywords],
 ) -> TrainerGroup:
     """Creates the trainer's end (rank 0) of a weight-transfer group and decides the wire parameters.
 
@@ -352,7 +352,7 @@ def _post_send(
     stats: TransferStats,
 ) -> InFlight:
     what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
-    region = direct_region(bucket, tensors) if tensors[0].device == group.device else None
+    region = _direct_region(bucket, tensors) if tensors[0].device == group.device else None
     if region is not None:
         stats.direct_buckets += 1
         return InFlight(group.broadcast(region.data, what), bucket, region.data, keepalive=tensors)

@@ -7,7 +7,7 @@ the wire carries bytes only. Inside a bucket each tensor starts at a multiple of
 ([`unpack_bucket`][weightsync.transfer.packing.unpack_bucket]), and a module laid out with
 [`flatten_module`][weightsync.transfer.flat.flatten_module] (same order, same alignment) can be
 sent from, and received into, its own parameter memory
-([`direct_region`][weightsync.transfer.packing.direct_region]).
+(`_direct_region`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from weightsync.transfer.wire import WireParams
 __all__ = [
     "ALIGN_BYTES",
     "Bucket",
-    "DirectRegion",
     "Slot",
-    "direct_region",
     "flat_layout",
     "pack_bucket",
     "plan_buckets",
@@ -151,7 +149,7 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
 
 
 @dataclass
-class DirectRegion:
+class _DirectRegion:
     """A bucket's bytes found in place inside existing tensor memory.
 
     Attributes:
@@ -174,7 +172,7 @@ class DirectRegion:
             self.data[start:end].copy_(gap)
 
 
-def direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> DirectRegion | None:
+def _direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> _DirectRegion | None:
     """Finds the bucket's bytes in place, if `tensors` already sit at the plan's offsets.
 
     That is the case when every tensor is contiguous, has its slot's dtype and shape, and all
@@ -206,4 +204,4 @@ def direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> DirectRegi
     for prev, nxt in zip(bucket.slots, bucket.slots[1:], strict=False):
         if nxt.offset > prev.end:
             gaps.append((prev.end, nxt.offset))
-    return DirectRegion(data, gaps)
+    return _DirectRegion(data, gaps)

@@ -12,13 +12,13 @@ from typing import Any
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import WeightTransferEngine
 
-__all__ = ["EngineRegistry", "create_engine", "default_registry", "register_engine"]
+__all__ = ["create_engine", "register_engine"]
 
 
-class EngineRegistry:
+class _EngineRegistry:
     """Maps backend names to [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine] subclasses.
 
-    >>> registry = EngineRegistry()
+    >>> registry = _EngineRegistry()
     >>> registry.register("mine", "weightsync.transfer.nccl:GlooWeightTransferEngine")
     >>> registry.get("mine").__name__
     'GlooWeightTransferEngine'
@@ -80,11 +80,11 @@ class EngineRegistry:
         return self.get(name)(**kwargs)
 
 
-default_registry = EngineRegistry()
+_default_registry = _EngineRegistry()
 """The registry [`WeightTransferConfig`][weightsync.config.WeightTransferConfig] resolves against."""
-default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEngine")
-default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
-default_registry.register("ipc", "weightsync.transfer.ipc:IPCWeightTransferEngine")
+_default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEngine")
+_default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
+_default_registry.register("ipc", "weightsync.transfer.ipc:IPCWeightTransferEngine")
 
 
 def register_engine(
@@ -92,11 +92,11 @@ def register_engine(
 ) -> None:
     """Registers a backend in the default registry.
 
-    See [`EngineRegistry.register`][weightsync.transfer.registry.EngineRegistry.register].
+    See `_EngineRegistry.register`.
     """
-    default_registry.register(name, engine, replace=replace)
+    _default_registry.register(name, engine, replace=replace)
 
 
 def create_engine(backend: str, **kwargs: Any) -> WeightTransferEngine:
     """Builds the engine of `backend` from the default registry."""
-    return default_registry.create(backend, **kwargs)
+    return _default_registry.create(backend, **kwargs)

@@ -14,7 +14,7 @@ from typing import Any, TypedDict
 from weightsync.errors import WeightValidationError
 from weightsync.transfer._checks import is_int
 
-__all__ = ["CLIENT_MARGIN_S", "DEFAULT_TIMEOUT_S", "WireKeywords", "WireParams"]
+__all__ = ["CLIENT_MARGIN_S", "DEFAULT_TIMEOUT_S", "WireParams"]
 
 DEFAULT_TIMEOUT_S = 120.0
 """Default limit, in seconds, of every blocking transfer step (`WireParams.timeout_s`)."""
@@ -126,7 +126,7 @@ class WireParams:
         }
 
 
-class WireKeywords(TypedDict, total=False):
+class _WireKeywords(TypedDict, total=False):
     """The fields of [`WireParams`][weightsync.transfer.wire.WireParams] as keyword arguments.
 
     Entry points take them as `**wire_fields` in place of a `wire=WireParams(...)` object.

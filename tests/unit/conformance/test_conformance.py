@@ -17,7 +17,6 @@ from weightsync.conformance import (
     _pause_cases,
     _sleep_cases,
     _update_cases,
-    format_table,
     run_conformance,
 )
 from weightsync.conformance._case import CaseResult
@@ -233,7 +232,7 @@ def _report(*outcomes: str) -> ConformanceReport:
 
 
 def test_the_table_has_a_row_per_case_and_a_count():
-    table = format_table(_report("passed", "failed", "skipped")).splitlines()
+    table = _report("passed", "failed", "skipped").table().splitlines()
     assert table[0].split() == ["case", "result", "detail"]
     assert [line.split()[:2] for line in table[1:4]] == [
         ["case.0", "passed"], ["case.1", "failed"], ["case.2", "skipped"]

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._sequence import Sequence
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput
 from weightsync.engine.sampling import SamplingParams
-from weightsync.engine.sequence import Sequence
 from weightsync.errors import WeightTransferError
 from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
 from weightsync.transfer.registry import register_engine

@@ -12,8 +12,8 @@ import pytest
 import torch
 from engine_helpers import Stream, greedy, make_async_engine, make_engine
 
-import weightsync.engine.model_runner as model_runner
-from weightsync.engine.processing import OutputProcessor
+import weightsync.engine._model_runner as model_runner
+from weightsync.engine._processing import OutputProcessor
 from weightsync.engine.sampling import SamplingParams, sample
 from weightsync.errors import NonFiniteWeightsError, TornWeightsError
 

@@ -1,6 +1,6 @@
 from engine_helpers import make_sequence
 
-from weightsync.engine.kv_cache import BlockManager
+from weightsync.engine._kv_cache import BlockManager
 
 
 def manager(num_blocks=8, prefix=True):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from weightsync.engine.errors import EngineConfigError
-from weightsync.engine.loader import load_hf_directory, read_safetensors, save_hf_directory
+from weightsync.engine.loader import _read_safetensors, load_hf_directory, save_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.transfer.base import WeightValidationError
@@ -94,7 +94,8 @@ def test_saved_directory_reads_back_and_in_transformers(tmp_path):
     model = LlamaForCausalLM.from_preset("debug", seed=4)
     save_hf_directory(model, tmp_path)
     assert (
-        dict(read_safetensors(tmp_path / "model.safetensors")).keys() == model.weight_specs().keys()
+        dict(_read_safetensors(tmp_path / "model.safetensors")).keys()
+        == model.weight_specs().keys()
     )
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
     for name, param in hf.named_parameters():

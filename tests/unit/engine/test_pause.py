@@ -12,7 +12,7 @@ from engine_helpers import (
     start_streams,
 )
 
-from weightsync.engine.scheduler import PauseState
+from weightsync.engine.pause import PauseState
 
 N = 16
 MAX_TOKENS = 24

@@ -1,11 +1,12 @@
 import pytest
 from engine_helpers import make_sequence
 
+from weightsync.engine._kv_cache import BlockManager
+from weightsync.engine._scheduler import Scheduler
+from weightsync.engine._sequence import SequenceStatus
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.errors import InvalidRequestError
-from weightsync.engine.kv_cache import BlockManager
-from weightsync.engine.scheduler import PauseState, Scheduler
-from weightsync.engine.sequence import SequenceStatus
+from weightsync.engine.pause import PauseState
 
 
 def make_scheduler(**overrides):

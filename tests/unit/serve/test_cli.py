@@ -1,7 +1,8 @@
 import pytest
 
 from weightsync import WeightValidationError
-from weightsync.serve.cli import build_parser, main, parse_serve_args
+from weightsync.serve._parser import build_parser
+from weightsync.serve.cli import _parse_serve_args, main
 
 
 @pytest.mark.parametrize(
@@ -14,13 +15,13 @@ from weightsync.serve.cli import build_parser, main, parse_serve_args
     ],
 )
 def test_weight_transfer_config_in_json_and_dotted_forms(argv):
-    args, config = parse_serve_args(argv)
+    args, config = _parse_serve_args(argv)
     assert config.backend == "gloo"
     assert args.model == "tiny"
 
 
 def test_options_reach_the_namespace():
-    args, config = parse_serve_args(
+    args, config = _parse_serve_args(
         ["serve", "debug", "--port", "0", "--num-kv-blocks", "64", "--weight-update-staging"]
     )
     assert (args.model, args.port, args.num_kv_blocks, args.weight_update_staging) == (
@@ -31,7 +32,7 @@ def test_options_reach_the_namespace():
 
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(WeightValidationError, match="gloo"):
-        parse_serve_args(["serve", "--weight-transfer-config.backend", "carrier-pigeon"])
+        _parse_serve_args(["serve", "--weight-transfer-config.backend", "carrier-pigeon"])
 
 
 def test_keys_default_to_the_environment(monkeypatch):

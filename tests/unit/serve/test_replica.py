@@ -1,11 +1,11 @@
 """A replica of a data-parallel server takes the front's options, but its own address and rank."""
 
 from weightsync.serve._fleet import replica_argv, replica_device
-from weightsync.serve.cli import parse_serve_args
+from weightsync.serve.cli import _parse_serve_args
 
 
 def test_a_replica_takes_the_fronts_options_but_its_own_address_keys_and_index():
-    args, transfer = parse_serve_args(["serve", "tiny", "--data-parallel-size", "2",
+    args, transfer = _parse_serve_args(["serve", "tiny", "--data-parallel-size", "2",
                                        "--admin-api-key", "secret", "--port", "9000",
                                        "--no-prefix-caching", "--weight-transfer-config.backend",
                                        "gloo"])  # fmt: skip

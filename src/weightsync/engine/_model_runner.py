@@ -6,12 +6,12 @@ from typing import NamedTuple
 
 import torch
 
+from weightsync.engine._attention import AttentionGroup, AttentionMetadata
 from weightsync.engine._lanes import DecodeLanes
-from weightsync.engine.attention import AttentionGroup, AttentionMetadata
+from weightsync.engine._scheduler import ScheduledSequence
+from weightsync.engine._sequence import Sequence
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import TokenLogprobs, sample, token_logprobs
-from weightsync.engine.scheduler import ScheduledSequence
-from weightsync.engine.sequence import Sequence
 
 __all__ = ["ModelRunner"]
 

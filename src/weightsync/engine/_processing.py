@@ -7,18 +7,13 @@ from typing import Any
 
 import torch
 
+from weightsync.engine._scheduler import ScheduledSequence
+from weightsync.engine._sequence import Sequence
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams, TokenLogprobs
-from weightsync.engine.scheduler import ScheduledSequence
-from weightsync.engine.sequence import Sequence
-from weightsync.engine.tokenizer import Tokenizer
+from weightsync.engine.tokenizer import Prompt, Tokenizer
 from weightsync.errors import InvalidRequestError
-
-__all__ = ["InputProcessor", "OutputProcessor", "Prompt"]
-
-Prompt = str | list[int]
-"""A prompt: text (tokenized by the engine's tokenizer) or token ids."""
 
 
 class InputProcessor:

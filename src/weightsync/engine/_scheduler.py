@@ -18,38 +18,22 @@ frees every block: kept sequences go back to the queue and recompute their KV on
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 from weightsync.engine._armed_pause import ArmedPause
+from weightsync.engine._kv_cache import BlockManager
+from weightsync.engine._sequence import Sequence, SequenceStatus
 from weightsync.engine.config import EngineConfig
-from weightsync.engine.kv_cache import BlockManager
-from weightsync.engine.sequence import Sequence, SequenceStatus
+from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.errors import InvalidRequestError
-
-__all__ = ["PauseMode", "PauseState", "ScheduledSequence", "Scheduler"]
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "wait", "keep"]
-"""How `pause_generation` treats requests in flight (see the module docstring)."""
-
-_PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class PauseState(enum.Enum):
-    """The scheduler's pause state."""
-
-    UNPAUSED = "unpaused"
-    """Scheduling normally."""
-    DRAINING = "draining"
-    """A `wait` pause: running sequences continue, nothing new is admitted."""
-    PAUSED = "paused"
-    """Nothing is scheduled; new requests queue."""
+_PAUSE_MODES = get_args(PauseMode)
 
 
 @dataclass

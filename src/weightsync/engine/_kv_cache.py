@@ -18,7 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from weightsync.engine.sequence import Sequence
+from weightsync.engine._sequence import Sequence
 
 __all__ = ["BlockManager"]
 
