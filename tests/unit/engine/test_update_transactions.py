@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_helpers import debug_model, greedy, make_engine
 
+from weightsync.config import WeightTransferConfig
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.errors import (
@@ -436,3 +437,24 @@ def test_the_async_engine_shuts_its_transfer_engine_down_off_the_event_loop(sess
             assert not transfer.is_initialized and engine.engine.weights._transfer is None
 
     asyncio.run(main())
+
+
+def test_a_per_rank_list_of_update_infos_gives_each_engine_its_own_entry(local_source, policy):
+    # vLLM's data-parallel trainer sends one update info per worker rank: it was refused.
+    engine = LLMEngine(
+        debug_model(),
+        engine_config=make_engine().config,
+        weight_transfer_config=WeightTransferConfig(backend="test-local"),
+        worker_index=1,
+    )
+    engine.init_weight_transfer_engine(local_source.init_request)
+    local_source.tensors = policy
+    other = local_source.update_info(weight_version="not-mine")["update_info"]
+    mine = local_source.update_info(weight_version="mine")["update_info"]
+    engine.update_weights({"update_info": [other, mine]})
+    assert engine.weight_version == "mine"
+    with pytest.raises(
+        WeightValidationError, match=r"list of 1 entries, .* this engine is worker 1"
+    ):
+        engine.update_weights({"update_info": [other]})
+    assert engine.weight_version == "mine"

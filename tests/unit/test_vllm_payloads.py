@@ -1,0 +1,47 @@
+"""vLLM's payloads are taken as vLLM's trainers send them (its init-info keys, the older four-key
+init info, update infos without null fields, the per-rank list of a data-parallel trainer)."""
+
+import pytest
+import torch
+
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import WeightTransferUpdateInfo
+from weightsync.transfer.nccl import GlooWeightTransferEngine
+
+VLLM_INIT = {  # what vLLM 0.32's trainer sends its workers
+    "master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2,
+    "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 3,
+}  # fmt: skip
+
+
+def test_vllms_init_keys_are_its_wire_parameters():
+    info = GlooWeightTransferEngine().parse_init_info(VLLM_INIT)
+    assert (info.bucket_size_bytes, info.num_buffers, info.packed) == (1 << 20, 3, True)
+    assert info.backend == "gloo"  # a vLLM init info names none: the engine's own
+
+
+def test_the_older_four_key_init_info_is_taken_by_a_gloo_engine():
+    # It was refused: "init_info.backend is 'nccl'" (the dataclass's default).
+    four = {k: VLLM_INIT[k] for k in ("master_address", "master_port", "rank_offset", "world_size")}
+    info = GlooWeightTransferEngine().parse_init_info(four)
+    assert info.backend == "gloo" and info.world_size == 2
+
+
+def test_vllms_unique_id_rendezvous_and_conflicting_names_are_refused_by_name():
+    engine = GlooWeightTransferEngine()
+    with pytest.raises(WeightValidationError, match="nccl_unique_id_b64: vLLM's NCCL unique-id"):
+        engine.parse_init_info({**VLLM_INIT, "nccl_unique_id_b64": "AAAA"})
+    with pytest.raises(
+        WeightValidationError, match=r"packed_num_buffers .* and init_info.num_buffers"
+    ):
+        engine.parse_init_info({**VLLM_INIT, "num_buffers": 2})
+    assert engine.parse_init_info({**VLLM_INIT, "num_buffers": 3}).num_buffers == 3  # agreeing
+
+
+def test_an_update_info_writes_no_null_field():
+    bare = WeightTransferUpdateInfo.from_named_tensors([("w", torch.zeros(2))]).to_dict()
+    assert "weight_version" not in bare and None not in bare.values()
+    labelled = WeightTransferUpdateInfo.from_named_tensors(
+        [("w", torch.zeros(2))], weight_version="v1"
+    ).to_dict()
+    assert labelled["weight_version"] == "v1"
