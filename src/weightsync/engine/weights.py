@@ -224,11 +224,7 @@ class LiveWeights:
             WeightTransferTimeout: The trainer did not show up in time.
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
-        if self._transaction is not None:
-            raise WeightUpdateStateError(
-                "init_weight_transfer_engine: a weight update is in progress: finish it with "
-                "finish_weight_update(...) or end it with abort_weight_update() first"
-            )
+        self._refuse_during_update("init_weight_transfer_engine")
         if self._transfer is None:
             config = self.transfer_config
             if config is None:
@@ -245,6 +241,14 @@ class LiveWeights:
                 params=self.model.unfused_parameters(),
             )
         self._transfer.init_transfer_engine(init_info)
+
+    def _refuse_during_update(self, call: str) -> None:
+        """Raises `WeightUpdateStateError` while an update is in progress: `call` must wait."""
+        if self._transaction is not None:
+            raise WeightUpdateStateError(
+                f"{call}: a weight update is in progress: finish it with "
+                "finish_weight_update(...) or end it with abort_weight_update() first"
+            )
 
     def _require_transfer(self, call: str) -> WeightTransferEngine:
         if (
@@ -624,11 +628,7 @@ class LiveWeights:
         Raises:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
-        if self._transaction is not None:
-            raise WeightUpdateStateError(
-                "shutdown_weight_transfer_engine: a weight update is in progress: finish it with "
-                "finish_weight_update(...) or end it with abort_weight_update() first"
-            )
+        self._refuse_during_update("shutdown_weight_transfer_engine")
         self.shutdown()
         self._transfer = None
 
@@ -645,11 +645,7 @@ class LiveWeights:
             WeightUpdateStateError: A weight update is in progress.
         """
         self._require_awake("weight_checker reset")
-        if self._transaction is not None:
-            raise WeightUpdateStateError(
-                "weight_checker reset: a weight update is in progress: finish it with "
-                "finish_weight_update(...) or end it with abort_weight_update() first"
-            )
+        self._refuse_during_update("weight_checker reset")
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.zero_()
@@ -674,11 +670,7 @@ class LiveWeights:
         Raises:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
-        if self._transaction is not None:
-            raise WeightUpdateStateError(
-                "sleep: a weight update is in progress: finish it with finish_weight_update(...) "
-                "or end it with abort_weight_update() first"
-            )
+        self._refuse_during_update("sleep")
         self._asleep = True
         if discard and not self._discarded:
             storages = {

@@ -177,7 +177,10 @@ class FleetControl:
             self.fleet.require_alive()
             outcomes = await self.fleet.each("POST", "/start_weight_update")
             if any(isinstance(o, BaseException) for o in outcomes):
-                await self._end_everywhere()  # nothing moved: each is as it was
+                opened = [r for r, o in zip(self.fleet.replicas, outcomes, strict=True)
+                          if not isinstance(o, BaseException)]  # fmt: skip
+                # Nothing moved yet: ending the ones this call opened leaves all as they were.
+                await self.fleet.each("POST", "/abort_weight_update", replicas=opened)
             raise_failures(outcomes)
         return {"message": "Weight update started"}
 

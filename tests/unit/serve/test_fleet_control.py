@@ -10,6 +10,7 @@ from weightsync import (
     IncompleteWeightUpdateError,
     ReplicaUnavailableError,
     TornWeightsError,
+    WeightUpdateStateError,
     WeightValidationError,
 )
 from weightsync.serve._fleet import Fleet
@@ -151,3 +152,13 @@ def test_an_incomplete_finish_everywhere_keeps_the_update_open_everywhere():
     client, replicas = front(*[{"/prepare_weight_update": part, "/finish_weight_update": part}] * 2)
     assert client.post("/finish_weight_update").status_code == 409
     assert not any("/abort_weight_update" in r.calls for r in replicas)
+
+
+def test_a_start_one_replica_refuses_is_ended_only_where_this_call_opened_it():
+    # The refusing replica may hold an update of its own: it is not this call's to end.
+    busy = WeightUpdateStateError("replica 1: a weight update is already in progress")
+    client, replicas = front({}, {"/start_weight_update": busy})
+    assert client.post("/start_weight_update").status_code == 409
+    assert [r.calls for r in replicas] == [
+        ["/start_weight_update", "/abort_weight_update"], ["/start_weight_update"]
+    ]  # fmt: skip
