@@ -148,9 +148,11 @@ def test_a_transfer_timeout_is_a_504(server):
 
 
 def test_a_client_timeout_does_not_desynchronize_later_calls(server):
-    client = HTTPEngineClient(server.base_url, timeout_s=0.5)
+    # The server waits 8 s for a trainer that never comes; the client gives up after 2 s (a
+    # bound a loaded machine still answers the later calls within).
+    client = HTTPEngineClient(server.base_url, timeout_s=2.0)
     info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": closed_port(),
-            "world_size": 2, "rank_offset": 1, "timeout_s": 3.0}  # fmt: skip
+            "world_size": 2, "rank_offset": 1, "timeout_s": 8.0}  # fmt: skip
     with pytest.raises(EngineTimeoutError, match="did not answer within"):
         client.init_weight_transfer_engine({"init_info": info})
     # Each later call reads its own answer, not the late one of the call that timed out.
