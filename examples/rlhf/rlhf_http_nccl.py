@@ -69,7 +69,9 @@ def teach(policy: LlamaForCausalLM, prompt: str, phrase: str, steps: int) -> flo
     """Trains `policy` to answer `prompt` with `phrase`; returns the last loss."""
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
-    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=TRAINER_DEVICE)
+    ids = torch.tensor(
+        prompt_ids + tokenizer.encode(phrase, add_special_tokens=False), device=TRAINER_DEVICE
+    )
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     for _ in range(steps):
         logits = policy.compute_logits(policy(ids[:-1]))  # (tokens - 1, vocab)

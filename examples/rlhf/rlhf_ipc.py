@@ -60,7 +60,9 @@ def teach(
     """Trains `policy` to answer `prompt` with `phrase`; returns the last loss."""
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
-    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=DEVICE)
+    ids = torch.tensor(
+        prompt_ids + tokenizer.encode(phrase, add_special_tokens=False), device=DEVICE
+    )
     for _ in range(steps):
         logits = policy.compute_logits(policy(ids[:-1]))  # (tokens - 1, vocab)
         loss = F.cross_entropy(logits[len(prompt_ids) - 1 :], ids[len(prompt_ids) :])

@@ -57,7 +57,9 @@ def teach(
     """Trains `policy` to answer `prompt` with `phrase`; returns the last loss."""
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
-    ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False), device=device)
+    ids = torch.tensor(
+        prompt_ids + tokenizer.encode(phrase, add_special_tokens=False), device=device
+    )
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
     for _ in range(steps):
         logits = policy.compute_logits(policy(ids[:-1]))  # (tokens - 1, vocab)

@@ -79,7 +79,7 @@ class Trainer:
         """Teaches the policy `phrase` after `prompt`, then syncs it into every engine."""
         tokenizer = ByteTokenizer()
         prompt_ids = tokenizer.encode(prompt)
-        ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_bos=False))
+        ids = torch.tensor(prompt_ids + tokenizer.encode(phrase, add_special_tokens=False))
         optimizer = torch.optim.Adam(self.policy.parameters(), lr=1e-2)
         for _ in range(steps):
             logits = self.policy.compute_logits(self.policy(ids[:-1]))  # (tokens - 1, vocab)
