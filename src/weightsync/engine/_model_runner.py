@@ -8,10 +8,10 @@ import torch
 
 from weightsync.engine._attention import AttentionGroup, AttentionMetadata
 from weightsync.engine._lanes import DecodeLanes
+from weightsync.engine._sampler import TokenLogprobs, sample, token_logprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.engine.sampling import TokenLogprobs, sample, token_logprobs
 
 __all__ = ["ModelRunner"]
 
@@ -32,10 +32,20 @@ class ModelRunner:
         model: The model.
         num_blocks: KV-cache blocks (shared with the `BlockManager`'s numbering).
         block_size: Tokens per block.
+        eos_token_ids: The tokenizer's end-of-sequence ids (kept from being sampled before a
+            request's `min_tokens`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.device = model.device
         config = model.config
@@ -193,6 +203,5 @@ class ModelRunner:
             return [], []
         logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])  # (seqs, vocab)
         sampling = [item.seq for item in batch if item.samples]
-        params = [s.sampling_params for s in sampling]
-        tokens = sample(logits, params, [s.generator for s in sampling])
-        return tokens, token_logprobs(logits, params, tokens)
+        tokens = sample(logits, sampling, self.eos_token_ids)
+        return tokens, token_logprobs(logits, [s.sampling_params for s in sampling], tokens)

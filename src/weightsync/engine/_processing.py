@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
+from weightsync.engine._sampler import TokenLogprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
-from weightsync.engine.sampling import SamplingParams, TokenLogprobs
+from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt, Tokenizer
 from weightsync.errors import InvalidRequestError
 
@@ -140,7 +141,9 @@ class InputProcessor:
             token_ids,
             params,
             generator=torch.Generator(self.device).manual_seed(seed),
-            decoder=self.tokenizer.incremental_decoder(token_ids),
+            decoder=self.tokenizer.incremental_decoder(
+                token_ids, skip_special_tokens=params.skip_special_tokens
+            ),
             prompt=text,
         )
 
@@ -216,24 +219,37 @@ class OutputProcessor:
                 continue  # a prefill chunk that does not reach the end yet
             token, token_logprobs = next(sampled), next(sampled_logprobs)
             try:
-                delta = item.seq.append_token(token, weight_version, token_logprobs)
-                self._check_stop(item.seq, token, delta)
+                item.seq.append_token(token, weight_version, token_logprobs)
+                self._check_stop(item.seq, token)
             except Exception as exc:  # this request's text or stop check: it alone ends
                 item.seq.fail(exc)
             changed.append(item.seq)
         return changed
 
-    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> None:
         # Each check costs this request alone, whatever its lists hold (they are bounded): a
-        # set lookup per token, and stop strings searched in the newest text only.
+        # set lookup per token, and stop strings searched in the newest text only. The first
+        # `min_tokens` tokens end nothing (the sampler kept EOS and the stop tokens out of them).
         params = seq.sampling_params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            seq.finish("stop")
-        elif token in seq.stop_token_ids:
-            seq.finish("stop", token)
-        elif params.stop and delta and (found := _find_stop(seq.output_text, delta, params.stop)):
+        may_stop = seq.num_output_tokens > params.min_tokens
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        stop_token = may_stop and (is_eos or token in seq.stop_token_ids)
+        reason = None if is_eos else token  # vLLM's stop_reason: the stop token id, not EOS
+        if stop_token and not params.include_stop_str_in_output:
+            seq.finish("stop", reason)  # the stop token's text stays out
+            return
+        delta = seq.add_text(token)
+        if stop_token:
+            seq.finish("stop", reason)
+        elif (
+            may_stop
+            and params.stop
+            and delta
+            and (found := _find_stop(seq.output_text, delta, params.stop))
+        ):
             index, stop = found
-            seq.output_text = seq.output_text[:index]
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            seq.output_text = seq.output_text[:end]
             seq.finish("stop", stop, flush_text=False)
         if not seq.is_finished and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len

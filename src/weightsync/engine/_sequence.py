@@ -7,13 +7,14 @@ import logging
 
 import torch
 
+from weightsync.engine._sampler import TokenLogprobs
 from weightsync.engine.outputs import (
     CompletionOutput,
     FinishReason,
     RequestOutput,
     WeightVersion,
 )
-from weightsync.engine.sampling import SamplingParams, TokenLogprobs
+from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import IncrementalDecoder
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,14 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_text = ""
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        # While running, this many trailing characters might begin a stop string.
-        self._stop_hold = max(map(len, sampling_params.stop or []), default=1) - 1
+        # While running, this many trailing characters might begin a stop string that would cut
+        # them off. A stop string kept in the text cuts nothing that could be shown before it
+        # completes: no text is held back then.
+        self._stop_hold = (
+            0
+            if sampling_params.include_stop_str_in_output
+            else max(map(len, sampling_params.stop or []), default=1) - 1
+        )
         self.output_weight_versions: list[WeightVersion] = []
         self.output_logprobs: list[TokenLogprobs] | None = (
             None if sampling_params.logprobs is None else []
@@ -143,12 +150,19 @@ class Sequence:
 
     def append_token(
         self, token_id: int, weight_version: WeightVersion, logprobs: TokenLogprobs | None = None
-    ) -> str:
-        """Appends a sampled token produced by `weight_version`; returns the text it adds."""
+    ) -> None:
+        """Appends a sampled token produced by `weight_version` (its text: `add_text`)."""
         self.token_ids.append(token_id)
         self.output_weight_versions.append(weight_version)
         if self.output_logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def add_text(self, token_id: int) -> str:
+        """Decodes the newest token into the output text; returns the text it adds.
+
+        A token that ends the request as a stop token is not decoded unless the request keeps
+        its stop strings (`include_stop_str_in_output`), as vLLM leaves it out.
+        """
         delta = self.decoder.add(token_id)
         self.output_text += delta
         return delta

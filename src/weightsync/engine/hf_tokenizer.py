@@ -55,10 +55,16 @@ class _WindowDecoder:
     """
 
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, context: Sequence[int], pending: frozenset[int]
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        context: Sequence[int],
+        pending: frozenset[int],
+        *,
+        skip_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
         self._pending = pending
+        self._skip_special_tokens = skip_special_tokens
         self._ids = list(context)[-_CONTEXT_TOKENS:]
         if self._decode(self._ids).endswith(_REPLACEMENT):
             self._ids = []  # a prompt that ends mid-character is no context to decode after
@@ -66,7 +72,7 @@ class _WindowDecoder:
         self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens))
 
     def _released(self, *, final: bool) -> str:
         before = self._decode(self._ids[self._prefix : self._read])
@@ -116,11 +122,13 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
         # Tokens whose text is not final when they arrive: byte tokens, and special tokens
-        # (decoding skips them, so they do not end a run of byte tokens).
+        # when decoding skips them (they then do not end a run of byte tokens).
         vocab = tokenizer.get_vocab(with_added_tokens=False)
-        self._pending = frozenset(
-            [token_id for token, token_id in vocab.items() if _BYTE_TOKEN.fullmatch(token)]
-            + [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+        self._byte_tokens = frozenset(
+            token_id for token, token_id in vocab.items() if _BYTE_TOKEN.fullmatch(token)
+        )
+        self._special_tokens = frozenset(
+            i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
         )
 
     @property
@@ -186,8 +194,12 @@ class HFTokenizer:
         """Returns the text of `token_ids`; ids the tokenizer does not know give no text."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def incremental_decoder(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDecoder:
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
         """Returns a decoder of one output; the prompt's last tokens give its first token context.
+
+        With `skip_special_tokens` the special tokens give no text, as in `decode`.
 
         >>> import tokenizers
         >>> from tokenizers import decoders, models, pre_tokenizers
@@ -197,7 +209,9 @@ class HFTokenizer:
         >>> [decoder.add(i) for i in (2, 3, 0, 1)], decoder.flush()
         (['hi', ' ', 'h', 'i'], '')
         """
-        return _WindowDecoder(self._tokenizer, prompt_token_ids, self._pending)
+        pending = self._byte_tokens | (self._special_tokens if skip_special_tokens else frozenset())
+        return _WindowDecoder(self._tokenizer, prompt_token_ids, pending,
+                              skip_special_tokens=skip_special_tokens)  # fmt: skip
 
 
 def load_tokenizer(path: str | Path, *, vocab_size: int) -> Tokenizer:

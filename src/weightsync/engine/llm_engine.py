@@ -119,7 +119,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         blocks = config.num_kv_blocks
-        self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size)
+        self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size,
+                                  eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
         self.weights = LiveWeights(
             model,
             transfer_config=weight_transfer_config,

@@ -72,21 +72,34 @@ class Tokenizer(Protocol):
         """Returns the text of `token_ids`; ids the tokenizer does not know give no text."""
         ...
 
-    def incremental_decoder(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDecoder:
-        """Returns a fresh decoder for one sequence's output, which follows `prompt_token_ids`."""
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        """Returns a fresh decoder for one sequence's output, which follows `prompt_token_ids`.
+
+        With `skip_special_tokens` the special tokens give no text; without, their own.
+        """
         ...
 
 
 class _ByteDecoder:
-    """`ByteTokenizer`'s incremental decoder: holds back an incomplete UTF-8 character."""
+    """`ByteTokenizer`'s incremental decoder: holds back an incomplete UTF-8 character.
 
-    def __init__(self) -> None:
+    `names` maps the special tokens to write, by id, to their text (none when they are skipped).
+    """
+
+    def __init__(self, names: dict[int, str]) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._names = names
 
     def add(self, token_id: int) -> str:
         if 0 <= token_id < 256:
             return str(self._utf8.decode(bytes((token_id,))))
-        return ""  # special or out-of-vocabulary ids carry no text
+        if token_id in self._names:  # it ends a character cut short, as `decode` does
+            text = str(self._utf8.decode(b"", final=True)) + self._names[token_id]
+            self._utf8.reset()
+            return text
+        return ""  # skipped special or out-of-vocabulary ids carry no text
 
     def flush(self) -> str:
         return str(self._utf8.decode(b"", final=True))
@@ -147,6 +160,13 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def incremental_decoder(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDecoder:
-        """Returns a fresh decoder for streaming one sequence's output (bytes need no context)."""
-        return _ByteDecoder()
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        """Returns a fresh decoder for streaming one sequence's output (bytes need no context).
+
+        Without `skip_special_tokens`, a special token's text is its name (`<|eos|>`), as in
+        `decode`; ids past the special tokens (a model's vocabulary may be larger) have none.
+        """
+        names = {} if skip_special_tokens else {v: k for k, v in self.special_tokens.items()}
+        return _ByteDecoder(names)

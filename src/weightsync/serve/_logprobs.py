@@ -1,71 +1,97 @@
-"""Log-probabilities in OpenAI's two shapes (completions' and chat's), over the byte tokenizer.
+r"""Log-probabilities in OpenAI's two shapes (completions' and chat's), named by the tokenizer.
 
-A token is named by its text when it is one ASCII character, as `bytes:` and a hex escape when it
-is one byte of a multi-byte character (no text on its own), and by name when it is special.
+A token is named by its own text, as the engine's tokenizer decodes it alone (special tokens by
+their name). A token that is no text on its own (one byte of a multi-byte character, an id the
+tokenizer does not know) is named `bytes:\xNN` by the byte tokenizer, and `token_id:N` (vLLM's
+form for ids) by any other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from weightsync import ByteTokenizer, CompletionOutput
+from weightsync.engine.tokenizer import Tokenizer
 
-_SPECIAL_NAMES = {v: k for k, v in ByteTokenizer.special_tokens.items()}
-
-
-def token_text(token_id: int) -> str:
-    """The name OpenAI-style logprobs give a token."""
-    if 0 <= token_id < 128:
-        return chr(token_id)
-    if token_id < 256:
-        return f"bytes:\\x{token_id:02x}"
-    return _SPECIAL_NAMES.get(token_id, f"<|token_{token_id}|>")
+_REPLACEMENT = "\ufffd"  # what a token that ends mid-character decodes to
 
 
-def _token_bytes(token_id: int) -> list[int] | None:
-    return [token_id] if 0 <= token_id < 256 else None
+class LogprobsFormat:
+    """Writes one request's log-probabilities, naming its tokens with `tokenizer`.
 
+    Args:
+        tokenizer: The engine's tokenizer.
+        skip_special_tokens: The request's: the text offsets follow its text.
+    """
 
-def _offsets(out: CompletionOutput) -> list[int]:
-    """Each output token's character offset in `out.text`."""
-    decoder = ByteTokenizer().incremental_decoder()
-    offsets, position = [], 0
-    for token_id in out.token_ids:
-        offsets.append(min(position, len(out.text)))
-        position += len(decoder.add(token_id))
-    return offsets
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._names: dict[int, str] = {}
 
+    def token_text(self, token_id: int) -> str:
+        """The name OpenAI-style logprobs give a token."""
+        if (name := self._names.get(token_id)) is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if text and _REPLACEMENT not in text:
+                name = text
+            elif isinstance(self.tokenizer, ByteTokenizer) and 0 <= token_id < 256:
+                name = f"bytes:\\x{token_id:02x}"
+            else:
+                name = f"token_id:{token_id}"
+            self._names[token_id] = name
+        return name
 
-def completion_logprobs(out: CompletionOutput, start: int) -> dict[str, Any] | None:
-    """`/v1/completions` logprobs of output tokens `start..` (text offsets within the choice)."""
-    if out.logprobs is None:
-        return None
-    tops = out.top_logprobs or [{} for _ in out.logprobs]
-    return {
-        "tokens": [token_text(t) for t in out.token_ids[start:]],
-        "token_logprobs": out.logprobs[start:],
-        "top_logprobs": [{token_text(t): lp for t, lp in top.items()} for top in tops[start:]],
-        "text_offset": _offsets(out)[start:],
-    }
+    def _token_bytes(self, token_id: int) -> list[int] | None:
+        if isinstance(self.tokenizer, ByteTokenizer) and 0 <= token_id < 256:
+            return [token_id]
+        name = self.token_text(token_id)
+        return None if name.startswith(("token_id:", "bytes:")) else list(name.encode("utf-8"))
 
-
-def chat_logprobs(out: CompletionOutput, start: int) -> dict[str, Any] | None:
-    """`/v1/chat/completions` logprobs of output tokens `start..` (`{"content": [...]}`)."""
-    if out.logprobs is None:
-        return None
-    tops = out.top_logprobs or [{} for _ in out.logprobs]
-    content = [
-        {
-            "token": token_text(token_id),
-            "logprob": logprob,
-            "bytes": _token_bytes(token_id),
-            "top_logprobs": [
-                {"token": token_text(t), "logprob": lp, "bytes": _token_bytes(t)}
-                for t, lp in top.items()
-            ],
-        }
-        for token_id, logprob, top in zip(
-            out.token_ids[start:], out.logprobs[start:], tops[start:], strict=True
+    def _offsets(self, out: CompletionOutput, prompt_ids: Sequence[int]) -> list[int]:
+        """Each output token's character offset in `out.text`."""
+        decoder = self.tokenizer.incremental_decoder(
+            prompt_ids, skip_special_tokens=self.skip_special_tokens
         )
-    ]
-    return {"content": content}
+        offsets, position = [], 0
+        for token_id in out.token_ids:
+            offsets.append(min(position, len(out.text)))
+            position += len(decoder.add(token_id))
+        return offsets
+
+    def completion(
+        self, out: CompletionOutput, start: int, prompt_ids: Sequence[int]
+    ) -> dict[str, Any] | None:
+        """`/v1/completions` logprobs of output tokens `start..` (text offsets in the choice)."""
+        if out.logprobs is None:
+            return None
+        tops = out.top_logprobs or [{} for _ in out.logprobs]
+        name = self.token_text
+        return {
+            "tokens": [name(t) for t in out.token_ids[start:]],
+            "token_logprobs": out.logprobs[start:],
+            "top_logprobs": [{name(t): lp for t, lp in top.items()} for top in tops[start:]],
+            "text_offset": self._offsets(out, prompt_ids)[start:],
+        }
+
+    def chat(self, out: CompletionOutput, start: int) -> dict[str, Any] | None:
+        """`/v1/chat/completions` logprobs of output tokens `start..` (`{"content": [...]}`)."""
+        if out.logprobs is None:
+            return None
+        tops = out.top_logprobs or [{} for _ in out.logprobs]
+        name, raw = self.token_text, self._token_bytes
+        content = [
+            {
+                "token": name(token_id),
+                "logprob": logprob,
+                "bytes": raw(token_id),
+                "top_logprobs": [
+                    {"token": name(t), "logprob": lp, "bytes": raw(t)} for t, lp in top.items()
+                ],
+            }
+            for token_id, logprob, top in zip(
+                out.token_ids[start:], out.logprobs[start:], tops[start:], strict=True
+            )
+        ]
+        return {"content": content}

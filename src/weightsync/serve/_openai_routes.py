@@ -3,7 +3,9 @@
 A request with `n` choices per prompt runs as one engine request per choice. Streams are
 server-sent events, one chunk per engine step that changed a choice, then `data: [DONE]`. Each
 choice also carries its `token_ids`, the `weight_versions` that generated them (both as deltas in
-a stream) and `prompt_token_ids`: what an RL trainer needs and OpenAI's shape lacks.
+a stream) and `prompt_token_ids`: what an RL trainer needs and OpenAI's shape lacks. They come
+whether or not the request sets vLLM's `return_token_ids`; a chat answer also has vLLM's
+top-level `prompt_token_ids`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
 from weightsync.serve._http import unless_disconnected
-from weightsync.serve._logprobs import chat_logprobs, completion_logprobs
+from weightsync.serve._logprobs import LogprobsFormat
 from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
 
@@ -76,6 +78,16 @@ class _Run:
                 f"{limit}: ask for at most {limit - longest} tokens, or shorten the prompt",
                 param="max_tokens",
             )
+        if body.min_tokens > max_tokens:
+            raise RequestRefused(
+                400,
+                f"min_tokens {body.min_tokens} exceeds the {max_tokens} tokens asked for: "
+                "ask for at most max_tokens",
+                param="min_tokens",
+            )
+        self.logprobs_format = LogprobsFormat(
+            state.engine.engine.tokenizer, skip_special_tokens=body.skip_special_tokens
+        )
         # Choice i*n + j is prompt i's choice j, as OpenAI numbers them.
         self.choices: list[tuple[str, list[int], SamplingParams]] = [
             (f"{self.id}-{i * body.n + j}", ids, body.sampling_params(max_tokens, logprobs, j))
@@ -235,7 +247,9 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
         return {
             "index": index,
             "text": out.text[chars:],
-            "logprobs": completion_logprobs(out, start) if body.logprobs is not None else None,
+            "logprobs": run.logprobs_format.completion(out, start, prompt_of[index])
+            if body.logprobs is not None
+            else None,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
             **_extensions(out, start, prompt_of[index] if start == 0 else None),
@@ -277,7 +291,7 @@ async def _create_chat_completion(
         return {
             "index": index,
             "delta": delta,
-            "logprobs": chat_logprobs(out, start) if asked else None,
+            "logprobs": run.logprobs_format.chat(out, start) if asked else None,
             "finish_reason": out.finish_reason,
             **_extensions(out, start, run.prompt_ids[0] if start == 0 else None),
         }
@@ -295,7 +309,7 @@ async def _create_chat_completion(
         {
             "index": i,
             "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out, 0) if asked else None,
+            "logprobs": run.logprobs_format.chat(out, 0) if asked else None,
             "finish_reason": out.finish_reason,
             **_extensions(out, 0, run.prompt_ids[0]),
         }
@@ -304,4 +318,5 @@ async def _create_chat_completion(
     return JSONResponse({
         "id": run.id, "object": "chat.completion", "created": run.created, "model": model,
         "choices": choices, "usage": run.usage(sum(len(o.token_ids) for o in outs)),
+        "prompt_token_ids": run.prompt_ids[0],
     })  # fmt: skip

@@ -1,9 +1,12 @@
 """The OpenAI request bodies the server accepts.
 
 Unknown fields are refused (400 naming the field) rather than silently ignored, so a misspelt
-`max_token` is caught. Fields beyond OpenAI's (`ignore_eos`, `stop_token_ids`, `request_id`) are
-weightsync extensions; responses add `token_ids`, `weight_versions` and `prompt_token_ids` to each
-choice, which OpenAI clients ignore.
+`max_token` is caught. Beyond OpenAI's fields, the sampling fields of vLLM's requests are taken
+with vLLM's meaning (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `return_token_ids`; see
+`SamplingParams`), and `request_id` is weightsync's own. Responses always carry `token_ids`,
+`weight_versions` and `prompt_token_ids`, which OpenAI clients ignore: `return_token_ids` is taken
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -39,10 +42,22 @@ class _SamplingFields(_Body):
     model: str | None = Field(None, description="Ignored beyond a check: the server has one model.")
     temperature: float = Field(1.0, ge=0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     seed: StrictInt | None = Field(None, description="Seeds each choice (choice i uses seed + i).")
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = Field(None, description="weightsync extension.")
-    ignore_eos: bool = Field(False, description="weightsync extension.")
+    # vLLM's extensions, with vLLM's meaning (see `SamplingParams`); null means the default.
+    top_k: StrictInt | None = Field(None, ge=-1, description="vLLM: 0 or -1 keeps every token.")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM.")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM: 1 is none.")
+    min_tokens: StrictInt = Field(0, ge=0, description="vLLM: at most the output's max tokens.")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM.")
+    ignore_eos: bool = Field(False, description="vLLM.")
+    skip_special_tokens: bool = Field(True, description="vLLM.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM.")
+    return_token_ids: bool | None = Field(
+        None, description="vLLM; token ids are always returned here."
+    )
     n: int = Field(1, ge=1, le=64, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,10 +74,18 @@ class _SamplingFields(_Body):
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
         )
 

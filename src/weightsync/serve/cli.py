@@ -40,6 +40,8 @@ from weightsync import (
     WeightTransferConfig,
     parse_weight_transfer_config,
 )
+from weightsync.engine.hf_tokenizer import load_tokenizer
+from weightsync.engine.tokenizer import Tokenizer
 from weightsync.serve._parser import ADMIN_API_KEY_ENV
 from weightsync.serve._parser import build_parser as _build_parser
 
@@ -70,6 +72,13 @@ def _zero_model(name: str, dtype: torch.dtype) -> LlamaForCausalLM:
         for parameter in model.parameters():
             parameter.zero_()
     return model
+
+
+def _dummy_tokenizer(name: str, model: LlamaForCausalLM | str) -> Tokenizer | None:
+    """The tokenizer of a model directory served with zero weights; None for a preset."""
+    if isinstance(model, str) or not (Path(name) / "config.json").is_file():
+        return None
+    return load_tokenizer(name, vocab_size=model.config.vocab_size)
 
 
 def _is_loopback(host: str) -> bool:
@@ -143,11 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
-        engine = LLMEngine(
+        model = (
             _zero_model(args.model, _DTYPES[args.dtype])
             if args.load_format == "dummy"
-            else args.model,
+            else args.model
+        )
+        engine = LLMEngine(
+            model,
             engine_config=engine_config,
+            # Zero weights, but the directory's own tokenizer (a preset's is the byte tokenizer).
+            tokenizer=_dummy_tokenizer(args.model, model) if args.load_format == "dummy" else None,
             weight_transfer_config=transfer_config,
             seed=args.seed,
             dtype=_DTYPES[args.dtype],

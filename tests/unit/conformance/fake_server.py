@@ -238,7 +238,7 @@ class FakeServer:
                     choice["prompt_token_ids"] = body["prompt"]
             if body.get("logprobs") and route == "text":
                 choice["logprobs"] = {"token_logprobs": [-1.0] * len(tokens),
-                                      "top_logprobs": [{"A": -1.0}] * len(tokens)}  # fmt: skip
+                                      "top_logprobs": [{"A": -1.0, "B": -2.0}] * len(tokens)}  # fmt: skip
             choices.append(choice)
         answer = {"id": completion_id, "object": "chat.completion" if route == "chat"
                   else "text_completion", "choices": choices,

@@ -14,7 +14,8 @@ from engine_helpers import Stream, greedy, make_async_engine, make_engine
 
 import weightsync.engine._model_runner as model_runner
 from weightsync.engine._processing import OutputProcessor
-from weightsync.engine.sampling import SamplingParams, sample
+from weightsync.engine._sampler import sample
+from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import NonFiniteWeightsError, TornWeightsError
 
 POISON_SEED = 4242  # the request that carries this seed gets NaN logits
@@ -24,12 +25,12 @@ POISON_SEED = 4242  # the request that carries this seed gets NaN logits
 def poisoned_sampler(monkeypatch):
     """Makes sampling fail for the requests seeded with POISON_SEED, in any batch they run in."""
 
-    def poisoned(logits, params, generators):
+    def poisoned(logits, rows, eos_token_ids):
         logits = logits.clone()
-        for row, sp in enumerate(params):
-            if sp.seed == POISON_SEED:
-                logits[row] = math.nan
-        return sample(logits, params, generators)
+        for i, row in enumerate(rows):
+            if row.sampling_params.seed == POISON_SEED:
+                logits[i] = math.nan
+        return sample(logits, rows, eos_token_ids)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
 
@@ -56,10 +57,10 @@ def test_a_request_that_fails_mid_output_keeps_its_tokens(poisoned_sampler, monk
     engine = make_engine()
     original = OutputProcessor._check_stop
 
-    def check_stop(self, seq, token, delta):
+    def check_stop(self, seq, token):
         if seq.request_id == "fragile" and seq.num_output_tokens == 3:
             raise RuntimeError("stop check failed (injected)")
-        original(self, seq, token, delta)
+        original(self, seq, token)
 
     monkeypatch.setattr(OutputProcessor, "_check_stop", check_stop)
     engine.add_request("fragile", "one", greedy(8))
@@ -78,7 +79,7 @@ def test_a_request_that_fails_mid_output_keeps_its_tokens(poisoned_sampler, monk
 def test_a_failure_of_every_request_ends_them_all_and_the_engine_lives(monkeypatch):
     engine = make_engine()
 
-    def broken(logits, params, generators):
+    def broken(logits, rows, eos_token_ids):
         raise RuntimeError("device lost (injected)")
 
     monkeypatch.setattr(model_runner, "sample", broken)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from weightsync.engine.sampling import token_logprobs
+from weightsync.engine._sampler import token_logprobs
 
 
 def test_token_logprobs_are_those_of_the_raw_distribution():
