@@ -2,8 +2,9 @@
 
 A module is public when no part of its dotted path starts with `_`. A module's page renders it
 with mkdocstrings (`::: weightsync.x.y`), members filtered by its `__all__`. A package's page shows
-its docstring, a table of what its `__all__` re-exports (linked to where each is defined) and its
-public submodules; the re-exports are documented once, on their defining module's page.
+its docstring, the names it defines itself, a table of what its `__all__` re-exports (linked to
+where each is defined) and its public submodules: every name is documented once, on the page of
+the module that defines it, so that search leads to one place.
 
 Sources are read statically with griffe, like mkdocstrings does: no torch needed.
 """
@@ -37,16 +38,33 @@ def _public_modules(module: griffe.Module) -> list[griffe.Module]:
     return found
 
 
+def _is_package(module: griffe.Module) -> bool:
+    """A package or a subpackage (griffe calls only the top-level one a package)."""
+    return module.is_package or module.is_subpackage
+
+
+def _defined_publicly_elsewhere(member: griffe.Object | griffe.Alias) -> bool:
+    """Whether `member` is a re-export of a name that a public module's page documents."""
+    if not isinstance(member, griffe.Alias):
+        return False
+    return not any(part.startswith("_") for part in member.final_target.path.split(".")[:-1])
+
+
 def _package_page(package: griffe.Module) -> str:
+    exports = [str(name) for name in package.exports or ()]
+    # Names whose only public home is this package (defined here, or in a private module) are
+    # documented here; other re-exports only where they are defined.
+    own = [name for name in exports if not _defined_publicly_elsewhere(package[name])]
+    exports = [name for name in exports if name not in own]
+    members = "[" + ", ".join(own) + "]" if own else "false"
     lines = [
         f"::: {package.path}",
         "    options:",
         "      heading_level: 1",
-        "      members: false",
+        f"      members: {members}",
         "      show_source: false",
         "",
     ]
-    exports = [str(name) for name in package.exports or ()]
     if exports:
         lines += [
             "## Public names",
@@ -80,7 +98,7 @@ def main() -> None:
     nav = mkdocs_gen_files.Nav()
     for module in _public_modules(package):
         parts = tuple(module.path.split("."))
-        if module.is_package:
+        if _is_package(module):
             doc_path = Path(*parts, "index.md")
             text = _package_page(module)
         else:

@@ -15,6 +15,7 @@ The machine is the file's `machine` object (`benchmarks/machine.py`), or, for fi
 benchmarks recorded it, the file's row in `benchmarks/results/README.md`. Adding a results file adds
 its section; a file with no figure of a known kind is listed with its settings and no chart.
 A `tokens_per_s_by_concurrency` object (concurrent requests -> output tokens/s) becomes a line.
+The sections go where the page says `<!-- results -->`, plots first: a reader sees them first.
 """
 
 from __future__ import annotations
@@ -55,6 +56,48 @@ SETTINGS = {
     "transformers": "transformers",
 }
 PERCENTILES = ("p50", "p99")
+# Each results file's section: its title and one sentence on what its plots show.
+SUMMARIES = {
+    "transfer_gloo": (
+        "Transfer over gloo",
+        "About 1 GiB of bfloat16 weights from a trainer process into one or two receivers, each "
+        "way of moving them against one broadcast of one buffer (`raw`, the wire's ceiling).",
+    ),
+    "transfer_ipc": (
+        "Transfer over shared memory (IPC)",
+        "The same weights through shared memory, packed or zero-copy, against one `memcpy` (the "
+        "ceiling) and pickled tensors through a pipe (the naive way).",
+    ),
+    "transfer_http": (
+        "Transfer through weightsync serve",
+        "The same broadcast into a `weightsync serve` driven over HTTP against a bare receiver: "
+        "the HTTP control calls cost nothing measurable.",
+    ),
+    "transfer_staging": (
+        "Staging",
+        "An update with `weight_update_staging` (a copy of each weight kept to restore on "
+        "failure) against one without.",
+    ),
+    "engine": (
+        "The engine against transformers",
+        "Decode throughput of the engine and of `transformers`' `generate` on the same greedy "
+        "requests (identical outputs), and how many steps each pause mode takes to land.",
+    ),
+    "engine_qwen2": (
+        "The engine on a Qwen2-shaped model",
+        "The same comparison on a Qwen2-shaped model with the real 151,936-token vocabulary.",
+    ),
+    "serve": (
+        "The server against the engine in process",
+        "64 concurrent streamed completions through `weightsync serve` against the same requests "
+        "through `AsyncEngine` in process, and the steps a `keep` pause takes to land.",
+    ),
+    "replicas": (
+        "Data-parallel replicas",
+        "One whole weight update through a `--data-parallel-size N` server for N = 1, 2, 3, and "
+        "the steps a `keep` pause takes to land on each replica.",
+    ),
+}
 
 Groups = dict[str, dict[str, float]]
 
@@ -292,49 +335,79 @@ def _table(chart: Chart) -> list[str]:
     return lines
 
 
+def _setting(key: str, value: Any) -> str:
+    """A setting's value for a reader: bytes in MiB, big counts grouped, other numbers rounded."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if key.endswith("_bytes"):
+        return f"{value / 2**20:,.0f} MiB"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return _number(value)
+
+
+def settings_rows(result: dict[str, Any]) -> list[str]:
+    """The run's settings and ratios, each once, labelled in words and rounded."""
+    rows = {label: _setting(key, result[key]) for key, label in SETTINGS.items() if key in result}
+    figures = [(k, v) for k, v in result.items() if not isinstance(v, dict)]
+    for part, nested in result.items():  # ratios inside nested objects, e.g. `hf_mixed`
+        if isinstance(nested, dict) and part != "machine":
+            figures += [(f"{part} {key}", value) for key, value in nested.items()]
+    for key, value in figures:
+        if "ratio" in key and isinstance(value, int | float) and not isinstance(value, bool):
+            rows.setdefault(key.replace("_", " "), f"{value:.2f}")
+    return [f"| {label} | {value} |" for label, value in rows.items()]
+
+
 def section(path: Path) -> str:
-    """The performance page's section for one results file (writes its charts too)."""
+    """The performance page's section for one results file (writes its charts too).
+
+    The plots come first, under one sentence on what they show and on which machine; the
+    figures as numbers and the run's settings follow, folded.
+    """
     result = json.loads(path.read_text(encoding="utf-8"))
     relative = path.relative_to(ROOT).as_posix()
+    title, summary = SUMMARIES.get(path.stem, (f"`{path.stem}`", ""))
     lines = [
-        f"### `{path.stem}`",
+        f"### {title}",
         "",
-        f"From `{relative}`, measured on: {machine_of(path, result)}.",
+        f"{summary} From `{relative}`, measured on: {machine_of(path, result)}.".strip(),
         "",
     ]
+    tables: list[str] = []
     for chart in charts(result):
         stem = f"{path.stem}-{chart.slug}" if chart.slug else path.stem
         image = f"assets/benchmarks/{stem}.svg"
         with mkdocs_gen_files.open(image, "w") as svg:
-            svg.write(bar_chart(chart.groups, f"{path.stem}: {chart.title}", chart.axis))
-        lines += [f"![{path.stem}: {chart.title}]({image})", "", *_table(chart), ""]
+            svg.write(bar_chart(chart.groups, f"{title}: {chart.title}", chart.axis))
+        lines += [f"![{title}: {chart.title}]({image})", ""]
+        tables += [*_table(chart), ""]
     if isinstance(result.get("tokens_per_s_by_concurrency"), dict):
         image = f"assets/benchmarks/{path.stem}-concurrency.svg"
-        lines += concurrency_lines(path, result["tokens_per_s_by_concurrency"], image)
-    lines += ["| Setting | Value |", "| --- | --- |"]
-    lines += [f"| {label} | `{result[key]}` |" for key, label in SETTINGS.items() if key in result]
-    ratios = {k: v for k, v in result.items() if "ratio" in k and isinstance(v, int | float)}
-    lines += [f"| {k.replace('_', ' ')} | `{v:.2f}` |" for k, v in ratios.items()]
-    for part, figures in result.items():  # ratios inside nested objects, e.g. `hf_mixed`
-        if isinstance(figures, dict):
-            lines += [
-                f"| {part.replace('_', ' ')}: {k.replace('_', ' ')} | `{v:.2f}` |"
-                for k, v in figures.items()
-                if "ratio" in k and isinstance(v, int | float) and not isinstance(v, bool)
-            ]
+        concurrency = concurrency_lines(path, result["tokens_per_s_by_concurrency"], image)
+        lines += concurrency[:2]
+        tables += concurrency[2:]
+    tables += ["| Setting | Value |", "| --- | --- |", *settings_rows(result)]
+    lines += [f'??? note "{title}: the figures and settings"', ""]
+    lines += [f"    {line}".rstrip() for line in tables]
     lines.append("")
     return "\n".join(lines)
 
 
 def main() -> None:
-    """Appends one section per results file to `performance.md`."""
-    paths = sorted(RESULTS.glob("*.json"))
-    with mkdocs_gen_files.open("performance.md", "a") as page:
-        page.write("\n## Results\n\n")
-        if not paths:
-            page.write("No results are committed yet.\n")
-        for path in paths:
-            page.write(section(path) + "\n")
+    """Puts one section per results file where `performance.md` says `<!-- results -->`."""
+    order = list(SUMMARIES)
+    paths = sorted(
+        RESULTS.glob("*.json"),
+        key=lambda p: (order.index(p.stem) if p.stem in order else len(order), p.stem),
+    )
+    results = "## Results\n\n" + (
+        "\n".join(section(path) for path in paths) if paths else "No results are committed yet.\n"
+    )
+    with mkdocs_gen_files.open("performance.md", "r") as page:
+        text = page.read()
+    with mkdocs_gen_files.open("performance.md", "w") as page:
+        page.write(text.replace("<!-- results -->", results, 1))
 
 
 main()

@@ -1,9 +1,10 @@
 """The reliability page's tables, from the suite's own record (`docs/reliability.json`).
 
-Run by mkdocs-gen-files, it appends to `reliability.md` one table per kind of case (bad input
-through the Python API, the CLI and HTTP; schema fuzzing; faults; soak), and the committed
-soak results (`benchmarks/results/soak/*.json`). Run as a script, it turns the JSON lines that
-the suite writes when `WEIGHTSYNC_RELIABILITY_RECORD` is set into `docs/reliability.json`:
+Run by mkdocs-gen-files, it appends to `reliability.md` an overview and one folded table per
+kind of case (bad input through the Python API, the CLI and HTTP; schema fuzzing; faults; soak),
+and the committed soak results (`benchmarks/results/soak/*.json`). Run as a script, it turns the
+JSON lines that the suite writes when `WEIGHTSYNC_RELIABILITY_RECORD` is set into
+`docs/reliability.json`:
 
     WEIGHTSYNC_RELIABILITY_RECORD=/tmp/record.jsonl pytest -m reliability tests/unit tests/integration tests/faults
     python docs/gen/reliability_table.py /tmp/record.jsonl
@@ -75,7 +76,7 @@ def _case_rows(cases: list[dict[str, Any]]) -> list[str]:
 
 
 def tables(record: dict[str, Any]) -> str:
-    """The page's tables: per surface, every case with what it expected and how it ended."""
+    """The page's tables: one line per surface, then its cases, each surface's table folded."""
     by_file: dict[str, list[dict[str, Any]]] = {}
     for case in record["cases"]:
         by_file.setdefault(case["id"].split("::", 1)[0], []).append(case)
@@ -84,14 +85,23 @@ def tables(record: dict[str, Any]) -> str:
     lines = [
         "## What the suite tried",
         "",
-        f"{passed} of {total} cases passed in the recorded run.",
+        f"{passed} of {total} cases passed in the recorded run. Each surface's cases, with what "
+        "each expected and saw, are folded under it.",
         "",
+        "| Where | Cases | Passed |",
+        "| --- | ---: | ---: |",
     ]
+    for path, cases in sorted(by_file.items()):
+        ok = sum(case["outcome"] == "passed" for case in cases)
+        lines.append(f"| {SURFACES.get(path, f'`{path}`')} | {len(cases)} | {ok} |")
+    lines.append("")
     for path, cases in sorted(by_file.items()):
         surface = SURFACES.get(path, path)
         intro = "" if len({c["what"] for c in cases}) > 1 else f": {cases[0]['what']}"
         lines += [f"### {surface}", "", f"`{path}`{intro}", ""]
-        lines += [*_case_rows(cases), ""]
+        lines += [f'??? note "{len(cases)} cases"', ""]
+        lines += [f"    {row}" for row in _case_rows(cases)]
+        lines.append("")
     return "\n".join(lines)
 
 

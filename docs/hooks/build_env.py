@@ -4,6 +4,7 @@
   machines that cannot download them (a failed download is a warning, and the build is strict).
   Signatures then show `torch.Tensor` unlinked; the online build (Read the Docs) links it.
 - Snippets (`--8<--`) resolve against the repository root wherever `mkdocs` is started from.
+- The navigation files (`SUMMARY.md`) are read, never built as pages.
 """
 
 from __future__ import annotations
@@ -30,3 +31,17 @@ def on_config(config: Any) -> Any:
         if dropped:
             log.info("DOCS_OFFLINE=1: not loading the inventories %s", ", ".join(dropped))
     return config
+
+
+@event_priority(-200)  # after literate-nav (-100), which reads the nav files first
+def on_files(files: Any, config: Any) -> Any:
+    """Keeps the nav files (`SUMMARY.md`, generated ones included) out of the built site.
+
+    literate-nav only reads them; built, they would be stray pages that search indexes.
+    """
+    from mkdocs.structure.files import InclusionLevel
+
+    for file in files:
+        if Path(file.src_uri).name == "SUMMARY.md":
+            file.inclusion = InclusionLevel.EXCLUDED
+    return files

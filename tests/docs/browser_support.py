@@ -1,15 +1,13 @@
 """A headless Chromium driven over the DevTools protocol, and a static server for the built site.
 
 Only the Python standard library and `websocket-client` are needed: no browser download, no
-driver. Every request the page makes is intercepted: the site's own requests go through, a local
-copy of mermaid (when one is available) answers the CDN request Material makes for diagrams, and
+driver. Every request the page makes is intercepted: the site's own requests go through, and
 anything else is refused and recorded, so a test can assert that the site needs nothing from
-outside.
+outside (its mermaid included: the site serves its own copy).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import http.server
@@ -26,8 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from docs_support import ROOT
-
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -40,8 +36,6 @@ FLAGS = [
     "--remote-debugging-port=0",
     "--remote-allow-origins=*",
 ]
-MERMAID_URL_PART = "mermaid"
-DEFAULT_MERMAID = ROOT / "build" / "docs-browser" / "mermaid.min.js"
 
 
 def find_chromium() -> str | None:
@@ -50,12 +44,6 @@ def find_chromium() -> str | None:
         if candidate and (found := shutil.which(candidate)):
             return found
     return None
-
-
-def find_mermaid() -> Path | None:
-    """A local `mermaid.min.js` (v11, as Material requests): `$WEIGHTSYNC_MERMAID_JS` or build/."""
-    path = Path(os.environ.get("WEIGHTSYNC_MERMAID_JS", DEFAULT_MERMAID))
-    return path if path.is_file() else None
 
 
 @contextlib.contextmanager
@@ -80,12 +68,11 @@ def serve_directory(directory: Path) -> Iterator[str]:
 class Page:
     """One browser tab: navigate, evaluate JavaScript, type; collects errors and refused requests."""
 
-    def __init__(self, ws_url: str, origin: str, mermaid: Path | None) -> None:
+    def __init__(self, ws_url: str, origin: str) -> None:
         import websocket  # websocket-client
 
         self._ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
         self._origin = origin
-        self._mermaid = mermaid.read_bytes() if mermaid is not None else None
         self._next_id = 0
         self._events: list[dict[str, Any]] = []
         self.errors: list[str] = []
@@ -109,14 +96,6 @@ class Page:
             url = params["request"]["url"]
             if url.startswith(self._origin) or url.startswith("data:"):
                 self._send("Fetch.continueRequest", {"requestId": params["requestId"]})
-            elif MERMAID_URL_PART in url and self._mermaid is not None:
-                body = base64.b64encode(self._mermaid).decode()
-                headers = [{"name": "Content-Type", "value": "text/javascript"}]
-                self._send(
-                    "Fetch.fulfillRequest",
-                    {"requestId": params["requestId"], "responseCode": 200, "body": body}
-                    | {"responseHeaders": headers},
-                )
             else:
                 self.refused.append(url)
                 self._send(
@@ -192,6 +171,39 @@ class Page:
                 raise TimeoutError(f"still false after {timeout_s:g} s: {expression}")
             self.evaluate("new Promise(resolve => setTimeout(resolve, 100))")
 
+    def rendered_diagrams(self) -> list[dict[str, Any]]:
+        """Each `<div class="mermaid">` of the page: whether its shadow root holds an SVG, and
+        whether that SVG is mermaid's error picture.
+
+        Material draws a diagram into a closed shadow root, which the page's own scripts cannot
+        read; the DevTools DOM can (`pierce`).
+        """
+        document = self.call("DOM.getDocument", depth=-1, pierce=True)["root"]
+        found: list[dict[str, Any]] = []
+
+        def attributes(node: dict[str, Any]) -> dict[str, str]:
+            flat = node.get("attributes", [])
+            return dict(zip(flat[::2], flat[1::2], strict=True))
+
+        def svgs(node: dict[str, Any]) -> list[dict[str, Any]]:
+            below = [*node.get("children", []), *node.get("shadowRoots", [])]
+            here = [node] if node.get("nodeName") == "svg" else []
+            return here + [svg for child in below for svg in svgs(child)]
+
+        def walk(node: dict[str, Any]) -> None:
+            classes = attributes(node).get("class", "").split()
+            if node.get("nodeName") == "DIV" and "mermaid" in classes:
+                drawn = [svg for root in node.get("shadowRoots", []) for svg in svgs(root)]
+                roles = [attributes(svg).get("aria-roledescription", "") for svg in drawn]
+                found.append({"svg": bool(drawn), "error": "error" in roles, "roles": roles})
+            for child in [*node.get("children", []), *node.get("shadowRoots", [])]:
+                walk(child)
+            if "contentDocument" in node:
+                walk(node["contentDocument"])
+
+        walk(document)
+        return found
+
     def type_text(self, text: str) -> None:
         """Types into the focused element, as a user would."""
         self.call("Input.insertText", text=text)
@@ -210,7 +222,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def open_browser(chromium: str, origin: str, mermaid: Path | None) -> Iterator[Page]:
+def open_browser(chromium: str, origin: str) -> Iterator[Page]:
     """Starts a headless Chromium with a fresh profile; yields its first tab."""
     with tempfile.TemporaryDirectory(
         prefix="weightsync-chromium-", ignore_cleanup_errors=True
@@ -234,7 +246,7 @@ def open_browser(chromium: str, origin: str, mermaid: Path | None) -> Iterator[P
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as reply:
                 targets = json.load(reply)
             tab = next(t for t in targets if t["type"] == "page")
-            page = Page(tab["webSocketDebuggerUrl"], origin, mermaid)
+            page = Page(tab["webSocketDebuggerUrl"], origin)
             yield page
         finally:
             if page is not None:

@@ -1,10 +1,10 @@
-"""Every public error class, and every message the data plane can raise, is on the Troubleshooting page.
+"""Every public error class, and every message the data plane can raise, is on the error pages.
 
 Read statically. Every exception class the package defines under a public name, in any module,
 has a row on the page. For each `WeightValidationError(...)`, `WeightTransferError(...)` or
 `WeightTransferTimeout(...)` built in `src/weightsync/transfer/` or `src/weightsync/config.py`, one
-of its message's literal parts of at least 20 characters is quoted on the page, so that a new or
-reworded message shows up here until the page explains it.
+of its message's literal parts of at least 20 characters is quoted on Troubleshooting or on
+Transfer errors, so that a new or reworded message shows up here until a page explains it.
 """
 
 from __future__ import annotations
@@ -60,15 +60,22 @@ def _messages() -> list[tuple[str, list[str]]]:
 MESSAGES = _messages()
 
 
+def _troubleshooting() -> str:
+    """The two pages that list the messages: the general one and the transfer's."""
+    pages = (DOCS / "troubleshooting.md", DOCS / "transfer" / "errors.md")
+    return "\n".join(page.read_text(encoding="utf-8") for page in pages)
+
+
 def test_messages_are_found():
     assert len(MESSAGES) >= 50
 
 
 @pytest.mark.parametrize(("where", "parts"), MESSAGES, ids=[where for where, _ in MESSAGES])
 def test_message_is_documented(where: str, parts: list[str]):
-    page = _normalize((DOCS / "troubleshooting.md").read_text(encoding="utf-8"))
+    page = _normalize(_troubleshooting())
     assert any(part in page for part in parts), (
-        f"{where}: quote one of {parts} in docs/troubleshooting.md, with its meaning and fix"
+        f"{where}: quote one of {parts} in docs/troubleshooting.md (or docs/transfer/errors.md "
+        "for a transfer's message), with its meaning and fix"
     )
 
 

@@ -68,6 +68,24 @@ def test_every_public_module_has_an_api_page(built_site: BuiltSite):
         assert f'id="{module}"' in page.read_text(encoding="utf-8"), (module, package)
 
 
+def test_the_api_reference_documents_each_name_once(built_site: BuiltSite):
+    """A package's page links its re-exports instead of documenting them again, and no nav file
+    (`SUMMARY.md`) is built into a page that search would index."""
+    site = built_site.require()
+    homes: dict[str, list[str]] = {}
+    for page in sorted((site / "reference").rglob("index.html")):
+        html = page.read_text(encoding="utf-8")
+        for object_id in re.findall(r'<h\d id="(weightsync[\w.]*)" class="doc doc-heading"', html):
+            name = object_id.rsplit(".", 1)[-1]
+            if name[:1].isupper() or "." not in object_id:  # classes, and each module once
+                homes.setdefault(name, []).append(object_id)
+    twice = {name: ids for name, ids in homes.items() if len(ids) > 1}
+    assert not twice, f"documented on more than one page: {twice}"
+    assert not list(site.rglob("SUMMARY")), "a nav file was built as a page"
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    assert not [doc["location"] for doc in index["docs"] if "SUMMARY" in doc["location"]]
+
+
 def test_benchmark_results_are_plotted(built_site: BuiltSite):
     """Every results file has a chart on the performance page and says what machine made it."""
     site = built_site.require()

@@ -60,7 +60,7 @@ class RequestRefused(WeightSyncError):
 
 
 def status_of(exc: WeightSyncError) -> int:
-    """The HTTP status of a weightsync error: 400, 409, 502 or 504 (500 only if unknown)."""
+    """The HTTP status of a weightsync error: 400, 409, 502, 503 or 504 (500 only if unknown)."""
     for cls, status in _STATUS:
         if isinstance(exc, cls):
             return status
