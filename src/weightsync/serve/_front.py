@@ -127,7 +127,9 @@ def _identify(state: FleetControl, raw: bytes, chat: bool) -> tuple[bytes, dict[
         ) from None
     if not isinstance(body, dict):  # a replica answers it with its own 400
         body = {}
-    completion_id = body.get("request_id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    completion_id = body.get("request_id")
+    if completion_id is None:  # only a missing id is the front's to choose (a replica refuses "")
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if not isinstance(completion_id, str):  # a list or a dict cannot even be looked up
         raise RequestRefused(
             400, f"request_id must be a string, got {completion_id!r}", param="request_id"

@@ -129,6 +129,9 @@ class _Run:
             # Tasks run their first steps in creation order when this one yields: each adds its
             # request to the engine before it waits, so the run is in the engine after this.
             await asyncio.sleep(0)
+            for task in tasks:
+                if task.done():  # refused at once (asleep, say): the run was not accepted
+                    await task
             if on_accepted is not None:
                 yield on_accepted
             running = len(tasks)
@@ -158,6 +161,8 @@ class _Run:
         first = asyncio.ensure_future(anext(stream))
         try:
             await asyncio.sleep(0)  # the first step of `first` adds the request to the engine
+            if first.done():  # refused at once (asleep, say): the run was not accepted
+                await first
             if on_accepted is not None:
                 yield on_accepted
             yield 0, await first
@@ -197,8 +202,23 @@ def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None)
     return fields
 
 
-async def _stream(
-    run: _Run, frame: ChunkFrame, choice: Any, include_usage: bool
+async def _stream(run: _Run, frame: ChunkFrame, choice: Any, include_usage: bool) -> EventStream:
+    """The run's server-sent events, once every request of it is in the engine.
+
+    An engine that refuses the run at once (asleep, shut down) raises here, so the refusal is
+    the answer's own status, as for a request that is not streamed.
+    """
+    outputs = run.outputs(on_accepted=(-1, RequestOutput(run.id, None, [])))
+    await anext(outputs)
+    return EventStream(_events(run, outputs, frame, choice, include_usage))
+
+
+async def _events(
+    run: _Run,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    frame: ChunkFrame,
+    choice: Any,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     """Server-sent events of a run: `choice(index, output, sent_tokens, sent_chars)` per change.
 
@@ -206,17 +226,14 @@ async def _stream(
     behind the engine, the tokens of several steps go out as one chunk, each with its id and
     weight version.
     """
+    # A comment event (which SSE clients skip) says that every request of the run is in the
+    # engine, so a trainer that queued them while paused knows when it may resume.
+    yield b": accepted\n\n"
     sent_tokens = [0] * len(run.choices)
     sent_chars = [0] * len(run.choices)
     completion_tokens = 0
-    # A comment event (which SSE clients skip) says that every request of the run is in the
-    # engine, so a trainer that queued them while paused knows when it may resume.
-    accepted = (-1, RequestOutput(run.id, None, []))
     try:
-        async for index, output in run.outputs(on_accepted=accepted):
-            if index < 0:
-                yield b": accepted\n\n"
-                continue
+        async for index, output in outputs:
             out = output.outputs[0]
             if len(out.token_ids) == sent_tokens[index] and out.finish_reason is None:
                 continue
@@ -257,7 +274,7 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream(run, ChunkFrame(base), choice, include_usage))
+        return await _stream(run, ChunkFrame(base), choice, include_usage)
     finals = await unless_disconnected(request, run.finals())
     if finals is None:
         return Response(status_code=499)  # nobody reads it: the client left
@@ -300,7 +317,7 @@ async def _create_chat_completion(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         frame = ChunkFrame({"id": run.id, "object": "chat.completion.chunk",
                             "created": run.created, "model": model})  # fmt: skip
-        return EventStream(_stream(run, frame, choice, include_usage))
+        return await _stream(run, frame, choice, include_usage)
     finals = await unless_disconnected(request, run.finals())
     if finals is None:
         return Response(status_code=499)  # nobody reads it: the client left

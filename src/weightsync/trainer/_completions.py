@@ -16,16 +16,24 @@ def completion_body(
     request_id: str | None,
     stream: bool,
 ) -> dict[str, Any]:
-    """The `/v1/completions` body of `prompts` sampled with `params`."""
+    """The `/v1/completions` body of `prompts` sampled with `params` (every field of it)."""
     body: dict[str, Any] = {
         "prompt": [p if isinstance(p, str) else list(p) for p in prompts],
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
         "seed": params.seed,
         "stop": params.stop or None,
         "stop_token_ids": params.stop_token_ids or None,
         "ignore_eos": params.ignore_eos,
+        "min_tokens": params.min_tokens,
+        "skip_special_tokens": params.skip_special_tokens,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
         "logprobs": params.logprobs,
         "stream": stream,
     }

@@ -134,3 +134,25 @@ def test_a_stream_with_a_stop_string_sends_exactly_the_answer(client):
         deltas = [chunk["choices"][0] for chunk in events(r)]
     assert "".join(d["text"] for d in deltas) == whole["text"]
     assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+    ids=["completion", "n=2", "chat"],
+)
+def test_a_stream_sent_while_asleep_is_a_409_not_an_accepted_stream(path, body):
+    """Asleep, a stream is refused as the plain request is: a 409, never `: accepted`."""
+    with make_client() as client:
+        assert client.post("/sleep", params={"level": 1}).status_code == 200
+        with client.stream("POST", path, json={**body, "stream": True}) as response:
+            response.read()
+        assert response.status_code == 409, response.text
+        assert "asleep" in response.json()["error"]["message"]
+        assert client.post("/wake_up").status_code == 200
+        with client.stream("POST", path, json={**body, "stream": True}) as response:
+            assert events(response)[-1]["choices"][0]["finish_reason"] is not None

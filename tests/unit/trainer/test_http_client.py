@@ -17,6 +17,7 @@ from weightsync import (
     WeightTransferTimeout,
     WeightValidationError,
 )
+from weightsync.serve._protocol import CompletionRequest
 from weightsync.trainer import EngineClient, HTTPEngineClient
 
 
@@ -124,6 +125,34 @@ def test_stream_accumulates_chunks():
     assert [o.outputs[0].text for o in outputs] == ["a", "ab"]
     assert outputs[-1].outputs[0].weight_versions == [0, 1]
     assert outputs[-1].finished
+
+
+def test_every_sampling_field_reaches_the_server():
+    """The body of generate and of stream means, to the server, the very SamplingParams given."""
+    params = SamplingParams(
+        max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.3,
+        presence_penalty=0.5, frequency_penalty=-0.5, seed=11, stop=["\n"], stop_token_ids=[7],
+        ignore_eos=True, min_tokens=3, skip_special_tokens=False, include_stop_str_in_output=True,
+        logprobs=2,
+    )  # fmt: skip
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        choice = {"index": 0, "text": "", "token_ids": [], "weight_versions": [],
+                  "finish_reason": "length", "logprobs": None}  # fmt: skip
+        if bodies[-1]["stream"]:
+            return httpx.Response(
+                200, text=f"data: {json.dumps({'id': 'c', 'choices': [choice]})}\n\n"
+            )
+        return httpx.Response(200, json={"id": "cmpl-1", "choices": [choice]})
+
+    client = client_with(handler)
+    client.generate(["hi"], params)
+    list(client.stream("hi", params))
+    for body in bodies:
+        request = CompletionRequest.model_validate(body)
+        assert request.sampling_params(request.max_tokens, request.logprobs, 0) == params, body
 
 
 @pytest.mark.reliability("bad-input")
