@@ -94,76 +94,80 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise _invalid("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            raise _invalid(
+                "temperature",
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}",
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise _invalid("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         self._check_sampling_extensions()
         if self.seed is not None and (
             not _is_int(self.seed)
             or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
         ):
-            raise InvalidRequestError(
-                f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}"
+            raise _invalid(
+                "seed", f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}"
             )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check_length("stop", "strings", len(stop), _MAX_STOP_STRINGS)
         if not all(isinstance(s, str) and s for s in stop):
-            raise InvalidRequestError(
-                f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            raise _invalid(
+                "stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
             )
         longest = max(map(len, stop), default=0)
         if longest > _MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(
+            raise _invalid(
+                "stop",
                 f"stop holds a string of {longest} characters; each may have at most "
-                f"{_MAX_STOP_STRING_CHARS}: stop on a shorter suffix of it"
+                f"{_MAX_STOP_STRING_CHARS}: stop on a shorter suffix of it",
             )
         self.stop = stop
         stop_token_ids = list(self.stop_token_ids)
         _check_length("stop_token_ids", "ids", len(stop_token_ids), _MAX_STOP_TOKEN_IDS)
         if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
-            raise InvalidRequestError(
-                f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}"
+            raise _invalid(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}",
             )
         self.stop_token_ids = stop_token_ids
         for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
-                raise InvalidRequestError(
-                    f"{flag} must be True or False, got {getattr(self, flag)!r}"
-                )
+                raise _invalid(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
-            raise InvalidRequestError(
-                f"logprobs must be None or an int in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}"
+            raise _invalid(
+                "logprobs",
+                f"logprobs must be None or an int in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
             )
 
     def _check_sampling_extensions(self) -> None:
         """Checks vLLM's fields beyond OpenAI's: top_k, min_p, the penalties, min_tokens."""
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be an int >= 1, or 0 or -1 (every token), got {self.top_k!r}"
+            raise _invalid(
+                "top_k", f"top_k must be an int >= 1, or 0 or -1 (every token), got {self.top_k!r}"
             )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_number(self.repetition_penalty) or not (
             0 < self.repetition_penalty < float("inf")
         ):
-            raise InvalidRequestError(
+            raise _invalid(
+                "repetition_penalty",
                 f"repetition_penalty must be a finite number > 0 (1 = none), "
-                f"got {self.repetition_penalty!r}"
+                f"got {self.repetition_penalty!r}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+                raise _invalid(name, f"{name} must be in [-2, 2], got {value!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(
+            raise _invalid(
+                "min_tokens",
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}"
+                f"got {self.min_tokens!r}",
             )
 
     @property
@@ -180,9 +184,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _invalid(param: str, message: str) -> InvalidRequestError:
+    """An `InvalidRequestError` naming the field at fault (a server's 400 carries it as `param`)."""
+    error = InvalidRequestError(message)
+    error.param = param
+    return error
+
+
 def _check_length(field: str, items: str, count: int, limit: int) -> None:
     """Refuses a list of more than `limit` items, naming the field, the limit and the count."""
     if count > limit:
-        raise InvalidRequestError(
-            f"{field} holds {count} {items}; at most {limit} are accepted: send fewer"
+        raise _invalid(
+            field, f"{field} holds {count} {items}; at most {limit} are accepted: send fewer"
         )

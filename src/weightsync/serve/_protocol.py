@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from weightsync import SamplingParams
+from weightsync.errors import InvalidRequestError
 
 __all__ = [
     "ChatCompletionRequest",
@@ -69,7 +70,19 @@ class _SamplingFields(_Body):
     )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """The engine's sampling parameters of choice number `choice` of a prompt."""
+        """The engine's sampling parameters of choice number `choice` of a prompt.
+
+        Raises:
+            InvalidRequestError: A field is out of range (`param` names it); a `seed` whose
+                last choice's seed (`seed + n - 1`) is past 2**64 names `seed` and `n`.
+        """
+        if self.seed is not None and self.seed + self.n - 1 >= 2**64:
+            error = InvalidRequestError(
+                f"seed {self.seed} with n={self.n}: choice i samples with seed + i, so seed must "
+                f"be below 2**64 - {self.n - 1}"
+            )
+            error.param = "seed"
+            raise error
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

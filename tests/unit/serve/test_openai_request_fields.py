@@ -119,6 +119,11 @@ def test_chat_gives_a_top_level_prompt_token_ids(client):
         ("min_tokens", 13),  # more than max_tokens
         ("skip_special_tokens", "perhaps"),
         ("top_kk", 5),  # a typo stays a 400
+        # Refused by SamplingParams rather than by the request model: the 400 names them too.
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", list(range(200))),
+        ("stop", ""),
+        ("seed", 2**64),
     ],
 )
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -131,3 +136,13 @@ def test_bad_values_and_typos_are_400s_naming_the_field(client, field, value, ch
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == field
     assert field in answer.json()["error"]["message"]
+
+
+def test_a_seed_that_overflows_on_a_later_choice_names_seed_and_n(client):
+    # Choice i samples with seed + i: the message names what the client sent, not seed + 1.
+    answer = client.post("/v1/completions", json={"prompt": PROMPT, "seed": 2**64 - 1, "n": 2})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "seed"
+    assert f"seed {2**64 - 1} with n=2" in error["message"]
+    assert str(2**64) not in error["message"]
