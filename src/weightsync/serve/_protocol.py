@@ -76,7 +76,7 @@ class _SamplingFields(_Body):
             InvalidRequestError: A field is out of range (`param` names it); a `seed` whose
                 last choice's seed (`seed + n - 1`) is past 2**64 names `seed` and `n`.
         """
-        if self.seed is not None and self.seed + self.n - 1 >= 2**64:
+        if self.seed is not None and self.seed < 2**64 <= self.seed + self.n - 1:
             error = InvalidRequestError(
                 f"seed {self.seed} with n={self.n}: choice i samples with seed + i, so seed must "
                 f"be below 2**64 - {self.n - 1}"
