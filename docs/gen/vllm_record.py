@@ -96,7 +96,7 @@ def side_by_side(bench: dict[str, Any]) -> str:
         "## Side by side",
         "",
         f"`benchmarks/bench_vs_vllm.py` ran both servers on the same model directory, on "
-        f"{_machine(bench)}, shared with other work (load average "
+        f"{_machine(bench)} (load average "
         f"{bench.get('load_average_1min_before', '?')} before, {bench['load_average_1min']} "
         "after), one compute thread each, alternating servers every round.",
         "",
