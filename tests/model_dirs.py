@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,9 +154,12 @@ def train_tokenizer(
             decoders.Strip(" ", 1, 0),
         ])  # fmt: skip
         # Rare characters (the emoji, most of the Japanese) stay out of the alphabet: they are
-        # written as byte tokens, several per character.
+        # written as byte tokens, several per character. The 80 kept are chosen here, ties by
+        # character: the trainer breaks ties in its own hash order, which differs from process
+        # to process (a run whose "x" became a byte token decoded differently).
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(family.specials),
-                                      limit_alphabet=80, show_progress=False)  # fmt: skip
+                                      limit_alphabet=80, initial_alphabet=_alphabet(80),
+                                      show_progress=False)  # fmt: skip
     else:
         tokenizer = Tokenizer(models.BPE())
         if family.config_class.startswith("Qwen"):  # Qwen's pipeline, as its tokenizer.json has it
@@ -187,6 +191,12 @@ def train_tokenizer(
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.add_tokens(list(family.added))
     return tokenizer
+
+
+def _alphabet(size: int) -> list[str]:
+    """The `size` most frequent characters of `CORPUS` as Metaspace sees them, ties by character."""
+    counts = Counter("\u2581".join(CORPUS).replace(" ", "\u2581"))
+    return sorted(counts, key=lambda char: (-counts[char], char))[:size]
 
 
 def _with_byte_fallback(tokenizer: Tokenizer) -> Tokenizer:
