@@ -87,6 +87,20 @@ def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]
     return thread, box
 
 
+def recorded_delivery(
+    control: httpx.Client,
+) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """A delivery that posts each update info to the server (each answered 200) and keeps it."""
+    messages: list[dict[str, Any]] = []
+
+    def deliver(update_info: dict[str, Any]) -> None:
+        messages.append(update_info)
+        answer = control.post("/update_weights", json={"update_info": update_info})
+        assert answer.status_code == 200, answer.text
+
+    return messages, deliver
+
+
 def policy_pairs(seed: int) -> list[tuple[str, Any]]:
     return list(LlamaForCausalLM.from_preset("debug", seed=seed).named_weights())
 
@@ -211,12 +225,7 @@ def test_a_late_message_of_a_finished_update_is_refused_and_changes_nothing(
             ).status_code
             == 200
         )
-        messages: list[dict[str, Any]] = []
-
-        def deliver(update_info: dict[str, Any]) -> None:
-            messages.append(update_info)
-            answer = control.post("/update_weights", json={"update_info": update_info})
-            assert answer.status_code == 200, answer.text
+        messages, deliver = recorded_delivery(control)
 
         assert control.post("/pause", params={"mode": "keep"}).status_code == 200
         args = IPCTrainerSendWeightsArgs(session, deliver, weight_version="v1")
@@ -326,12 +335,7 @@ def test_a_segment_truncated_after_it_was_mapped_is_refused_and_the_server_lives
     try:
         init = {"init_info": session.init_info}
         assert control.post("/init_weight_transfer_engine", json=init).status_code == 200
-        messages: list[dict[str, Any]] = []
-
-        def deliver(update_info: dict[str, Any]) -> None:
-            messages.append(update_info)
-            answer = control.post("/update_weights", json={"update_info": update_info})
-            assert answer.status_code == 200, answer.text
+        messages, deliver = recorded_delivery(control)
 
         assert control.post("/pause", params={"mode": "keep"}).status_code == 200
         ipc_trainer_send_weights(policy_pairs(seed=9), IPCTrainerSendWeightsArgs(session, deliver))
