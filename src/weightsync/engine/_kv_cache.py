@@ -7,6 +7,11 @@ hashes: a new sequence takes the cached blocks of its longest cached prefix (ref
 shared, never written again) and computes only the rest. Freed blocks keep their contents and
 hash until they are reused, oldest freed first, so a prefix stays reusable while memory allows.
 
+A request's `cache_salt` seeds its chain: the first block's hash starts from the salt's hash, so
+requests share cached blocks only with requests of the same salt (or, unsalted, with the unsalted
+ones). A request that asks for prompt log-probabilities takes no cached prefix: it computes each
+prompt token to score it (it still offers its blocks to others).
+
 Weights change the meaning of cached KV. `bump_epoch` (after a weight update) forgets every hash,
 and a sequence whose KV predates the current epoch never registers its blocks, so a prefix is only
 ever reused under the weights that computed it.
@@ -35,8 +40,19 @@ class _Block:
 
 
 def _chain_hash(previous: bytes, token_ids: list[int]) -> bytes:
-    """Hash of a full block given the hash of the blocks before it (b"" for the first)."""
+    """Hash of a full block given the hash of the blocks before it (`_chain_start` for the first)."""
     return hashlib.sha256(previous + array("q", token_ids).tobytes()).digest()
+
+
+def _chain_start(seq: Sequence) -> bytes:
+    """What the first block's hash chains from: b"" unsalted, else the salt's own hash.
+
+    A salt's hash is 32 bytes and the unsalted start is empty, so no salt, whatever its text,
+    starts the chain of another salt or of the unsalted requests.
+    """
+    if seq.cache_salt is None:
+        return b""
+    return hashlib.sha256(b"cache_salt:" + seq.cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class BlockManager:
@@ -85,10 +101,10 @@ class BlockManager:
         Only blocks before the last token count: at least one token must be computed to produce
         the next token's logits, and it must land in a block of the sequence's own.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
-        block_hash = b""
+        block_hash = _chain_start(seq)
         for index in range((seq.num_tokens - 1) // self.block_size):
             start = index * self.block_size
             block_hash = _chain_hash(block_hash, seq.token_ids[start : start + self.block_size])
@@ -149,7 +165,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for index in range(len(seq.block_hashes), full):
             start = index * self.block_size
-            previous = seq.block_hashes[-1] if seq.block_hashes else b""
+            previous = seq.block_hashes[-1] if seq.block_hashes else _chain_start(seq)
             block_hash = _chain_hash(previous, seq.token_ids[start : start + self.block_size])
             seq.block_hashes.append(block_hash)
             block = self._blocks[seq.block_table[index]]

@@ -8,7 +8,7 @@ import torch
 
 from weightsync.engine._attention import AttentionGroup, AttentionMetadata
 from weightsync.engine._lanes import DecodeLanes
-from weightsync.engine._sampler import TokenLogprobs, sample, token_logprobs
+from weightsync.engine._sampler import TokenLogprobs, position_logprobs, sample, token_logprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine.model import LlamaForCausalLM
@@ -199,9 +199,30 @@ class ModelRunner:
         except BaseException:
             self.lanes.clear()  # the lanes' planned fills may not all have happened
             raise
+        self._score_prompts(batch, hidden)
         if not sample_rows:
             return [], []
         logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])  # (seqs, vocab)
         sampling = [item.seq for item in batch if item.samples]
         tokens = sample(logits, sampling, self.eos_token_ids)
         return tokens, token_logprobs(logits, [s.sampling_params for s in sampling], tokens)
+
+    def _score_prompts(self, batch: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """Fills the prompt log-probabilities of the prompt tokens this step's chunks predict.
+
+        Position p's logits predict token p + 1: a chunk of positions [start, end) scores the
+        prompt tokens start + 1 .. end (the prompt's own, not a sampled one). A chunk computed
+        again (after a preemption) writes the same values again.
+        """
+        query_start = 0
+        for item in batch:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
+            if seq.prompt_logprobs is not None and start < end:
+                rows = self._to_device(list(range(query_start, query_start + end - start)))
+                logits = self.model.compute_logits(hidden[rows])  # (end - start, vocab)
+                num_top = seq.sampling_params.prompt_logprobs or 0
+                scored = position_logprobs(logits, seq.token_ids[start + 1 : end + 1], num_top)
+                seq.prompt_logprobs[start + 1 : end + 1] = scored
+            query_start += item.num_tokens

@@ -50,13 +50,18 @@ class InputProcessor:
         self._num_requests = 0
 
     def tokenize(
-        self, prompt: Prompt, *, add_special_tokens: bool = True
+        self,
+        prompt: Prompt,
+        *,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> tuple[str | None, list[int]]:
         """Checks a prompt and returns its text (None for token ids) and token ids.
 
         Has no side effect, so a server can refuse a bad prompt before it answers.
         `add_special_tokens=False` encodes a text without the tokenizer's BOS token (a chat
-        template's output carries its own).
+        template's output carries its own). `truncate_prompt_tokens` keeps the prompt's last
+        tokens, as `SamplingParams.truncate_prompt_tokens` says, before the length is checked.
 
         Raises:
             InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
@@ -86,6 +91,11 @@ class InputProcessor:
                 )
         if not token_ids or prompt == "":  # a BOS token alone is not a prompt
             raise InvalidRequestError("prompt is empty: give at least one token")
+        if truncate_prompt_tokens is not None:
+            keep = (
+                self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            )
+            token_ids = token_ids[-keep:]
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
@@ -94,13 +104,24 @@ class InputProcessor:
         return text, token_ids
 
     def apply_chat_template(
-        self, messages: abc.Sequence[abc.Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: abc.Sequence[abc.Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: abc.Sequence[abc.Mapping[str, Any]] | None = None,
+        documents: abc.Sequence[abc.Mapping[str, Any]] | None = None,
+        template_kwargs: abc.Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt token ids of a conversation, through `chat_template`.
 
         Renders `messages` (dicts with `role` and `content`) and encodes the text as
         `transformers`' `apply_chat_template` does: a model's own template writes its special
         tokens itself; the default template's text gets the tokenizer's BOS token.
+        `continue_final_message` ends the text right after the last message's content (the
+        model continues that message, as `transformers` does it: no end-of-turn marker);
+        it excludes `add_generation_prompt`. `tools`, `documents` and `template_kwargs` go to
+        the template (see `ChatTemplate.render`).
 
         Raises:
             InvalidRequestError: The template refused or failed on the messages, or the prompt
@@ -111,21 +132,51 @@ class InputProcessor:
         >>> processor.apply_chat_template([{"role": "user", "content": "hi"}])[:4]
         [256, 60, 124, 117]
         """
+        if continue_final_message and add_generation_prompt:
+            error = InvalidRequestError(
+                "continue_final_message and add_generation_prompt exclude each other: set "
+                "add_generation_prompt to false to continue the last message"
+            )
+            error.param = "continue_final_message"
+            raise error
         template = self.chat_template
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            template_kwargs=template_kwargs,
+        )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         return self.tokenize(text, add_special_tokens=template.add_special_tokens)[1]
 
     def process(
-        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        *,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Returns the new request's sequence.
 
         Raises:
-            InvalidRequestError: An empty prompt, unknown token ids, or a prompt that leaves no
-                room for output within `max_model_len`.
+            InvalidRequestError: An empty prompt, unknown token ids, a prompt that leaves no
+                room for output within `max_model_len`, or `logit_bias` ids outside the
+                vocabulary.
         """
         params = sampling_params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(
+            prompt, truncate_prompt_tokens=params.truncate_prompt_tokens
+        )
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            error = InvalidRequestError(
+                f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+            error.param = "logit_bias"
+            raise error
         # Unseeded requests still get a generator of their own, so that a request's draws never
         # depend on which other requests share its batch.
         # A derived seed wraps into [0, 2**64), what torch.Generator takes, whatever the
@@ -145,6 +196,7 @@ class InputProcessor:
                 token_ids, skip_special_tokens=params.skip_special_tokens
             ),
             prompt=text,
+            cache_salt=cache_salt,
         )
 
     @staticmethod
@@ -255,6 +307,24 @@ class OutputProcessor:
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish("length")
+
+
+def _cut_after_final_message(text: str, messages: abc.Sequence[abc.Mapping[str, Any]]) -> str:
+    """`text` up to the end of the last message's content (stripped, as `transformers` finds it).
+
+    Raises:
+        InvalidRequestError: The rendered text does not hold the last message's content.
+    """
+    final = str(messages[-1].get("content", "") if messages else "").strip()
+    end = text.rfind(final) if final else -1
+    if end < 0:
+        error = InvalidRequestError(
+            "continue_final_message: the chat template's text does not hold the last message's "
+            "content, so there is no place to continue it; give the last message some text"
+        )
+        error.param = "continue_final_message"
+        raise error
+    return text[: end + len(final)]
 
 
 def _find_stop(text: str, delta: str, stops: abc.Sequence[str]) -> tuple[int, str] | None:

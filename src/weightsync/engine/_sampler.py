@@ -1,7 +1,7 @@
 """The sampler: a batch's next-token logits in, one token per row out, and their logprobs.
 
-Each row's logits go through its request's `SamplingParams` in vLLM's order: the stop tokens
-masked while `min_tokens` are not reached, the penalties (repetition, frequency, presence), then
+Each row's logits go through its request's `SamplingParams` in vLLM's order: its `logit_bias`
+added, the stop tokens masked while `min_tokens` are not reached, the penalties (repetition, frequency, presence), then
 greedy argmax at temperature 0; otherwise the tempered softmax, `min_p`, `top_k` and `top_p`, and
 one draw from the request's own generator. Rows that use none of these cost what they did before:
 the masks and penalties touch only the rows that ask for them, the penalties in one batched step.
@@ -15,9 +15,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from weightsync.engine.outputs import Logprob
 from weightsync.engine.sampling import SamplingParams
 
-__all__ = ["SamplingRow", "TokenLogprobs", "sample", "token_logprobs"]
+__all__ = ["SamplingRow", "TokenLogprobs", "position_logprobs", "sample", "token_logprobs"]
 
 
 class SamplingRow(Protocol):
@@ -91,6 +92,19 @@ def _penalised(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     return logits
 
 
+def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` added (a copy if any row has one)."""
+    biased = [i for i, row in enumerate(rows) if row.sampling_params.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        bias = rows[i].sampling_params.logit_bias or {}
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    return logits
+
+
 def _masked_stops(
     logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: frozenset[int]
 ) -> torch.Tensor:
@@ -150,7 +164,7 @@ def sample(
     Returns:
         The chosen token id of each row.
     """
-    logits = _masked_stops(_penalised(logits.float(), rows), rows, eos_token_ids)
+    logits = _masked_stops(_penalised(_biased(logits.float(), rows), rows), rows, eos_token_ids)
     chosen = logits.argmax(dim=-1).tolist()  # (num_rows,)
     for i, row in enumerate(rows):
         sp = row.sampling_params
@@ -206,3 +220,34 @@ def token_logprobs(
         top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
         result[row] = TokenLogprobs(float(chosen[i]), top)
     return result
+
+
+def position_logprobs(
+    logits: torch.Tensor, next_tokens: Sequence[int], num_top: int
+) -> list[dict[int, Logprob]]:
+    """Scores known next tokens (a prompt's): each one's log-probability and rank, and the top.
+
+    Args:
+        logits: (positions, vocab) logits at consecutive positions.
+        next_tokens: The token that follows each position.
+        num_top: How many of the most likely tokens to add at each position.
+
+    Returns:
+        One dict per position: the next token first, then the `num_top` most likely tokens
+        (vLLM's prompt log-probabilities), each with its log-probability of the raw logits and
+        its rank (1 is the most likely).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (positions, vocab)
+    index = torch.tensor(list(next_tokens), dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, index)  # (positions, 1)
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], index[:, :0])
+    scored: list[dict[int, Logprob]] = []
+    for row, token in enumerate(next_tokens):
+        entry = {int(token): Logprob(float(chosen[row, 0]), int(ranks[row]))}
+        for rank, (t, lp) in enumerate(
+            zip(top_ids[row].tolist(), top_values[row].tolist(), strict=True)
+        ):
+            entry.setdefault(int(t), Logprob(float(lp), rank + 1))
+        scored.append(entry)
+    return scored

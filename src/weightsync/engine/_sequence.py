@@ -11,6 +11,7 @@ from weightsync.engine._sampler import TokenLogprobs
 from weightsync.engine.outputs import (
     CompletionOutput,
     FinishReason,
+    Logprob,
     RequestOutput,
     WeightVersion,
 )
@@ -42,6 +43,8 @@ class Sequence:
         generator: This request's random generator (seeded).
         decoder: Turns output token ids into text as they arrive.
         prompt: The prompt text, if the prompt was given as text.
+        cache_salt: Seeds its prefix-cache hashes: only requests with the same salt (or none)
+            share cached blocks.
 
     Attributes:
         token_ids: Prompt then output token ids.
@@ -57,6 +60,8 @@ class Sequence:
         was_started: Whether it has been admitted once (a preempted sequence has).
         output_weight_versions: The weight version that generated each output token.
         output_logprobs: Log-probabilities of each output token, when the request asked for them.
+        prompt_logprobs: For each prompt position, the prompt token's log-probability and the
+            most likely tokens there (None at position 0), when the request asked for them.
         output_text: The text decoded so far (outputs hold back its end while a stop string
             may begin there; see `visible_text`).
         stop_token_ids: The request's stop token ids, as a set: a lookup per token, whatever
@@ -72,9 +77,11 @@ class Sequence:
         generator: torch.Generator,
         decoder: IncrementalDecoder,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.cache_salt = cache_salt
         self.sampling_params = sampling_params
         self.generator = generator
         self.decoder = decoder
@@ -93,6 +100,9 @@ class Sequence:
         self.output_weight_versions: list[WeightVersion] = []
         self.output_logprobs: list[TokenLogprobs] | None = (
             None if sampling_params.logprobs is None else []
+        )
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         )
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -219,4 +229,5 @@ class Sequence:
             outputs=[completion],
             finished=self.is_finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

@@ -165,8 +165,12 @@ class AsyncEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's cumulative output, one item per step that changed it.
+
+        `cache_salt`: see `LLMEngine.add_request`.
 
         A request submitted while paused is queued and starts after resume. Leaving the stream
         early (break, cancellation) aborts the request.
@@ -182,7 +186,7 @@ class AsyncEngine:
                 f"request_id {request_id!r} is already streaming; use a unique id"
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.engine.add_request(request_id, prompt, sampling_params)
+        self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self._streams[request_id] = queue
         self._wake.set()
         finished = False
@@ -203,13 +207,15 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
-        return self.engine.tokenize(prompt)
+        return self.engine.tokenize(prompt, truncate_prompt_tokens=truncate_prompt_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], **options: Any
+    ) -> list[int]:
         """A conversation's prompt token ids; see `LLMEngine.apply_chat_template`."""
-        return self.engine.apply_chat_template(messages)
+        return self.engine.apply_chat_template(messages, **options)
 
     @property
     def max_model_len(self) -> int:

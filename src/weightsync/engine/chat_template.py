@@ -33,6 +33,9 @@ message, then `<|assistant|>` and a newline where the reply begins. The markers 
 the tokenizer adds its BOS token before them."""
 
 
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def _raise_exception(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
@@ -145,25 +148,43 @@ class ChatTemplate:
         return cls(source, origin=origin, variables=variables)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Renders `messages` (dicts with `role` and `content`) into the prompt text.
 
         Args:
             messages: The conversation.
             add_generation_prompt: End with the marker where the assistant's reply begins.
+            tools: Tool definitions, as `transformers` passes them (the template decides how
+                they show; the default template ignores them).
+            documents: Documents for retrieval-augmented templates, likewise.
+            template_kwargs: More variables for the template (vLLM's `chat_template_kwargs`,
+                `enable_thinking`, say); they may not replace `messages`, `tools`, `documents`
+                or `add_generation_prompt`.
 
         Raises:
             InvalidRequestError: The template refused the messages (its `raise_exception`, say:
                 roles that do not alternate) or failed on them; the message names the template.
         """
+        reserved = sorted(_RESERVED & set(template_kwargs or {}))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as fields of "
+                "their own"
+            )
         try:
             return self._template.render(
+                **{**self.variables, **(template_kwargs or {})},
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self.variables,
+                tools=None if tools is None else [dict(t) for t in tools],
+                documents=None if documents is None else [dict(d) for d in documents],
             )
         except jinja2.TemplateError as exc:  # raise_exception, an undefined name, the sandbox
             raise InvalidRequestError(f"{self.origin} refused the messages: {exc}") from None

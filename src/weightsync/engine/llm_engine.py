@@ -145,11 +145,17 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         """Queues a request; it is admitted by a later `step()` (after resume, if paused).
 
-        Safe to call from another thread while a step runs.
+        Safe to call from another thread while a step runs. With `cache_salt`, the request
+        shares cached prefixes only with requests of the same salt (vLLM's `cache_salt`).
 
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
@@ -159,7 +165,9 @@ class LLMEngine:
         self._check_not_shut_down("add_request")
         self._sleep.check_awake("add_request")
         with self._lock:
-            seq = self.input_processor.process(request_id, prompt, sampling_params)
+            seq = self.input_processor.process(
+                request_id, prompt, sampling_params, cache_salt=cache_salt
+            )
             if request_id in self._live_ids:
                 raise InvalidRequestError(
                     f"request_id {request_id!r} is already in flight; use a unique id"
@@ -167,18 +175,24 @@ class LLMEngine:
             self._live_ids.add(request_id)
             self._inbox.append(seq)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], **options: Any
+    ) -> list[int]:
         """A conversation's prompt token ids: see `InputProcessor.apply_chat_template`."""
-        return self.input_processor.apply_chat_template(messages)
+        return self.input_processor.apply_chat_template(messages, **options)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
         """The token ids of a prompt, checked as `add_request` checks it; no side effect.
+
+        `truncate_prompt_tokens` keeps the last tokens, as `SamplingParams` says.
 
         Raises:
             InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
                 ids, or a prompt that leaves no room for output within `max_model_len`.
         """
-        return self.input_processor.tokenize(prompt)[1]
+        return self.input_processor.tokenize(prompt, truncate_prompt_tokens=truncate_prompt_tokens)[
+            1
+        ]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests by id (unknown or finished ids are ignored); thread-safe.

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 __all__ = [
     "CompletionOutput",
     "FinishReason",
+    "Logprob",
     "RequestOutput",
     "WeightVersion",
     "WeightVersionSpan",
@@ -53,6 +54,18 @@ def weight_version_spans(versions: list[WeightVersion]) -> list[WeightVersionSpa
             spans.append(WeightVersionSpan(versions[start], start, index))
             start = index
     return spans
+
+
+class Logprob(NamedTuple):
+    """A token's log-probability at one position, and its rank there (vLLM's `Logprob`).
+
+    Attributes:
+        logprob: The log-probability.
+        rank: 1 for the most likely token, 2 for the next, ...
+    """
+
+    logprob: float
+    rank: int
 
 
 @dataclass
@@ -103,6 +116,9 @@ class RequestOutput:
         outputs: The completions (one).
         finished: Whether the request has ended.
         num_cached_tokens: Prompt tokens whose KV came from the prefix cache on admission.
+        prompt_logprobs: With `SamplingParams.prompt_logprobs`, for each prompt position: None
+            at the first, then `{token_id: Logprob}` of the prompt token and of the most likely
+            tokens there (vLLM's shape). None otherwise.
     """
 
     request_id: str
@@ -111,3 +127,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -19,6 +19,8 @@ _MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for at each step
 _MAX_STOP_STRINGS = 64
 _MAX_STOP_STRING_CHARS = 512
 _MAX_STOP_TOKEN_IDS = 128
+_MAX_LOGIT_BIAS_ENTRIES = 1024  # each is a write into a row of logits at every step
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range: [-100, 100]
 
 
 @dataclass
@@ -67,6 +69,16 @@ class SamplingParams:
             none. Log-probabilities are those of the model's own distribution (softmax of the
             raw logits, before penalties, masks, temperature and filters), as an RL loss needs
             them.
+        prompt_logprobs: Return, for each prompt token after the first, its log-probability
+            given the tokens before it, and the `prompt_logprobs` most likely tokens there (0 for
+            the prompt token alone, at most 20); None returns none. A request that asks for them
+            computes its whole prompt (it takes no prefix from the cache).
+        logit_bias: Added to the logits of these token ids (each in [-100, 100]) at every step,
+            before the penalties; at most 1024 ids. Log-probabilities stay those of the raw
+            logits.
+        truncate_prompt_tokens: Keep only the last `truncate_prompt_tokens` tokens of the prompt
+            (at least 1); -1 keeps as many as `max_model_len` leaves room for (all but one);
+            None keeps the prompt whole.
 
     Raises:
         InvalidRequestError: A value is out of range; the message names the field.
@@ -91,6 +103,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -135,12 +150,43 @@ class SamplingParams:
         for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise _invalid(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
+                raise _invalid(
+                    name, f"{name} must be None or an int in [0, {_MAX_LOGPROBS}], got {value!r}"
+                )
+        self._check_prompt_fields()
+
+    def _check_prompt_fields(self) -> None:
+        """Checks `logit_bias` (made a fresh dict) and `truncate_prompt_tokens`."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _invalid(
+                    "logit_bias",
+                    f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}",
+                )
+            _check_length("logit_bias", "entries", len(self.logit_bias), _MAX_LOGIT_BIAS_ENTRIES)
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise _invalid(
+                        "logit_bias", f"logit_bias keys must be token ids >= 0, got {token_id!r}"
+                    )
+                if not _is_number(bias) or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                    raise _invalid(
+                        "logit_bias",
+                        f"logit_bias of token {token_id} must be a number in "
+                        f"[-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}], got {bias!r}",
+                    )
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (
+            not _is_int(truncate) or not (truncate >= 1 or truncate == -1)
         ):
             raise _invalid(
-                "logprobs",
-                f"logprobs must be None or an int in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be an int >= 1, -1 (as many as fit) or None, "
+                f"got {truncate!r}",
             )
 
     def _check_sampling_extensions(self) -> None:
