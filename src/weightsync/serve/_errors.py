@@ -26,6 +26,7 @@ from weightsync import (
     WeightTransferTimeout,
     WeightValidationError,
 )
+from weightsync.serve._fields import unknown_field_message
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ def _describe(error: Any) -> tuple[str, str]:
     kind = error.get("type")
     if kind == "json_invalid":
         return "body", f"the body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
+    if kind == "unknown_field":
+        return unknown_field_message(field, error.get("ctx", {}).get("names", []))
     if kind == "extra_forbidden":
         return field, f"unknown field {field!r}: remove it (see the route's documented fields)"
     if kind == "missing":

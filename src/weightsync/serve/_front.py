@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import RequestRefused
+from weightsync.serve._fields import IGNORED_FIELDS_HEADER as _IGNORED
 from weightsync.serve._fleet import Fleet, Replica
 from weightsync.serve._fleet_control import FleetControl
 from weightsync.serve._http import build_app, unless_disconnected
@@ -199,11 +200,13 @@ async def _forward(
     except httpx.HTTPError as exc:  # the replica broke off while it held the request
         logger.error("%s broke off completion %s: %r", replica.name, shape.completion_id, exc)
         return _broken_off(shape, stream=stream)
+    # The replica validated the body: its note of the fields it ignored goes back too.
+    relayed = {k: v for k, v in upstream.headers.items() if k.lower() == _IGNORED.lower()}
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
             _relay(state, replica, upstream, shape),
             media_type="text/event-stream",
-            headers=_STREAM_HEADERS,
+            headers={**_STREAM_HEADERS, **relayed},
         )
     try:
         content = await upstream.aread()
@@ -211,7 +214,12 @@ async def _forward(
         return _broken_off(shape, stream=False)
     finally:
         await upstream.aclose()
-    return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+    return Response(
+        content,
+        upstream.status_code,
+        headers=relayed,
+        media_type=upstream.headers.get("content-type"),
+    )
 
 
 _v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])

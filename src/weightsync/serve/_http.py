@@ -24,6 +24,7 @@ import weightsync
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import error_body, install_error_handlers
+from weightsync.serve._fields import RequestFields
 from weightsync.serve._rl_routes import router as rl_router
 from weightsync.serve.config import ServerConfig
 
@@ -96,6 +97,7 @@ def build_app(
     )
     app.state.serve = surface
     install_error_handlers(app)
+    app.add_middleware(RequestFields, strict=surface.config.strict_request_fields)
     app.add_middleware(_BodyLimit, max_bytes=surface.config.max_request_bytes)
     app.include_router(_server_router)
     app.include_router(_models_router)

@@ -3,7 +3,12 @@ r"""Log-probabilities in OpenAI's two shapes (completions' and chat's), named by
 A token is named by its own text, as the engine's tokenizer decodes it alone (special tokens by
 their name). A token that is no text on its own (one byte of a multi-byte character, an id the
 tokenizer does not know) is named `bytes:\xNN` by the byte tokenizer, and `token_id:N` (vLLM's
-form for ids) by any other.
+form for ids) by any other. A request with vLLM's `return_tokens_as_token_ids` has every token
+named `token_id:N`, so a client reads the ids back whatever their text.
+
+Prompt log-probabilities (vLLM's `prompt_logprobs`) have vLLM's shape: `None` for the first
+prompt token, then for each one `{"<id>": {"logprob", "rank", "decoded_token"}}`, the prompt's
+token first.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync import ByteTokenizer, CompletionOutput
+from weightsync.engine.outputs import Logprob
 from weightsync.engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what a token that ends mid-character decodes to
+_LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot hold
 
 
 class LogprobsFormat:
@@ -23,15 +30,23 @@ class LogprobsFormat:
     Args:
         tokenizer: The engine's tokenizer.
         skip_special_tokens: The request's: the text offsets follow its text.
+        as_token_ids: vLLM's `return_tokens_as_token_ids`: name every token `token_id:N`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special_tokens: bool, as_token_ids: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.as_token_ids = as_token_ids
         self._names: dict[int, str] = {}
 
+    def token_name(self, token_id: int) -> str:
+        """The name a token has in this request's logprobs."""
+        return f"token_id:{token_id}" if self.as_token_ids else self.token_text(token_id)
+
     def token_text(self, token_id: int) -> str:
-        """The name OpenAI-style logprobs give a token."""
+        """The name OpenAI-style logprobs give a token by its text."""
         if (name := self._names.get(token_id)) is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             if text and _REPLACEMENT not in text:
@@ -67,7 +82,7 @@ class LogprobsFormat:
         if out.logprobs is None:
             return None
         tops = out.top_logprobs or [{} for _ in out.logprobs]
-        name = self.token_text
+        name = self.token_name
         return {
             "tokens": [name(t) for t in out.token_ids[start:]],
             "token_logprobs": out.logprobs[start:],
@@ -80,7 +95,7 @@ class LogprobsFormat:
         if out.logprobs is None:
             return None
         tops = out.top_logprobs or [{} for _ in out.logprobs]
-        name, raw = self.token_text, self._token_bytes
+        name, raw = self.token_name, self._token_bytes
         content = [
             {
                 "token": name(token_id),
@@ -95,3 +110,23 @@ class LogprobsFormat:
             )
         ]
         return {"content": content}
+
+    def prompt(
+        self, scored: Sequence[dict[int, Logprob] | None] | None
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """VLLM's `prompt_logprobs` of a request's output (None when it did not ask)."""
+        if scored is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(token_id): {
+                    "logprob": max(lp.logprob, _LOWEST_LOGPROB),
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(token_id),
+                }
+                for token_id, lp in entry.items()
+            }
+            for entry in scored
+        ]

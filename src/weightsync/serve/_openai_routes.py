@@ -29,6 +29,7 @@ from weightsync import (
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
+from weightsync.serve._fields import name_request
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import LogprobsFormat
 from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -53,9 +54,11 @@ class _Run:
                 param="model",
                 error_type="NotFound",
             )
+        _check_supported(body)
         self.state = state
         self.body = body
         self.id = body.request_id or f"{kind}-{uuid.uuid4().hex}"
+        name_request(self.id)
         if self.id in state.live:
             raise RequestRefused(
                 400,
@@ -66,7 +69,11 @@ class _Run:
         self.prompt_ids: list[list[int]] = []
         for prompt in prompts:  # refuse a bad prompt before anything starts
             try:
-                self.prompt_ids.append(state.engine.tokenize(prompt))
+                self.prompt_ids.append(
+                    state.engine.tokenize(
+                        prompt, truncate_prompt_tokens=body.truncate_prompt_tokens
+                    )
+                )
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chatcmpl" else "prompt"
                 raise RequestRefused(400, str(exc), param=param) from None
@@ -86,7 +93,9 @@ class _Run:
                 param="min_tokens",
             )
         self.logprobs_format = LogprobsFormat(
-            state.engine.engine.tokenizer, skip_special_tokens=body.skip_special_tokens
+            state.engine.engine.tokenizer,
+            skip_special_tokens=body.skip_special_tokens,
+            as_token_ids=bool(body.return_tokens_as_token_ids),
         )
         # Choice i*n + j is prompt i's choice j, as OpenAI numbers them.
         self.choices: list[tuple[str, list[int], SamplingParams]] = [
@@ -116,7 +125,8 @@ class _Run:
 
         async def pump(index: int, request_id: str, ids: list[int], params: SamplingParams) -> None:
             try:
-                async for output in engine.generate(ids, params, request_id):
+                stream = engine.generate(ids, params, request_id, cache_salt=self.body.cache_salt)
+                async for output in stream:
                     queue.put_nowait((index, output))
                 queue.put_nowait((index, None))
             except BaseException as exc:
@@ -156,7 +166,8 @@ class _Run:
         self.state.live[self.id] = [request_id]
         # AsyncEngine.generate is an async generator: closing it aborts an unfinished request.
         stream = cast(
-            AsyncGenerator[RequestOutput, None], self.state.engine.generate(ids, params, request_id)
+            AsyncGenerator[RequestOutput, None],
+            self.state.engine.generate(ids, params, request_id, cache_salt=self.body.cache_salt),
         )
         first = asyncio.ensure_future(anext(stream))
         try:
@@ -189,6 +200,13 @@ class _Run:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+
+
+def _check_supported(body: _SamplingFields) -> None:
+    """Refuses a field of vLLM's that asks for what this server cannot do, by name."""
+    if (unsupported := body.unsupported_field()) is not None:
+        name, why = unsupported
+        raise RequestRefused(400, why, param=name)
 
 
 def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None) -> dict[str, Any]:
@@ -279,9 +297,13 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
     if finals is None:
         return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
+    choices = [choice(i, out, 0, 0) for i, out in enumerate(outs)]
+    if body.prompt_logprobs is not None:  # vLLM puts them on each choice of a completion
+        for entry, final in zip(choices, finals, strict=True):
+            entry["prompt_logprobs"] = run.logprobs_format.prompt(final.prompt_logprobs)
     return JSONResponse({
         **base,
-        "choices": [choice(i, out, 0, 0) for i, out in enumerate(outs)],
+        "choices": choices,
         "usage": run.usage(sum(len(o.token_ids) for o in outs)),
     })  # fmt: skip
 
@@ -292,11 +314,12 @@ async def _create_chat_completion(
 ) -> Response | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
     state: EngineControl = request.app.state.serve
+    _check_supported(body)
     messages = [m.template_fields() for m in body.messages]
     try:  # the model's own template, or the documented default
-        prompt = state.engine.apply_chat_template(messages)
+        prompt = state.engine.apply_chat_template(messages, **body.template_options())
     except InvalidRequestError as exc:
-        raise RequestRefused(400, str(exc), param="messages") from None
+        raise RequestRefused(400, str(exc), param=exc.param or "messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
     model = state.config.model_name
     asked = body.num_logprobs() is not None
@@ -336,4 +359,6 @@ async def _create_chat_completion(
         "id": run.id, "object": "chat.completion", "created": run.created, "model": model,
         "choices": choices, "usage": run.usage(sum(len(o.token_ids) for o in outs)),
         "prompt_token_ids": run.prompt_ids[0],
+        # vLLM's: on the answer, not per choice (every choice has the one prompt)
+        "prompt_logprobs": run.logprobs_format.prompt(finals[0].prompt_logprobs),
     })  # fmt: skip

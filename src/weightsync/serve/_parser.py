@@ -71,6 +71,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     net.add_argument("--max-request-bytes", type=_positive_int, default=64 * 1024 * 1024,
                      help="largest request body in bytes; larger ones get 413 "
                      "(default: %(default)s)")  # fmt: skip
+    net.add_argument("--strict-request-fields", action="store_true",
+                     help="refuse request fields the server does not know (400 naming them); "
+                     "by default they are ignored as vLLM ignores them, logged and named in "
+                     "the answer's X-Ignored-Fields header")  # fmt: skip
     net.add_argument("--served-model-name", default=None,
                      help="the model id of /v1/models (default: MODEL)")  # fmt: skip
     net.add_argument("--log-level", default="info",

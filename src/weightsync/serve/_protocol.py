@@ -1,22 +1,26 @@
-"""The OpenAI request bodies the server accepts.
+"""The OpenAI request bodies the server accepts, with vLLM's extensions.
 
-Unknown fields are refused (400 naming the field) rather than silently ignored, so a misspelt
-`max_token` is caught. Beyond OpenAI's fields, the sampling fields of vLLM's requests are taken
-with vLLM's meaning (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `return_token_ids`; see
-`SamplingParams`), and `request_id` is weightsync's own. Responses always carry `token_ids`,
-`weight_versions` and `prompt_token_ids`, which OpenAI clients ignore: `return_token_ids` is taken
-and changes nothing.
+Fields the server does not know are ignored and reported as vLLM ignores them, or refused by a
+strict server (see `_fields`). Beyond OpenAI's fields, vLLM's are taken with vLLM's meaning:
+the sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `logit_bias`,
+`prompt_logprobs`, `truncate_prompt_tokens`; see `SamplingParams`), `cache_salt`,
+`return_tokens_as_token_ids`, and the chat template's fields. A vLLM field that would change the
+answer and that this server cannot honour is declared too, and refused by name unless it asks
+for nothing (`unsupported_field`). `request_id` is vLLM's and weightsync's. Responses always
+carry `token_ids`, `weight_versions` and `prompt_token_ids`, which OpenAI clients ignore:
+`return_token_ids` is taken and changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from weightsync import SamplingParams
 from weightsync.errors import InvalidRequestError
+from weightsync.serve._fields import RequestBody
 
 __all__ = [
     "ChatCompletionRequest",
@@ -29,8 +33,14 @@ __all__ = [
 _Prompt = StrictStr | list[StrictInt]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Body = RequestBody
+
+_NOT_SUPPORTED = "is not supported by this server"
+
+
+def _asks_for_something(value: Any, default: Any) -> bool:
+    """Whether a field's value asks for more than its default (null and empty ask for nothing)."""
+    return value is not None and value != default and value not in ([], {})
 
 
 class StreamOptions(_Body):
@@ -59,6 +69,47 @@ class _SamplingFields(_Body):
     return_token_ids: bool | None = Field(
         None, description="vLLM; token ids are always returned here."
     )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) to a bias in [-100, 100] added to its logit."
+    )
+    prompt_logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM: per prompt position, its token's log-probability "
+        "and this many alternatives (`None` first). Not with `stream`.",
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="vLLM: keep the prompt's last N tokens (-1: as many as fit)."
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM: only `left` (the default) is taken."
+    )
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="vLLM: cached prefixes are shared only between requests of the same salt.",
+    )  # fmt: skip
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM: logprob tokens are written `token_id:<id>`."
+    )
+    priority: StrictInt = Field(
+        0, description="vLLM: only 0 is taken (the scheduler serves first come, first served)."
+    )
+    # vLLM's fields this server cannot honour: taken when they ask for nothing, else refused.
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM: not supported.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only `{"type": "text"}`: JSON modes are not supported.'
+    )
+    use_beam_search: bool = Field(False, description="vLLM: not supported.")
+    length_penalty: float = Field(1.0, description="vLLM: beam search only; no effect.")
+    allowed_token_ids: list[StrictInt] | None = Field(None, description="vLLM: not supported.")
+    bad_words: list[str] | None = Field(None, description="vLLM: not supported.")
+    logprob_token_ids: list[StrictInt] | None = Field(None, description="vLLM: not supported.")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM: only true is taken.")
+    watermarking: bool | None = Field(None, description="vLLM: not supported.")
+    repetition_detection: dict[str, Any] | None = Field(None, description="vLLM: not supported.")
+    thinking_token_budget: StrictInt | None = Field(None, description="vLLM: not supported.")
+    best_of: StrictInt | None = Field(None, description="OpenAI: at most `n` (no reranking).")
     n: int = Field(1, ge=1, le=64, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,6 +119,55 @@ class _SamplingFields(_Body):
         min_length=1,
         description="weightsync extension: the id `/abort_requests` takes (random by default).",
     )
+
+    # Declared fields refused unless they ask for nothing: name -> the value that asks nothing.
+    refused_unless_default: ClassVar[dict[str, Any]] = {
+        "structured_outputs": None, "use_beam_search": False, "allowed_token_ids": None,
+        "bad_words": None, "logprob_token_ids": None, "spaces_between_special_tokens": True,
+        "watermarking": False, "repetition_detection": None, "thinking_token_budget": -1,
+        "priority": 0,
+    }  # fmt: skip
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """The first field that asks for what this server cannot do: `(name, why)`, or None."""
+        for name, nothing in self.refused_unless_default.items():
+            if _asks_for_something(getattr(self, name), nothing):
+                return name, f"{name}={getattr(self, name)!r} {_NOT_SUPPORTED}"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            kind = self.response_format.get("type")
+            return "response_format", (
+                f"response_format of type {kind!r} {_NOT_SUPPORTED}: structured outputs (JSON "
+                "schema, JSON object, grammar) are not implemented; only 'text' is taken"
+            )
+        if self.truncation_side == "right":
+            return "truncation_side", f"truncation_side='right' {_NOT_SUPPORTED}; 'left' is"
+        if self.best_of is not None and self.best_of > self.n:
+            return "best_of", (
+                f"best_of={self.best_of} above n={self.n} {_NOT_SUPPORTED}: it ranks no "
+                "candidates; ask for n choices instead"
+            )
+        if self.stream and self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as " \
+                "in vLLM): ask without stream"  # fmt: skip
+        return None
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` keyed by token id.
+
+        Raises:
+            InvalidRequestError: A key is not a token id (`param` names `logit_bias`).
+        """
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            error = InvalidRequestError(
+                f'logit_bias keys must be token ids written as strings ("42"), got '
+                f"{sorted(self.logit_bias)!r}"
+            )
+            error.param = "logit_bias"
+            raise error from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The engine's sampling parameters of choice number `choice` of a prompt.
@@ -100,6 +200,9 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.token_bias(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
@@ -113,6 +216,15 @@ class CompletionRequest(_SamplingFields):
     prompt: _Prompt | list[_Prompt]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = Field(False, description="Only false: the prompt is not echoed.")
+    suffix: str | None = Field(None, description="Not supported.")
+    prompt_embeds: Any = Field(None, description="vLLM: not supported.")
+    add_special_tokens: bool = Field(True, description="vLLM: only true is taken.")
+
+    refused_unless_default: ClassVar[dict[str, Any]] = {
+        **_SamplingFields.refused_unless_default,
+        "echo": False, "suffix": None, "prompt_embeds": None, "add_special_tokens": True,
+    }  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per completion."""
@@ -132,7 +244,9 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One chat message."""
+    """One chat message; fields beyond these (`tool_calls`, say) go to the chat template."""
+
+    passes_unknown_fields: ClassVar[bool] = True
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
@@ -144,9 +258,10 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def template_fields(self) -> dict[str, str]:
-        """The message as a chat template reads it: role, content as one text, name if given."""
-        fields = {"role": self.role, "content": self.text()}
+    def template_fields(self) -> dict[str, Any]:
+        """The message as a chat template reads it: its fields, content as one text."""
+        fields: dict[str, Any] = {**(self.model_extra or {}), "role": self.role,
+                                  "content": self.text()}  # fmt: skip
         if self.name is not None:
             fields["name"] = self.name
         return fields
@@ -165,6 +280,60 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Tool definitions, passed to the chat template (no tool-call parsing)."
+    )
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = Field(
+        None, description="`none` or `auto`: a choice that demands a call is not supported."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="No tool-call parsing: no effect.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM: more variables for the chat template."
+    )
+    add_generation_prompt: StrictBool = Field(
+        True, description="vLLM: end the prompt where the assistant's reply begins."
+    )
+    continue_final_message: StrictBool = Field(
+        False, description="vLLM: the model continues the last message (needs "
+        "add_generation_prompt false).",
+    )  # fmt: skip
+    documents: list[dict[str, Any]] | None = Field(
+        None, description="vLLM: documents for the chat template."
+    )
+    reasoning_effort: str | None = Field(
+        None, description="Passed to the chat template as `reasoning_effort`."
+    )
+    include_reasoning: bool = Field(True, description="No reasoning parser: no effect.")
+    echo: bool = Field(False, description="vLLM: only false is taken.")
+    add_special_tokens: bool = Field(False, description="vLLM: only false is taken.")
+    chat_template: str | None = Field(None, description="vLLM: not supported (the model's own).")
+
+    refused_unless_default: ClassVar[dict[str, Any]] = {
+        **_SamplingFields.refused_unless_default,
+        "echo": False, "add_special_tokens": False, "chat_template": None,
+    }  # fmt: skip
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """As for every body, and a `tool_choice` that demands a call."""
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", (
+                f"tool_choice={self.tool_choice!r} {_NOT_SUPPORTED}: it demands a tool call, "
+                "and this server parses none; send 'none' or 'auto'"
+            )
+        return super().unsupported_field()
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is given besides the messages (`apply_chat_template`)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "tools": self.tools,
+            "documents": self.documents,
+            "template_kwargs": kwargs,
+        }
 
     def max_output_tokens(self) -> int:
         """`max_completion_tokens`, else `max_tokens`, else 16."""

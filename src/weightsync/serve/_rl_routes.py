@@ -17,13 +17,14 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 
 from weightsync.engine.pause import PauseMode
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._control import Body as Answer
 from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import RequestRefused
+from weightsync.serve._fields import RequestBody
 
 router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
 """The RL routes; each needs the admin key when the server has one."""
@@ -39,8 +40,7 @@ _Version = (
 )
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Body = RequestBody  # unknown fields: see `_fields`
 
 
 class AbortRequestsRequest(_Body):

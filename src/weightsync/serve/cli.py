@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=args.api_key,
             admin_api_key=args.admin_api_key,
             max_request_bytes=args.max_request_bytes,
+            strict_request_fields=args.strict_request_fields,
         )
     except WeightSyncError as exc:
         sock.close()
@@ -233,6 +234,7 @@ def _serve_data_parallel(
             api_key=args.api_key,
             admin_api_key=args.admin_api_key,
             max_request_bytes=args.max_request_bytes,
+            strict_request_fields=args.strict_request_fields,
             world_size=size,
         )
         fleet = Fleet(

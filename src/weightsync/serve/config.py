@@ -24,6 +24,9 @@ class ServerConfig:
         max_request_bytes: Largest request body in bytes (64 MiB by default: room for the IPC
             handle records of large models); larger ones get a 413.
         world_size: Transfer workers behind this server (`/get_world_size`).
+        strict_request_fields: Refuse request fields the server does not know (a 400 naming
+            them). By default they are ignored as vLLM ignores them: logged once per request
+            and named in the answer's `X-Ignored-Fields` header.
 
     Raises:
         EngineConfigError: A value is out of range.
@@ -34,11 +37,16 @@ class ServerConfig:
     admin_api_key: str | None = None
     max_request_bytes: int = _DEFAULT_MAX_REQUEST_BYTES
     world_size: int = 1
+    strict_request_fields: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise EngineConfigError(
                 f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}"
+            )
+        if not isinstance(self.strict_request_fields, bool):
+            raise EngineConfigError(
+                f"strict_request_fields must be True or False, got {self.strict_request_fields!r}"
             )
         for name in ("api_key", "admin_api_key"):
             check_api_key(getattr(self, name), name=name)
