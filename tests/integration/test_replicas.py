@@ -3,6 +3,7 @@
 One server (a front and two replica processes) for the module; the last test stops it.
 """
 
+import json
 import signal
 import threading
 
@@ -94,6 +95,36 @@ def test_requests_spread_and_a_keep_pause_freezes_every_replica_mid_request(serv
         tokens = [t for chunk in stream[:-1] for c in chunk["choices"] for t in c["token_ids"]]
         assert len(tokens) == MAX_TOKENS
         assert stream[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_vllm_fields_and_ignored_fields_pass_through_the_front(server, chat):
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    ask = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
+    logprobs = {"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}
+    body = {**ask, **logprobs, "max_tokens": 4, "temperature": 0, "return_tokens_as_token_ids": True,
+            "truncate_prompt_tokens": 3, "cache_salt": "v1", "frobnicate": 1}  # fmt: skip
+    whole = httpx.post(server.base_url + route, json={**body, "prompt_logprobs": 1}, timeout=WAIT_S)
+    assert whole.status_code == 200, whole.text
+    assert whole.headers["X-Ignored-Fields"] == "frobnicate"
+    answer, choice = whole.json(), whole.json()["choices"][0]
+    scored = answer["prompt_logprobs"] if chat else choice["prompt_logprobs"]
+    assert len(choice["prompt_token_ids"]) == len(scored) == 3 and scored[0] is None
+    if chat:
+        tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    else:
+        tokens = choice["logprobs"]["tokens"]
+    assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
+    with httpx.stream("POST", server.base_url + route, json={**body, "stream": True},
+                      timeout=WAIT_S) as response:  # fmt: skip
+        assert response.headers["X-Ignored-Fields"] == "frobnicate"
+        chunks = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    streamed = [t for chunk in chunks for c in chunk["choices"] for t in c["token_ids"]]
+    assert streamed == choice["token_ids"]
+    refused = httpx.post(server.base_url + route, json={**body, "priority": 5}, timeout=WAIT_S)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
 
 
 def test_a_gloo_update_lands_on_every_replica(server, group):

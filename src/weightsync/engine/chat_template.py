@@ -174,10 +174,12 @@ class ChatTemplate:
         """
         reserved = sorted(_RESERVED & set(template_kwargs or {}))
         if reserved:
-            raise InvalidRequestError(
+            error = InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as fields of "
                 "their own"
             )
+            error.param = "chat_template_kwargs"
+            raise error
         try:
             return self._template.render(
                 **{**self.variables, **(template_kwargs or {})},
