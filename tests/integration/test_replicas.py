@@ -110,10 +110,8 @@ def test_vllm_fields_and_ignored_fields_pass_through_the_front(server, chat):
     answer, choice = whole.json(), whole.json()["choices"][0]
     scored = answer["prompt_logprobs"] if chat else choice["prompt_logprobs"]
     assert len(choice["prompt_token_ids"]) == len(scored) == 3 and scored[0] is None
-    if chat:
-        tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
-    else:
-        tokens = choice["logprobs"]["tokens"]
+    named = choice["logprobs"]
+    tokens = [e["token"] for e in named["content"]] if chat else named["tokens"]
     assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
     with httpx.stream("POST", server.base_url + route, json={**body, "stream": True},
                       timeout=WAIT_S) as response:  # fmt: skip

@@ -186,7 +186,7 @@ def test_prompt_logprobs_have_vllms_shape_and_the_engines_values(client, engine,
     assert len(scored) == len(ids) and scored[0] is None
     for position in range(1, len(ids)):
         entry, want = scored[position], expected.prompt_logprobs[position]
-        assert list(entry)[0] == str(ids[position])  # the prompt's token first
+        assert next(iter(entry)) == str(ids[position])  # the prompt's token first
         assert set(entry) == {str(t) for t in want}
         for token, logprob in want.items():
             got = entry[str(token)]
