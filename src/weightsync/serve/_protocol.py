@@ -248,12 +248,17 @@ class ChatMessage(_Body):
 
     passes_unknown_fields: ClassVar[bool] = True
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    # `tool` and `developer` too: a conversation with tools answers the calls in `tool` turns.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        description="None only where OpenAI allows it: an assistant turn of tool calls."
+    )
     name: str | None = None
 
     def text(self) -> str:
-        """The content as one text."""
+        """The content as one text (empty for none)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -120,6 +120,18 @@ def test_a_chat_messages_own_fields_go_to_the_template_rather_than_being_ignored
     assert HEADER not in headers
 
 
+def test_a_tool_conversation_reaches_the_template_whole():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]  # fmt: skip
+    with _templated_client() as client:
+        body, headers = answer(client, True, messages=messages, tools=TOOLS)
+    assert bytes(body["prompt_token_ids"]).decode() == (
+        "[user]hi[assistant][calls:f][tool]42[tools:lookup][assistant]"
+    )
+    assert HEADER not in headers
+
+
 def test_rl_route_bodies_follow_the_same_rule(client, strict):
     loose = client.post("/update_weight_version", json={"new_version": 3, "note": "x"})
     assert loose.status_code == 200, loose.text
@@ -257,7 +269,9 @@ def test_cache_salt_shares_cached_prefixes_only_within_a_salt(client, chat, stre
 def _templated_client():
     app = _app()
     source = (
-        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content or '' }}"
+        "{% if m.tool_calls %}[calls:{{ m.tool_calls | map(attribute='function.name') | join(',') }}]"
+        "{% endif %}{% endfor %}"
         "{% if tools %}[tools:{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
         "{% if enable_thinking %}[think]{% endif %}"
         "{% if add_generation_prompt %}[assistant]{% endif %}"
@@ -266,9 +280,12 @@ def _templated_client():
     return TestClient(app)
 
 
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+
+
 @STREAMED
 def test_chat_template_fields_reach_the_template(streamed):
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    tools = TOOLS
     cases = [
         ({}, "[user]hi[assistant]"),
         ({"add_generation_prompt": False}, "[user]hi"),
