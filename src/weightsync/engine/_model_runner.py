@@ -13,6 +13,8 @@ from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine.model import LlamaForCausalLM
 
+_SCORED_POSITIONS = 256  # prompt positions whose logits are scored together
+
 __all__ = ["ModelRunner"]
 
 
@@ -220,9 +222,15 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
             if seq.prompt_logprobs is not None and start < end:
-                rows = self._to_device(list(range(query_start, query_start + end - start)))
-                logits = self.model.compute_logits(hidden[rows])  # (end - start, vocab)
                 num_top = seq.sampling_params.prompt_logprobs or 0
-                scored = position_logprobs(logits, seq.token_ids[start + 1 : end + 1], num_top)
-                seq.prompt_logprobs[start + 1 : end + 1] = scored
+                # A slice of positions at a time: a long prompt's logits over a large
+                # vocabulary (2048 x 152k floats: 1.2 GB) need not exist all at once.
+                for first in range(start, end, _SCORED_POSITIONS):
+                    last = min(first + _SCORED_POSITIONS, end)
+                    offset = query_start + first - start
+                    rows = self._to_device(list(range(offset, offset + last - first)))
+                    logits = self.model.compute_logits(hidden[rows])  # (last - first, vocab)
+                    next_tokens = seq.token_ids[first + 1 : last + 1]
+                    scored = position_logprobs(logits, next_tokens, num_top)
+                    seq.prompt_logprobs[first + 1 : last + 1] = scored
             query_start += item.num_tokens

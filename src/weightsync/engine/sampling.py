@@ -27,8 +27,8 @@ _MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range: [-100, 100]
 class SamplingParams:
     r"""How one request samples its output; the fields and their meaning are vLLM's.
 
-    At each step the model's logits go through, in this order: the stop tokens' mask (while
-    `min_tokens` are not reached), the penalties, then argmax (temperature 0) or the tempered
+    At each step the model's logits go through, in this order: `logit_bias`, the stop tokens'
+    mask (while `min_tokens` are not reached), the penalties, then argmax (temperature 0) or the tempered
     softmax filtered by `min_p`, `top_k` and `top_p`, from which the request's generator draws.
 
     Attributes:

@@ -8,6 +8,7 @@ import torch
 from engine_helpers import debug_model, greedy, make_engine, reference_greedy
 
 from weightsync import InvalidRequestError, SamplingParams
+from weightsync.engine import _model_runner
 
 
 def test_logit_bias_changes_the_greedy_choice():
@@ -47,8 +48,13 @@ def test_logit_bias_beyond_the_vocabulary_is_refused():
         engine.add_request("r", "abc", greedy(2, logit_bias={259: 1.0}))
 
 
-@pytest.mark.parametrize("chunk", [None, 5], ids=["one-prefill", "chunked-prefill"])
-def test_prompt_logprobs_equal_a_direct_forwards_log_softmax(chunk):
+@pytest.mark.parametrize(
+    ("chunk", "scored_together"),
+    [(None, 256), (5, 256), (None, 3)],
+    ids=["one-prefill", "chunked-prefill", "scored-in-slices"],
+)
+def test_prompt_logprobs_equal_a_direct_forwards_log_softmax(monkeypatch, chunk, scored_together):
+    monkeypatch.setattr(_model_runner, "_SCORED_POSITIONS", scored_together)
     model = debug_model()
     engine = make_engine(
         model, **({"max_num_batched_tokens": chunk, "max_num_seqs": chunk} if chunk else {})
