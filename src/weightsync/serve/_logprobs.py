@@ -130,3 +130,44 @@ class LogprobsFormat:
             }
             for entry in scored
         ]
+
+    def echoed(
+        self,
+        prompt_ids: Sequence[int],
+        scored: Sequence[dict[int, Logprob] | None] | None,
+        echo_text: str,
+        output: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Completions' logprobs with the echoed prompt's tokens first, as vLLM writes them.
+
+        The first prompt token has no log-probability (`null`, and `null` alternatives); the
+        others have theirs from `scored` (the request's prompt log-probabilities). The output's
+        text offsets move past `echo_text`. A stream's later chunks pass no `prompt_ids`: their
+        offsets move alone.
+        """
+        entries = list(scored or [])[: len(prompt_ids)] if prompt_ids else []
+        entries += [None] * (len(prompt_ids) - len(entries))
+        name = self.token_name
+        decoder = self.tokenizer.incremental_decoder(
+            [], skip_special_tokens=self.skip_special_tokens
+        )
+        offsets, position = [], 0
+        for token_id in prompt_ids:
+            offsets.append(min(position, len(echo_text)))
+            position += len(decoder.add(token_id))
+        return {
+            "tokens": [name(t) for t in prompt_ids] + output["tokens"],
+            "token_logprobs": [
+                None if entry is None else max(entry[t].logprob, _LOWEST_LOGPROB)
+                for t, entry in zip(prompt_ids, entries, strict=True)
+            ]
+            + output["token_logprobs"],
+            "top_logprobs": [
+                None
+                if entry is None
+                else {name(t): max(lp.logprob, _LOWEST_LOGPROB) for t, lp in entry.items()}
+                for entry in entries
+            ]
+            + output["top_logprobs"],
+            "text_offset": offsets + [len(echo_text) + offset for offset in output["text_offset"]],
+        }

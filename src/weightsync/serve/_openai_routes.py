@@ -255,7 +255,7 @@ async def _events(
             out = output.outputs[0]
             if len(out.token_ids) == sent_tokens[index] and out.finish_reason is None:
                 continue
-            yield frame.event(choice(index, out, sent_tokens[index], sent_chars[index]))
+            yield frame.event(choice(index, output, sent_tokens[index], sent_chars[index]))
             sent_tokens[index] = len(out.token_ids)
             sent_chars[index] = max(sent_chars[index], len(out.text))
             if out.finish_reason is not None:
@@ -277,17 +277,37 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
     base = {"id": run.id, "object": "text_completion", "created": run.created,
             "model": state.config.model_name}  # fmt: skip
     prompt_of = [ids for ids in run.prompt_ids for _ in range(body.n)]
+    # vLLM's echo: a text prompt as it was sent, unless truncated; token ids as they decode.
+    tokenizer = state.engine.engine.tokenizer
+    echo_text = [
+        prompt
+        if isinstance(prompt, str) and body.truncate_prompt_tokens is None
+        else tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+        for prompt, ids in zip(body.prompts(), run.prompt_ids, strict=True)
+    ] if body.echo else []  # fmt: skip
 
-    def choice(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
+    def choice(index: int, output: RequestOutput, start: int, chars: int) -> dict[str, Any]:
+        out, prompt_ids = output.outputs[0], prompt_of[index]
+        text = out.text[chars:]
+        logprobs = (
+            run.logprobs_format.completion(out, start, prompt_ids)
+            if body.logprobs is not None
+            else None
+        )
+        if body.echo:  # the choice's first chunk (or whole answer) leads with the prompt
+            echoed = echo_text[index // body.n]
+            text = echoed + text if start == 0 else text
+            if logprobs is not None:
+                logprobs = run.logprobs_format.echoed(
+                    prompt_ids if start == 0 else [], output.prompt_logprobs, echoed, logprobs
+                )
         return {
             "index": index,
-            "text": out.text[chars:],
-            "logprobs": run.logprobs_format.completion(out, start, prompt_of[index])
-            if body.logprobs is not None
-            else None,
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
-            **_extensions(out, start, prompt_of[index] if start == 0 else None),
+            **_extensions(out, start, prompt_ids if start == 0 else None),
         }
 
     if body.stream:
@@ -297,7 +317,7 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
     if finals is None:
         return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
-    choices = [choice(i, out, 0, 0) for i, out in enumerate(outs)]
+    choices = [choice(i, final, 0, 0) for i, final in enumerate(finals)]
     if body.prompt_logprobs is not None:  # vLLM puts them on each choice of a completion
         for entry, final in zip(choices, finals, strict=True):
             entry["prompt_logprobs"] = run.logprobs_format.prompt(final.prompt_logprobs)
@@ -324,7 +344,8 @@ async def _create_chat_completion(
     model = state.config.model_name
     asked = body.num_logprobs() is not None
 
-    def choice(index: int, out: CompletionOutput, start: int, chars: int) -> dict[str, Any]:
+    def choice(index: int, output: RequestOutput, start: int, chars: int) -> dict[str, Any]:
+        out = output.outputs[0]
         delta: dict[str, Any] = {"content": out.text[chars:]}
         if start == 0:
             delta["role"] = "assistant"

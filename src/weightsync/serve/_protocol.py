@@ -147,9 +147,14 @@ class _SamplingFields(_Body):
                 "candidates; ask for n choices instead"
             )
         if self.stream and self.prompt_logprobs is not None:
-            return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as " \
-                "in vLLM): ask without stream"  # fmt: skip
+            return "prompt_logprobs", (
+                "prompt_logprobs are not available with stream=true, as in vLLM: ask without stream"
+            )
         return None
+
+    def engine_prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """The engine's `prompt_logprobs`: the request's."""
+        return self.prompt_logprobs
 
     def token_bias(self) -> dict[int, float] | None:
         """`logit_bias` keyed by token id.
@@ -200,7 +205,7 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs(logprobs),
             logit_bias=self.token_bias(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
@@ -216,15 +221,23 @@ class CompletionRequest(_SamplingFields):
     prompt: _Prompt | list[_Prompt]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = Field(False, description="Only false: the prompt is not echoed.")
+    echo: bool = Field(
+        False, description="The prompt leads the text (and, with logprobs, the logprobs)."
+    )
     suffix: str | None = Field(None, description="Not supported.")
     prompt_embeds: Any = Field(None, description="vLLM: not supported.")
     add_special_tokens: bool = Field(True, description="vLLM: only true is taken.")
 
     refused_unless_default: ClassVar[dict[str, Any]] = {
         **_SamplingFields.refused_unless_default,
-        "echo": False, "suffix": None, "prompt_embeds": None, "add_special_tokens": True,
+        "suffix": None, "prompt_embeds": None, "add_special_tokens": True,
     }  # fmt: skip
+
+    def engine_prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """The request's `prompt_logprobs`, else with `echo` its `logprobs` (vLLM's rule)."""
+        if self.prompt_logprobs is None and self.echo:
+            return logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per completion."""

@@ -225,6 +225,41 @@ def test_logit_bias_changes_the_greedy_choice(client, chat, streamed):
     assert ids == [favoured] * 6 != plain
 
 
+@STREAMED
+@pytest.mark.parametrize("prompt", [PROMPT, [256, 72, 105]], ids=["text", "token-ids"])
+def test_echo_leads_the_text_and_the_logprobs_with_the_prompt(client, engine, streamed, prompt):
+    fields = {"prompt": prompt, "echo": True, "logprobs": 1}
+    plain = answer(client, prompt=prompt, logprobs=1)[0]["choices"][0]
+    if streamed:
+        choices, _ = stream(client, **fields)
+        text = "".join(c["text"] for c in choices)
+        logprobs = {key: [v for c in choices for v in c["logprobs"][key]] for key in
+                    ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+    else:
+        choice = answer(client, **fields)[0]["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    ids = plain["prompt_token_ids"]
+    echoed = PROMPT if prompt == PROMPT else "Hi"
+    assert text == echoed + plain["text"]
+    scored = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert logprobs["tokens"][len(ids) :] == plain["logprobs"]["tokens"]
+    assert len(logprobs["tokens"]) == len(ids) + len(plain["token_ids"])
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for position in range(1, len(ids)):
+        want = scored.prompt_logprobs[position][ids[position]].logprob
+        assert math.isclose(logprobs["token_logprobs"][position], want, rel_tol=1e-6)
+    # Not bit for bit: the echoing request computed its whole prompt, the plain one took a
+    # cached prefix.
+    assert logprobs["token_logprobs"][len(ids) :] == pytest.approx(
+        plain["logprobs"]["token_logprobs"], rel=1e-5
+    )
+    offsets = logprobs["text_offset"]
+    assert offsets[: len(ids)] == sorted(offsets[: len(ids)]) and offsets[len(ids) - 1] < len(
+        echoed
+    )
+    assert offsets[len(ids) :] == [len(echoed) + o for o in plain["logprobs"]["text_offset"]]
+
+
 @BOTH
 def test_a_bad_logit_bias_is_a_400_naming_it(client, chat):
     assert refused(client, chat, logit_bias={"abc": 1})["param"] == "logit_bias"
@@ -346,7 +381,7 @@ def test_vllm_fields_that_change_the_answer_are_honoured_or_refused_by_name(
     assert error["param"] == param and "not supported" in error["message"]
 
 
-@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "end"}, {"prompt_embeds": "AAAA"}])
+@pytest.mark.parametrize("fields", [{"suffix": "end"}, {"prompt_embeds": "AAAA"}])
 def test_completion_only_fields_that_cannot_be_honoured_are_refused(client, fields):
     error = refused(client, **fields)
     assert error["param"] == next(iter(fields)) and "not supported" in error["message"]
