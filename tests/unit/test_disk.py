@@ -61,7 +61,7 @@ def test_a_hostile_header_is_refused_and_nothing_changes(tmp_path, case):
     save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
     HOSTILE[case](tmp_path / "model-00002.safetensors")  # beside a valid file
     engine = DiskWeightTransferEngine(expected_specs=model.weight_specs())
-    with pytest.raises(WeightValidationError, match="model-00002.safetensors"):
+    with pytest.raises(WeightValidationError, match=r"model-00002\.safetensors"):
         engine.receive_weights({"path": str(tmp_path)}, model.load_weights)
     assert _same(model, before)
 

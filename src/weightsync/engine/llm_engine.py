@@ -528,7 +528,11 @@ class LLMEngine:
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
         self._check_not_shut_down("update_weights")
-        if isinstance(request, Mapping) and "weight_dir" in request and "update_info" not in request:
+        if (
+            isinstance(request, Mapping)
+            and "weight_dir" in request
+            and "update_info" not in request
+        ):
             return self._gate.update(WeightDir(path=request["weight_dir"]))
         return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 

@@ -34,6 +34,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
 

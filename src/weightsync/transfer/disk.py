@@ -18,6 +18,7 @@ ends the reading process (write each step to a directory of its own and publish 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -114,9 +115,7 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 the message names the file and what to fix.
         """
         if not isinstance(path, str | os.PathLike) or not str(path):
-            raise WeightValidationError(
-                f"path must name a checkpoint directory, got {path!r:.80}"
-            )
+            raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
         directory = Path(path).absolute()
         if not directory.is_dir():
             raise WeightValidationError(
@@ -180,8 +179,7 @@ def _read_index(directory: Path) -> dict[str, str] | None:
         for f in weight_map.values()
     ):
         raise WeightValidationError(
-            f"{path}: weight_map must map tensor names to safetensors file names of this "
-            "directory"
+            f"{path}: weight_map must map tensor names to safetensors file names of this directory"
         )
     return weight_map
 
@@ -382,10 +380,9 @@ def _load(
 
 def _close(maps: Mapping[str, mmap.mmap]) -> None:
     for mapped in maps.values():
-        try:
+        # A view still exported keeps its mapping: it goes with the last view.
+        with contextlib.suppress(BufferError):
             mapped.close()
-        except BufferError:  # a view still exported: the mapping goes with its last view
-            pass
 
 
 def save_weight_dir(
