@@ -8,7 +8,7 @@ import torch
 
 from weightsync import EngineConfig, LLMEngine, WeightTransferConfig
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.errors import WeightValidationError
+from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer._safetensors import write_safetensors
 from weightsync.transfer.disk import (
     DiskWeightTransferEngine,
@@ -95,9 +95,12 @@ def test_a_directory_loads_every_weight_in_place_fused_ones_included(tmp_path):
     policy = LlamaForCausalLM.from_preset("debug", seed=2)
     info = save_weight_dir(policy.named_weights(), tmp_path, weight_version="step-3")
     assert info == {"path": str(tmp_path), "weight_version": "step-3"}
-    stats = DiskWeightTransferEngine(expected_specs=model.weight_specs()).receive_weights(
-        info, model.load_weights
+    loads = []  # every weight, fused ones' row blocks included, is read in place
+    engine = DiskWeightTransferEngine(
+        expected_specs=model.weight_specs(), params=dict(model.named_weights())
     )
+    stats = engine.receive_weights(info, loads.append)
+    assert loads == []
     assert _same(model, _weights(policy))
     assert stats.num_tensors == len(policy.weight_specs())
     assert stats.num_bytes == sum(s.nbytes for s in policy.weight_specs().values())
@@ -105,20 +108,17 @@ def test_a_directory_loads_every_weight_in_place_fused_ones_included(tmp_path):
 
 def test_shards_follow_their_index(tmp_path):
     model = LlamaForCausalLM.from_preset("debug", seed=1)
-    tensors = _weights(LlamaForCausalLM.from_preset("debug", seed=2))
-    names = list(tensors)
-    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
-    for file, part in halves.items():
-        write_safetensors({n: tensors[n] for n in part}, tmp_path / file)
-    weight_map = {n: f for f, part in halves.items() for n in part}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    policy = LlamaForCausalLM.from_preset("debug", seed=2)
+    _two_shards(tmp_path, policy)
     DiskWeightTransferEngine(expected_specs=model.weight_specs()).receive_weights(
         {"path": str(tmp_path)}, model.load_weights
     )
-    assert _same(model, tensors)
+    assert _same(model, _weights(policy))
 
-    weight_map[names[0]] = "b.safetensors"  # the index disagrees with the files
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map[next(iter(weight_map))] = "b.safetensors"  # the index disagrees with the files
+    index.write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(WeightValidationError, match="maps"):
         DiskWeightTransferUpdateInfo.from_directory(tmp_path)
 
@@ -133,27 +133,32 @@ def test_not_a_checkpoint_directory_is_refused(tmp_path):
         engine.receive_weights({"path": str(tmp_path), "names": []}, print)
 
 
-def _failing_halfway(model):
-    """Makes the model's loading fail after it wrote the first weight, as a read error would."""
-    real = model.load_weights
-
-    def load(pairs):
-        model.load_weights = real  # once: a restore loads through the model as usual
-        real(pairs[:1])
-        raise OSError("Input/output error")
-
-    model.load_weights = load
+def _two_shards(directory, model):
+    """Writes `model` as two safetensors files with their index; returns the second file."""
+    tensors = _weights(model)
+    names = list(tensors)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for file, part in halves.items():
+        write_safetensors({n: tensors[n] for n in part}, directory / file)
+    weight_map = {n: f for f, part in halves.items() for n in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory / "b.safetensors"
 
 
 @pytest.mark.parametrize("staging", [True, False])
 def test_a_directory_that_fails_halfway_leaves_the_previous_weights_or_holds(tmp_path, staging):
-    engine = LLMEngine("debug", engine_config=EngineConfig(weight_update_staging=staging))
+    engine = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(weight_update_staging=staging),
+        weight_transfer_config=WeightTransferConfig(backend="disk"),
+    )
     before = _weights(engine.model)
-    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
-    _failing_halfway(engine.model)
-    with pytest.raises(Exception, match="failed while writing") as failed:
-        engine.update_weights({"weight_dir": str(tmp_path)})
-    assert failed.value.partially_applied
+    second = _two_shards(tmp_path, LlamaForCausalLM.from_preset("debug", seed=2))
+    info = DiskWeightTransferUpdateInfo.from_directory(tmp_path)  # headers read: both fit
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])  # the writer truncates
+    with pytest.raises(WeightTransferError, match="the file ended") as failed:
+        engine.update_weights({"update_info": info})
+    assert failed.value.partially_applied  # the first file's weights were written
     assert engine.weight_version == 0
     if staging:
         assert _same(engine.model, before)

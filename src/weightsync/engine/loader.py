@@ -45,7 +45,7 @@ def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch
         entries = read_header(path)
         with open(path, "rb") as f:
             for entry in entries:
-                yield entry.spec.name, read_tensor(f, entry)
+                yield entry.spec.name, read_tensor(f.fileno(), entry)
     except WeightValidationError as exc:
         raise EngineConfigError(str(exc)) from None
 

@@ -191,7 +191,7 @@ class LiveWeights:
         self._on_write = on_write or (lambda: None)
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
         self._transfer: WeightTransferEngine | None = None
-        self._disk: DiskWeightTransferEngine | None = None  # loads weight_dir beside _transfer
+        self._disk: WeightTransferEngine | None = None  # loads weight_dir beside _transfer
         # While asleep, the weights take no update; discarded ones hold no memory until woken.
         self._asleep = False
         self._discarded: list[tuple[torch.UntypedStorage, int]] = []
@@ -245,10 +245,23 @@ class LiveWeights:
         self._transfer.init_transfer_engine(init_info)
 
     def _create_transfer(self, config: WeightTransferConfig) -> WeightTransferEngine:
+        engine_class = config.engine_class
+        if issubclass(engine_class, DiskWeightTransferEngine):
+            return self._create_disk_reader(engine_class)
         return config.create_engine(
             worker_index=self.worker_index,
             expected_specs=self.model.weight_specs(),
             params=self.model.unfused_parameters(),
+        )
+
+    def _create_disk_reader(
+        self, engine_class: type[DiskWeightTransferEngine]
+    ) -> WeightTransferEngine:
+        # A directory's tensors are read in place, the fused weights' row blocks included.
+        return engine_class(
+            worker_index=self.worker_index,
+            expected_specs=self.model.weight_specs(),
+            params=dict(self.model.named_weights()),
         )
 
     def _refuse_during_update(self, call: str) -> None:
@@ -338,9 +351,7 @@ class LiveWeights:
         if isinstance(self._transfer, DiskWeightTransferEngine):
             return self._transfer
         if self._disk is None:
-            self._disk = DiskWeightTransferEngine(
-                worker_index=self.worker_index, expected_specs=self.model.weight_specs()
-            )
+            self._disk = self._create_disk_reader(DiskWeightTransferEngine)
         return self._disk
 
     def _update(

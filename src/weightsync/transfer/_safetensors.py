@@ -136,22 +136,33 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     return SafetensorsEntry(TensorSpec(name, dtype, tuple(shape)), base + offsets[0])
 
 
-def read_tensor(f: Any, entry: SafetensorsEntry) -> torch.Tensor:
-    """Reads the tensor of `entry` from the open binary file `f` into fresh memory.
+def read_into(fd: int, out: torch.Tensor, entry: SafetensorsEntry) -> None:
+    """Reads the data of `entry` from the open file `fd` into `out`'s memory (contiguous, CPU).
+
+    Positional reads (`pread`): several tensors of one file may be read from one descriptor.
 
     Raises:
         WeightValidationError: The file ends before the tensor's data does.
     """
-    spec = entry.spec
-    out = torch.empty(spec.shape, dtype=spec.dtype)
-    if entry.nbytes:
-        f.seek(entry.offset)
-        # A writable ctypes array over the tensor's memory: the file's bytes land in place.
-        got = f.readinto((ctypes.c_ubyte * entry.nbytes).from_address(out.data_ptr()))
-        if got != entry.nbytes:
+    if entry.nbytes == 0:
+        return
+    # A writable ctypes array over the tensor's memory: the file's bytes land in place.
+    view = memoryview((ctypes.c_ubyte * entry.nbytes).from_address(out.data_ptr())).cast("B")
+    done = 0
+    while done < entry.nbytes:  # a read returns at most about 2 GiB at once
+        got = os.preadv(fd, [view[done:]], entry.offset + done)
+        if got == 0:
             raise WeightValidationError(
-                f"tensor {spec.name!r}: the file ended after {got} of {entry.nbytes} bytes"
+                f"tensor {entry.spec.name!r}: the file ended after {done} of {entry.nbytes} bytes "
+                "(it changed after its header was read)"
             )
+        done += got
+
+
+def read_tensor(fd: int, entry: SafetensorsEntry) -> torch.Tensor:
+    """Reads the tensor of `entry` from the open file `fd` into fresh memory."""
+    out = torch.empty(entry.spec.shape, dtype=entry.spec.dtype)
+    read_into(fd, out, entry)
     return out
 
 

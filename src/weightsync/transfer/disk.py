@@ -9,11 +9,12 @@ vLLM's draft `disk` backend: `{"path": "/shared/step_42"}`.
 
 Before a byte of data is read, every file's header is checked against the model: each name
 known, with the model's dtype and shape, every weight covered once. A refused directory leaves
-the model untouched. The data is then memory-mapped and copied straight into parameter memory
-(one copy, from the page cache, no intermediate buffer).
+the model untouched. The data is then read straight into the weights' memory (one copy from the
+page cache, as a plain read into a buffer makes, no intermediate buffer).
 
-The directory must stay as it is until the update returns: a file truncated while it is mapped
-ends the reading process (write each step to a directory of its own and publish it complete).
+Reads, not a memory map: a mapped file that shrinks, or a storage error under a mapping, kills
+the reading process (SIGBUS); a read returns short or fails, and the update fails as one (the
+previous weights restored with staging). Mapped and copied, the same bytes also took longer here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -33,7 +33,13 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._safetensors import SafetensorsEntry, read_header, write_safetensors
+from weightsync.transfer._safetensors import (
+    SafetensorsEntry,
+    read_header,
+    read_into,
+    read_tensor,
+    write_safetensors,
+)
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -56,8 +62,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
-# Tensors handed to the model per call: bounds the Python overhead, not memory (they are views).
-_LOAD_BATCH = 64
 
 
 @dataclass
@@ -216,7 +220,9 @@ class DiskWeightTransferEngine(WeightTransferEngine):
     Args:
         worker_index: This worker's index (unused: every worker reads the same directory).
         expected_specs: What the model holds, by name; the headers are checked against it.
-        params: Unused: data reaches the model through `load_weights`, straight from the files.
+        params: The model's weights by name; each one that is a contiguous CPU tensor is read
+            into in place (give the fused weights' row views too, as `named_weights()` yields
+            them), the others go through `load_weights`.
     """
 
     init_info_cls = DiskWeightTransferInitInfo
@@ -285,15 +291,17 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir,
         load_weights: LoadWeightsFn,
     ) -> TransferStats:
-        """Checks the directory against the model, then copies its tensors into the model.
+        """Checks the directory against the model, then reads its tensors into the model.
 
-        Every file is opened and mapped before the first tensor is written, so a file that
-        went missing since the headers were read refuses the update with nothing written.
+        Every file is opened before the first tensor is written, so a file that went missing
+        since the headers were read refuses the update with nothing written. A weight in
+        `params` (a CPU tensor, contiguous) is read straight into its memory; any other goes
+        through `load_weights`.
 
         Raises:
             WeightValidationError: The directory does not match the model; nothing was written.
             WeightTransferError: Reading failed after some weights were written
-                (`partially_applied`).
+                (`partially_applied`): a file shorter than its header says, say.
         """
         if self._shut_down:
             raise WeightTransferError("the disk transfer engine was shut down")
@@ -302,87 +310,59 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         specs = self.check_update(info)
         wanted = {s.name for s in specs}
         directory = Path(info.path)
-        maps: dict[str, mmap.mmap] = {}
-        try:
-            for file in dict.fromkeys(f for f, _ in info._entries):
-                maps[file] = _map(directory / file)
-        except OSError as exc:
-            _close(maps)
-            raise WeightValidationError(
-                f"update rejected before any byte moved: {exc}; the directory changed after "
-                "its headers were read"
-            ) from None
-        stats = TransferStats(loaded_names=[])
-        assert stats.loaded_names is not None
-        try:
-            batch: list[tuple[str, torch.Tensor]] = []
-            for file, entry in info._entries:
-                if entry.spec.name not in wanted:
-                    continue
-                batch.append((entry.spec.name, _view(maps[file], entry)))
-                if len(batch) == _LOAD_BATCH:
-                    _load(load_weights, batch, stats)
-            _load(load_weights, batch, stats)
-        except Exception as exc:
-            raise WeightTransferError(
-                f"loading {directory} failed while writing the weights ({len(stats.loaded_names)} "
-                f"of {len(specs)} complete; {type(exc).__name__}: {exc})",
-                partially_applied=True,
-            ) from exc
-        finally:
-            del batch
-            _close(maps)
-        stats.num_tensors = len(specs)
-        stats.num_bytes = sum(s.nbytes for s in specs)
-        stats.num_buckets = len(maps)
-        stats.seconds = time.perf_counter() - start
+        with contextlib.ExitStack() as files:
+            try:
+                fds = {
+                    file: files.enter_context(open(directory / file, "rb", buffering=0)).fileno()
+                    for file in dict.fromkeys(f for f, _ in info._entries)
+                }
+            except OSError as exc:
+                raise WeightValidationError(
+                    f"update rejected before any byte moved: {exc}; the directory changed "
+                    "after its headers were read"
+                ) from None
+            written = 0
+            try:
+                for file, entry in info._entries:
+                    if entry.spec.name in wanted:
+                        self._read(fds[file], entry, load_weights)
+                        written += 1
+            except Exception as exc:
+                raise WeightTransferError(
+                    f"loading {directory} failed after {written} of {len(specs)} weights "
+                    f"({type(exc).__name__}: {exc})",
+                    partially_applied=True,
+                ) from exc
+        stats = TransferStats(
+            num_tensors=len(specs),
+            num_bytes=sum(s.nbytes for s in specs),
+            num_buckets=len(fds),
+            seconds=time.perf_counter() - start,
+        )
         logger.info(
             "loaded %d tensors, %.1f MB from %s in %.3f s (%.2f GB/s)",
             stats.num_tensors, stats.num_bytes / 1e6, directory, stats.seconds, stats.gbps,
         )  # fmt: skip
         return stats
 
+    def _read(self, fd: int, entry: SafetensorsEntry, load_weights: LoadWeightsFn) -> None:
+        """Reads one tensor into its weight: in place when the weight's memory allows."""
+        spec = entry.spec
+        target = self.params.get(spec.name) if self.params is not None else None
+        if not (
+            target is not None
+            and target.device.type == "cpu"
+            and target.dtype == spec.dtype
+            and tuple(target.shape) == spec.shape
+            and target.is_contiguous()
+        ):
+            load_weights([(spec.name, read_tensor(fd, entry))])
+            return
+        read_into(fd, target, entry)
+
     def shutdown(self) -> None:
         """Marks the engine shut down (it holds nothing between updates). Safe to call twice."""
         self._shut_down = True
-
-
-def _map(path: Path) -> mmap.mmap:
-    """Maps `path` copy-on-write: writable views for torch, the file itself never written."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return mmap.mmap(-1, 1)  # an empty file maps nothing; its header check failed already
-        # Populated at once: one pass of the kernel over the page cache, not a fault per page.
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-def _view(mapped: mmap.mmap, entry: SafetensorsEntry) -> torch.Tensor:
-    """The tensor of `entry` as a view of the mapped file (no copy)."""
-    spec = entry.spec
-    if entry.nbytes == 0:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-    return flat.view(spec.dtype).view(spec.shape)
-
-
-def _load(
-    load_weights: LoadWeightsFn, batch: list[tuple[str, torch.Tensor]], stats: TransferStats
-) -> None:
-    if not batch:
-        return
-    load_weights(list(batch))
-    assert stats.loaded_names is not None
-    stats.loaded_names.extend(name for name, _ in batch)
-    batch.clear()
-
-
-def _close(maps: Mapping[str, mmap.mmap]) -> None:
-    for mapped in maps.values():
-        # A view still exported keeps its mapping: it goes with the last view.
-        with contextlib.suppress(BufferError):
-            mapped.close()
 
 
 def save_weight_dir(
