@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe_machine  # benchmarks/machine.py, beside this script
 from transfer_staging import _config, _model
-
 from weightsync import EngineConfig, LLMEngine
 from weightsync.transfer._safetensors import write_safetensors
 
