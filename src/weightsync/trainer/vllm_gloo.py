@@ -47,8 +47,10 @@ class _GroupHandle:
     the group (its store's port is free again).
     """
 
+    _trainer: TrainerGroup
+
     def __init__(self, trainer: TrainerGroup) -> None:
-        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_trainer", trainer)  # past the refusing __setattr__ below
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("store", "socket") and value is None:
