@@ -177,3 +177,13 @@ def test_the_disk_backend_takes_vllms_four_calls_without_an_init(tmp_path):
     engine.finish_weight_update("step-1")
     assert engine.weight_version == "step-1"
     assert _same(engine.model, _weights(policy))
+
+
+def test_a_hand_built_update_info_is_read_from_its_directory(tmp_path):
+    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
+    listed = DiskWeightTransferUpdateInfo(
+        names=["w"], dtype_names=["float32"], shapes=[[1]], path=str(tmp_path)
+    )
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    parsed = DiskWeightTransferEngine(expected_specs=model.weight_specs()).parse_update_info(listed)
+    assert parsed.names == list(model.weight_specs())  # what the files hold, not what it listed

@@ -259,7 +259,10 @@ class DiskWeightTransferEngine(WeightTransferEngine):
                 checkpoint (see `DiskWeightTransferUpdateInfo.from_directory`).
         """
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
-            return update_info
+            if update_info._entries:  # read by from_directory: the headers are known
+                return update_info
+            # Built by hand: the names it lists say nothing of what the files hold.
+            update_info = WeightDir(update_info.path, update_info.weight_version)
         request = parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
