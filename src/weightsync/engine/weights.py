@@ -26,6 +26,7 @@ place; cut in two, each half would need the other's rules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -336,8 +337,10 @@ class LiveWeights:
                 over, its weights torn (or restored, with staging).
         """
         self._require_awake("update_weights")
-        if isinstance(update_info, WeightDir | DiskWeightTransferUpdateInfo):
-            return self._update(self._directory_reader(), update_info)  # type: ignore[arg-type]
+        if isinstance(update_info, WeightDir):  # the disk backend's update info, as a dict
+            return self._update(self._directory_reader(), dataclasses.asdict(update_info))
+        if isinstance(update_info, DiskWeightTransferUpdateInfo):
+            return self._update(self._directory_reader(), update_info)
         transfer = self._require_transfer("update_weights")
         own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
         return self._update(transfer, own)
