@@ -227,9 +227,8 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> Answe
             param="weight_dir",
         )
     if "weight_dir" in given:
-        if body.weight_dir is None:
-            return {"message": "No weight_dir: weights unchanged", "stats": None,
-                    "weight_update": None}  # fmt: skip
+        if body.weight_dir is None:  # prime-rl's NCCL mode: its bytes come another way
+            return {"message": "weight_dir is null: nothing loaded, the weights are unchanged"}
         return await _surface(request).update_weights_from_dir(body.weight_dir)
     if body.update_info is None:
         raise RequestRefused(
