@@ -78,6 +78,12 @@ SUMMARIES = {
         "An update with `weight_update_staging` (a copy of each weight kept to restore on "
         "failure) against one without.",
     ),
+    "disk": (
+        "Filesystem updates (the disk backend)",
+        "An engine's whole update from a checkpoint directory (headers checked, every tensor "
+        "read into its weight, the version moved) against a raw read of the same files into "
+        "buffers allocated beforehand, both from the page cache.",
+    ),
     "engine": (
         "The engine against transformers",
         "Decode throughput of the engine and of `transformers`' `generate` on the same greedy "

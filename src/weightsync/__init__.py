@@ -53,6 +53,11 @@ from weightsync.transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.transfer.checksums import weight_checksums
+from weightsync.transfer.disk import (
+    DiskWeightTransferEngine,
+    DiskWeightTransferUpdateInfo,
+    save_weight_dir,
+)
 from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (
     IPCWeightTransferEngine,
@@ -84,6 +89,8 @@ __all__ = [
     "BroadcastWeightSender",
     "ByteTokenizer",
     "CompletionOutput",
+    "DiskWeightTransferEngine",
+    "DiskWeightTransferUpdateInfo",
     "EngineBusyError",
     "EngineClient",
     "EngineConfig",
@@ -133,6 +140,7 @@ __all__ = [
     "ipc_trainer_send_weights",
     "parse_weight_transfer_config",
     "register_engine",
+    "save_weight_dir",
     "sync_weights",
     "trainer_init",
     "trainer_send_weights",

@@ -27,7 +27,7 @@ class WeightTransferConfig:
 
     Attributes:
         backend: A registered backend name: `"nccl"` (CUDA broadcast), `"gloo"` (CPU broadcast),
-            `"ipc"`, or one registered with
+            `"ipc"`, `"disk"` (a checkpoint directory), or one registered with
             [`register_engine`][weightsync.transfer.registry.register_engine].
 
     Raises:
@@ -41,6 +41,11 @@ class WeightTransferConfig:
 
     def __post_init__(self) -> None:
         _default_registry.get(self.backend)
+
+    @property
+    def engine_class(self) -> type[WeightTransferEngine]:
+        """The backend's receiver engine class."""
+        return _default_registry.get(self.backend)
 
     def create_engine(self, **kwargs: Any) -> WeightTransferEngine:
         """Builds this backend's receiver engine; `kwargs` go to its constructor."""

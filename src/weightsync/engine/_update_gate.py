@@ -60,7 +60,7 @@ class UpdateGate:
         self.weights.start()
         self._settle(running)
 
-    def update(self, update_info: Mapping[str, Any]) -> TransferStats:
+    def update(self, update_info: Any) -> TransferStats:
         """Receives one update message; a busy engine refuses it, and the trainer learns why."""
         try:
             self.check_idle("update_weights")

@@ -45,6 +45,7 @@ from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
 from weightsync.errors import EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
+from weightsync.transfer.disk import WeightDir
 
 __all__ = ["LLMEngine"]
 
@@ -518,6 +519,10 @@ class LLMEngine:
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
 
+        `{"weight_dir": DIR}` (prime-rl's form) loads the checkpoint directory DIR through the
+        `disk` backend, whatever backend the engine has: a bare update, checked and loaded
+        as one (see `weightsync.transfer.disk`).
+
         Accepted while paused or idle, inside a transaction (`start_weight_update` ...
         `finish_weight_update`) or bare: a bare update is a transaction of its own, finished
         once every weight it announced has landed (one call for a broadcast; the announcement
@@ -537,6 +542,12 @@ class LLMEngine:
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
         self._check_not_shut_down("update_weights")
+        if (
+            isinstance(request, Mapping)
+            and "weight_dir" in request
+            and "update_info" not in request
+        ):
+            return self._gate.update(WeightDir(path=request["weight_dir"]))
         return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:

@@ -3,9 +3,9 @@
 `load_model` resolves what `LLMEngine` is given by name: a preset, or a directory with its model
 and its tokenizer.
 
-The safetensors format is small enough to read and write here directly (an 8-byte little-endian
-header length, a JSON header of names, dtypes, shapes and byte offsets, then raw little-endian
-data), so loading a checkpoint needs no extra package and never unpickles anything.
+Safetensors files are read and written by `weightsync.transfer._safetensors` (the reader the
+`disk` transfer backend shares), so loading a checkpoint needs no extra package and never
+unpickles anything.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import _PRESETS, LlamaConfig
 from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
 from weightsync.errors import EngineConfigError, WeightValidationError
-from weightsync.transfer.checksums import _byte_view
+from weightsync.transfer._safetensors import read_header, read_tensor, write_safetensors
 
 __all__ = [
     "load_hf_directory",
@@ -36,13 +34,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
 
 def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
@@ -50,64 +41,13 @@ def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch
     Raises:
         EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype).
     """
-    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-        raise EngineConfigError("reading safetensors needs a little-endian machine")
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(0)
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
-            raise EngineConfigError(
-                f"{path}: safetensors header length {header_len} exceeds the file"
-            )
-        header = json.loads(f.read(header_len))
-        base = 8 + header_len
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise EngineConfigError(
-                    f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}; supported: {sorted(_DTYPES)}"
-                )
-            begin, end = entry["data_offsets"]
-            shape = [int(d) for d in entry["shape"]]
-            numel = 1
-            for d in shape:
-                numel *= d
-            if not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
-                raise EngineConfigError(
-                    f"{path}: tensor {name!r} has inconsistent data_offsets {entry['data_offsets']}"
-                )
-            if numel == 0:
-                yield name, torch.empty(shape, dtype=dtype)
-                continue
-            f.seek(base + begin)
-            data = bytearray(f.read(end - begin))
-            yield name, torch.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    payloads = []
-    for name, tensor in tensors.items():
-        data = _byte_view(tensor)  # zero-copy; keeps its tensor alive until written
-        header[name] = {
-            "dtype": _NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-        payloads.append(data)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for data in payloads:
-            f.write(data)
+    try:
+        entries = read_header(path)
+        with open(path, "rb") as f:
+            for entry in entries:
+                yield entry.spec.name, read_tensor(f.fileno(), entry)
+    except WeightValidationError as exc:
+        raise EngineConfigError(str(exc)) from None
 
 
 def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> None:
@@ -116,7 +56,7 @@ def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> 
     directory.mkdir(parents=True, exist_ok=True)
     config = {**model.config.to_hf_dict(), "torch_dtype": str(model.dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    _write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
+    write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
 
 
 def _read_json(path: Path) -> Any:

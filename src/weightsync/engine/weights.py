@@ -26,6 +26,7 @@ place; cut in two, each half would need the other's rules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
+from weightsync.transfer.disk import (
+    DiskWeightTransferEngine,
+    DiskWeightTransferUpdateInfo,
+    WeightDir,
+)
 
 __all__ = ["LiveWeights", "WeightUpdateStatus"]
 
@@ -186,6 +192,7 @@ class LiveWeights:
         self._on_write = on_write or (lambda: None)
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
         self._transfer: WeightTransferEngine | None = None
+        self._disk: WeightTransferEngine | None = None  # loads weight_dir beside _transfer
         # While asleep, the weights take no update; discarded ones hold no memory until woken.
         self._asleep = False
         self._discarded: list[tuple[torch.UntypedStorage, int]] = []
@@ -235,12 +242,28 @@ class LiveWeights:
                         "pass weight_transfer_config=WeightTransferConfig(backend=...) to the engine"
                     )
                 config = WeightTransferConfig(backend=backend)
-            self._transfer = config.create_engine(
-                worker_index=self.worker_index,
-                expected_specs=self.model.weight_specs(),
-                params=self.model.unfused_parameters(),
-            )
+            self._transfer = self._create_transfer(config)
         self._transfer.init_transfer_engine(init_info)
+
+    def _create_transfer(self, config: WeightTransferConfig) -> WeightTransferEngine:
+        engine_class = config.engine_class
+        if issubclass(engine_class, DiskWeightTransferEngine):
+            return self._create_disk_reader(engine_class)
+        return config.create_engine(
+            worker_index=self.worker_index,
+            expected_specs=self.model.weight_specs(),
+            params=self.model.unfused_parameters(),
+        )
+
+    def _create_disk_reader(
+        self, engine_class: type[DiskWeightTransferEngine]
+    ) -> WeightTransferEngine:
+        # A directory's tensors are read in place, the fused weights' row blocks included.
+        return engine_class(
+            worker_index=self.worker_index,
+            expected_specs=self.model.weight_specs(),
+            params=dict(self.model.named_weights()),
+        )
 
     def _refuse_during_update(self, call: str) -> None:
         """Raises `WeightUpdateStateError` while an update is in progress: `call` must wait."""
@@ -251,6 +274,9 @@ class LiveWeights:
             )
 
     def _require_transfer(self, call: str) -> WeightTransferEngine:
+        config = self.transfer_config
+        if self._transfer is None and config is not None and not config.engine_class.needs_init:
+            self._transfer = self._create_transfer(config)  # a backend that joins nothing
         if (
             self._transfer is None or not self._transfer.is_initialized
         ):  # a refused init joined nothing
@@ -291,12 +317,13 @@ class LiveWeights:
         self._transaction = _Transaction(explicit=True)
 
     def update(
-        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | list[Any]
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir | list[Any]
     ) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
 
         A list (vLLM's data-parallel form, one update info per worker rank) gives this worker
-        its own entry, `update_info[worker_index]`.
+        its own entry, `update_info[worker_index]`. A `WeightDir` (prime-rl's `weight_dir`)
+        loads a checkpoint directory whatever the engine's backend is.
 
         The message is validated against the model before any byte moves. A message of another
         update (a late part, a stray or duplicated one) is refused and changes nothing; a
@@ -310,9 +337,25 @@ class LiveWeights:
                 over, its weights torn (or restored, with staging).
         """
         self._require_awake("update_weights")
+        if isinstance(update_info, WeightDir):  # the disk backend's update info, as a dict
+            return self._update(self._directory_reader(), dataclasses.asdict(update_info))
+        if isinstance(update_info, DiskWeightTransferUpdateInfo):
+            return self._update(self._directory_reader(), update_info)
         transfer = self._require_transfer("update_weights")
         own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
         return self._update(transfer, own)
+
+    def _directory_reader(self) -> WeightTransferEngine:
+        """The engine that loads a checkpoint directory, whatever backend the engine has.
+
+        The configured one when it is `disk`; else one of its own, so a directory (prime-rl's
+        `weight_dir`) loads beside a broadcast or IPC backend.
+        """
+        if isinstance(self._transfer, DiskWeightTransferEngine):
+            return self._transfer
+        if self._disk is None:
+            self._disk = self._create_disk_reader(DiskWeightTransferEngine)
+        return self._disk
 
     def _update(
         self,

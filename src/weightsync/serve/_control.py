@@ -94,6 +94,10 @@ class ControlSurface(Protocol):
         """Receives one update message."""
         ...
 
+    async def update_weights_from_dir(self, weight_dir: str) -> Body:
+        """Loads a checkpoint directory as one update (prime-rl's `weight_dir`)."""
+        ...
+
     async def finish_weight_update(self, weight_version: WeightVersion | None) -> Body:
         """Ends the transaction; the version moves."""
         ...
@@ -237,8 +241,15 @@ class EngineControl:
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> Body:
         """Receives one update message; the answer says how the update stands after it."""
+        return await self._update({"update_info": update_info})
+
+    async def update_weights_from_dir(self, weight_dir: str) -> Body:
+        """Loads a checkpoint directory as one update; see `LLMEngine.update_weights`."""
+        return await self._update({"weight_dir": weight_dir})
+
+    async def _update(self, request: dict[str, Any]) -> Body:
         async with self._updates:
-            stats = await self.engine.update_weights({"update_info": update_info})
+            stats = await self.engine.update_weights(request)
             status = update_status(self.engine.weight_update)
         return {
             "message": "Weights updated",

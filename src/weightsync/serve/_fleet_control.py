@@ -190,9 +190,20 @@ class FleetControl:
         A bare update's transaction finishes on every replica, or on none, once its last
         message landed everywhere. `stats` are replica 0's.
         """
+        return await self._deliver({"update_info": update_info})
+
+    async def update_weights_from_dir(self, weight_dir: str) -> Body:
+        """Every replica loads the directory; the version moves on all of them, or on none.
+
+        Each replica checks the directory against its model and loads it as a bare update,
+        then the front commits them together, as for any bare update.
+        """
+        return await self._deliver({"weight_dir": weight_dir})
+
+    async def _deliver(self, body: dict[str, Any]) -> Body:
+        """`update_weights` of one message body, as every replica takes it."""
         async with self._updates:
             self.fleet.require_alive()
-            body = {"update_info": update_info}
             outcomes = await self.fleet.each("POST", "/update_weights", body=body)
             failures = [o for o in outcomes if isinstance(o, BaseException)]
             if failures:

@@ -65,10 +65,12 @@ class UpdateWeightsRequest(_Body):
     """`/update_weights`: one update message (names, dtype names, shapes; IPC handle records).
 
     A list is vLLM's data-parallel form, one update info per worker rank: each engine takes
-    its own entry.
+    its own entry. Instead of `update_info`, prime-rl's `weight_dir` names a checkpoint
+    directory to load as a whole update (null: nothing to load, nothing changes).
     """
 
-    update_info: dict[str, Any] | list[dict[str, Any]]
+    update_info: dict[str, Any] | list[dict[str, Any]] | None = None
+    weight_dir: str | None = None
 
 
 class FinishWeightUpdateRequest(_Body):
@@ -212,7 +214,26 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> Answe
 
     The body adds to vLLM's `stats` (what was received and how fast) and `weight_update` (the
     update in progress after this message, or null when none is: a bare update finished).
+    `{"weight_dir": DIR}` (prime-rl's form) loads a checkpoint directory whatever the
+    server's backend: checked against the model, then loaded; on a data-parallel front, on
+    every replica or on none. `{"weight_dir": null}` changes nothing.
     """
+    given = body.model_fields_set
+    if "weight_dir" in given and body.update_info is not None:
+        raise RequestRefused(
+            400,
+            "give either 'update_info' (vLLM's form) or 'weight_dir' (a checkpoint directory), "
+            "not both",
+            param="weight_dir",
+        )
+    if "weight_dir" in given:
+        if body.weight_dir is None:  # prime-rl's NCCL mode: its bytes come another way
+            return {"message": "weight_dir is null: nothing loaded, the weights are unchanged"}
+        return await _surface(request).update_weights_from_dir(body.weight_dir)
+    if body.update_info is None:
+        raise RequestRefused(
+            400, "field 'update_info' is required (or 'weight_dir')", param="update_info"
+        )
     return await _surface(request).update_weights(body.update_info)
 
 

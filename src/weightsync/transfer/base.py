@@ -352,6 +352,9 @@ class WeightTransferEngine(ABC):
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]] = WeightTransferInitInfo
     update_info_cls: ClassVar[type[WeightTransferUpdateInfo]] = WeightTransferUpdateInfo
+    needs_init: ClassVar[bool] = True
+    """Whether updates need `init_transfer_engine` first; a backend that joins nothing
+    (`disk`) is created on its first update without it."""
 
     def __init__(
         self,

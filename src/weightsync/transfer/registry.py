@@ -1,6 +1,6 @@
 """Backend name -> transfer engine class, with registration for third-party backends.
 
-Built in: `nccl`, `gloo` and `ipc`. A backend can be registered as a class or lazily as
+Built in: `nccl`, `gloo`, `ipc` and `disk`. A backend can be registered as a class or lazily as
 `"package.module:ClassName"`, imported on first use.
 """
 
@@ -85,6 +85,7 @@ _default_registry = _EngineRegistry()
 _default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEngine")
 _default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
 _default_registry.register("ipc", "weightsync.transfer.ipc:IPCWeightTransferEngine")
+_default_registry.register("disk", "weightsync.transfer.disk:DiskWeightTransferEngine")
 
 
 def register_engine(

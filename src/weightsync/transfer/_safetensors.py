@@ -1,0 +1,189 @@
+"""The safetensors format, read and written here directly: headers checked, data never unpickled.
+
+A file is an 8-byte little-endian header length, a JSON header of names, dtypes, shapes and byte
+offsets, then the raw little-endian data. Reading the header alone tells what a file holds, so a
+receiver can check a checkpoint against its model before it reads a byte of data. The model
+loader and the `disk` transfer backend share this one reader.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import TensorSpec
+from weightsync.transfer.checksums import _byte_view
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# A header describes tensors, not data: real ones are kilobytes to a few megabytes. The bound
+# keeps a hostile length from making a reader allocate the file's size for "JSON".
+_MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """Where one tensor of a safetensors file lies.
+
+    Attributes:
+        spec: Name, dtype and shape.
+        offset: Byte offset of the tensor's data from the start of the file.
+    """
+
+    spec: TensorSpec
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.spec.nbytes
+
+
+def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
+    """Reads and checks the header of a safetensors file; no tensor data is read.
+
+    Every entry is checked against the file: a known dtype, a shape of non-negative ints, data
+    offsets that lie inside the file and match the shape's size.
+
+    Returns:
+        One entry per tensor, in the file's data order.
+
+    Raises:
+        WeightValidationError: The file cannot be read or is not valid safetensors; the message
+            names the file, the tensor and what is wrong.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise WeightValidationError("reading safetensors needs a little-endian machine")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise WeightValidationError(
+                    f"{path}: {size} bytes is too short for a safetensors file (8-byte header "
+                    "length first)"
+                )
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                raise WeightValidationError(
+                    f"{path}: safetensors header length {header_len} exceeds the file "
+                    f"({size} bytes) or the {_MAX_HEADER_BYTES} byte limit"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise WeightValidationError(f"{path}: cannot read: {exc}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WeightValidationError(f"{path}: safetensors header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WeightValidationError(
+            f"{path}: safetensors header must be a JSON object, got {type(header).__name__}"
+        )
+    base = 8 + header_len
+    entries = [
+        _entry(path, name, value, base, size - base)
+        for name, value in header.items()
+        if name != "__metadata__"
+    ]
+    return sorted(entries, key=lambda e: e.offset)
+
+
+def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> SafetensorsEntry:
+    """Checks one header entry against the file's data section; returns where its tensor lies."""
+    where = f"{path}: tensor {name[:200]!r}"
+    if not isinstance(value, dict):
+        raise WeightValidationError(f"{where}: entry must be a JSON object, got {value!r:.80}")
+    dtype = _DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise WeightValidationError(
+            f"{where} has dtype {value.get('dtype')!r:.40}; supported: {sorted(_DTYPES)}"
+        )
+    shape = value.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WeightValidationError(
+            f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
+        )
+    offsets = value.get("data_offsets")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+        or offsets[1] - offsets[0] != nbytes
+    ):
+        raise WeightValidationError(
+            f"{where} has inconsistent data_offsets {offsets!r:.80} for {nbytes} bytes of data "
+            f"in a data section of {data_size} bytes"
+        )
+    return SafetensorsEntry(TensorSpec(name, dtype, tuple(shape)), base + offsets[0])
+
+
+def read_into(fd: int, out: torch.Tensor, entry: SafetensorsEntry) -> None:
+    """Reads the data of `entry` from the open file `fd` into `out`'s memory (contiguous, CPU).
+
+    Positional reads (`pread`): several tensors of one file may be read from one descriptor.
+
+    Raises:
+        WeightValidationError: The file ends before the tensor's data does.
+    """
+    if entry.nbytes == 0:
+        return
+    # A writable ctypes array over the tensor's memory: the file's bytes land in place.
+    view = memoryview((ctypes.c_ubyte * entry.nbytes).from_address(out.data_ptr())).cast("B")
+    done = 0
+    while done < entry.nbytes:  # a read returns at most about 2 GiB at once
+        got = os.preadv(fd, [view[done:]], entry.offset + done)
+        if got == 0:
+            raise WeightValidationError(
+                f"tensor {entry.spec.name!r}: the file ended after {done} of {entry.nbytes} bytes "
+                "(it changed after its header was read)"
+            )
+        done += got
+
+
+def read_tensor(fd: int, entry: SafetensorsEntry) -> torch.Tensor:
+    """Reads the tensor of `entry` from the open file `fd` into fresh memory."""
+    out = torch.empty(entry.spec.shape, dtype=entry.spec.dtype)
+    read_into(fd, out, entry)
+    return out
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    payloads = []
+    for name, tensor in tensors.items():
+        data = _byte_view(tensor)  # zero-copy; keeps its tensor alive until written
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+        payloads.append(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for data in payloads:
+            f.write(data)

@@ -1,0 +1,404 @@
+"""The `disk` backend: a checkpoint directory (safetensors) that the trainer wrote, loaded in place.
+
+The one weight path that needs no GPU and no transport between the two ends: the trainer writes
+its weights to storage both see ([`save_weight_dir`][weightsync.transfer.disk.save_weight_dir],
+or any Hugging Face `save_pretrained`), and the worker's
+[`DiskWeightTransferEngine`][weightsync.transfer.disk.DiskWeightTransferEngine] loads the
+directory inside the engine's update transaction. The update info names the directory, as in
+vLLM's draft `disk` backend: `{"path": "/shared/step_42"}`.
+
+Before a byte of data is read, every file's header is checked against the model: each name
+known, with the model's dtype and shape, every weight covered once. A refused directory leaves
+the model untouched. The data is then read straight into the weights' memory (one copy from the
+page cache, as a plain read into a buffer makes, no intermediate buffer).
+
+Reads, not a memory map: a mapped file that shrinks, or a storage error under a mapping, kills
+the reading process (SIGBUS); a read returns short or fails, and the update fails as one (the
+previous weights restored with staging). Mapped and copied, the same bytes also took longer here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer._checks import parse_info
+from weightsync.transfer._safetensors import (
+    SafetensorsEntry,
+    read_header,
+    read_into,
+    read_tensor,
+    write_safetensors,
+)
+from weightsync.transfer.base import (
+    LoadWeightsFn,
+    TensorSpec,
+    TransferStats,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    _validate_specs,
+    dtype_name,
+)
+
+__all__ = [
+    "DiskWeightTransferEngine",
+    "DiskWeightTransferInitInfo",
+    "DiskWeightTransferUpdateInfo",
+    "WeightDir",
+    "save_weight_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class DiskWeightTransferInitInfo(WeightTransferInitInfo):
+    """The `disk` backend joins nothing: its init info is empty (`{}`), and optional."""
+
+
+@dataclass
+class WeightDir:
+    """A checkpoint directory to load: the wire form of a `disk` update info.
+
+    Also what an engine builds from prime-rl's `{"weight_dir": DIR}`, loaded whatever backend
+    the engine has.
+
+    Attributes:
+        path: The directory, as the server sees it (relative paths are from its working
+            directory).
+        weight_version: Optional label of the weights.
+    """
+
+    path: str
+    weight_version: str | int | None = None
+
+
+@dataclass
+class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """A checkpoint directory, with what its safetensors headers say it holds.
+
+    Build it with [`from_directory`][weightsync.transfer.disk.DiskWeightTransferUpdateInfo.from_directory];
+    over the wire it is `{"path": DIR}` (plus an optional `weight_version`), and `names`,
+    `dtype_names` and `shapes` are read from the files' headers, not sent.
+
+    Attributes:
+        path: The directory, absolute.
+    """
+
+    path: str = ""
+    _entries: list[tuple[str, SafetensorsEntry]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    @classmethod
+    def from_directory(
+        cls, path: str | os.PathLike[str], *, weight_version: str | int | None = None
+    ) -> DiskWeightTransferUpdateInfo:
+        """Reads and checks the headers of the checkpoint in `path`; no tensor data is read.
+
+        The files are those listed by `model.safetensors.index.json` when present, else every
+        `*.safetensors` file of the directory. Each name must appear once, and, with an index,
+        in the file the index names.
+
+        Raises:
+            WeightValidationError: Not a directory, no safetensors file, an unreadable or
+                malformed header, a name in two files, or an index that disagrees with the files;
+                the message names the file and what to fix.
+        """
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
+        directory = Path(path).absolute()
+        if not directory.is_dir():
+            raise WeightValidationError(
+                f"path {str(directory)!r}: not a directory visible to this server; the trainer "
+                "must write the checkpoint to storage the server reads at the same path"
+            )
+        index = _read_index(directory)
+        files = sorted(set(index.values())) if index is not None else _safetensors_files(directory)
+        entries: list[tuple[str, SafetensorsEntry]] = []
+        seen: dict[str, str] = {}
+        for file in files:
+            for entry in read_header(directory / file):
+                name = entry.spec.name
+                if name in seen:
+                    raise WeightValidationError(
+                        f"{directory}: tensor {name!r} is in both {seen[name]} and {file}"
+                    )
+                if index is not None and index.get(name) != file:
+                    raise WeightValidationError(
+                        f"{directory / _INDEX}: maps {name!r} to {index.get(name)!r}, but it is "
+                        f"in {file}"
+                    )
+                seen[name] = file
+                entries.append((file, entry))
+        if index is not None and index.keys() - seen.keys():
+            missing = sorted(index.keys() - seen.keys())
+            raise WeightValidationError(
+                f"{directory / _INDEX}: lists {len(missing)} tensors no file holds, e.g. "
+                f"{missing[:3]}"
+            )
+        info = cls(
+            names=[e.spec.name for _, e in entries],
+            dtype_names=[dtype_name(e.spec.dtype) for _, e in entries],
+            shapes=[list(e.spec.shape) for _, e in entries],
+            weight_version=weight_version,
+            path=str(directory),
+        )
+        info._entries = entries
+        return info
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the wire form: `{"path": ...}` and the version label, if any."""
+        data: dict[str, Any] = {"path": self.path}
+        if self.weight_version is not None:
+            data["weight_version"] = self.weight_version
+        return data
+
+
+def _read_index(directory: Path) -> dict[str, str] | None:
+    """The index's name -> file map, checked; None without an index."""
+    path = directory / _INDEX
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
+        for f in weight_map.values()
+    ):
+        raise WeightValidationError(
+            f"{path}: weight_map must map tensor names to safetensors file names of this directory"
+        )
+    return weight_map
+
+
+def _safetensors_files(directory: Path) -> list[str]:
+    files = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise WeightValidationError(
+            f"{directory}: no *.safetensors file; write the weights in safetensors format "
+            "(save_weight_dir, or save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _derived(name: str, expected: Mapping[str, TensorSpec]) -> bool:
+    """Whether a checkpoint's tensor is one the model derives, not loads.
+
+    A tied model's `lm_head.weight` (the embedding's), and the rotary frequencies older
+    checkpoints saved: the model computes them.
+    """
+    return name not in expected and (
+        name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
+    )
+
+
+class DiskWeightTransferEngine(WeightTransferEngine):
+    """Receiver of the `disk` backend: loads a checkpoint directory into the model.
+
+    Nothing to join: `init_transfer_engine` accepts `{}` and is optional. Each update info names
+    one directory; a transaction may load several. Every weight of the model must be in the
+    directory (a checkpoint, not a patch), checked with the names, dtypes and shapes before
+    any data is read.
+
+    Args:
+        worker_index: This worker's index (unused: every worker reads the same directory).
+        expected_specs: What the model holds, by name; the headers are checked against it.
+        params: The model's weights by name; each one that is a contiguous CPU tensor is read
+            into in place (give the fused weights' row views too, as `named_weights()` yields
+            them), the others go through `load_weights`.
+    """
+
+    init_info_cls = DiskWeightTransferInitInfo
+    update_info_cls = DiskWeightTransferUpdateInfo
+    needs_init: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        worker_index: int = 0,
+        expected_specs: Mapping[str, TensorSpec] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
+        self._shut_down = False
+
+    @property
+    def is_initialized(self) -> bool:
+        """True until `shutdown`: reading a directory needs no group."""
+        return not self._shut_down
+
+    def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
+        """Checks that `init_info` is empty (`{}`); there is nothing to join."""
+        self.parse_init_info(init_info)
+        self._shut_down = False
+
+    def parse_update_info(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir
+    ) -> DiskWeightTransferUpdateInfo:
+        """Parses `{"path": DIR}` and reads the headers of the directory's files.
+
+        Raises:
+            WeightValidationError: Unknown keys, or a directory that is not a safetensors
+                checkpoint (see `DiskWeightTransferUpdateInfo.from_directory`).
+        """
+        if isinstance(update_info, DiskWeightTransferUpdateInfo):
+            if update_info._entries:  # read by from_directory: the headers are known
+                return update_info
+            # Built by hand: the names it lists say nothing of what the files hold.
+            update_info = WeightDir(update_info.path, update_info.weight_version)
+        request = parse_info(WeightDir, update_info, what="update_info")
+        return DiskWeightTransferUpdateInfo.from_directory(
+            request.path, weight_version=request.weight_version
+        )
+
+    def check_update(self, update_info: WeightTransferUpdateInfo) -> list[TensorSpec]:
+        """The checkpoint's specs, without what the model derives, checked against the model.
+
+        Raises:
+            WeightValidationError: A name the model lacks, a dtype or shape that differs, or a
+                weight of the model the directory does not hold.
+        """
+        expected = self.expected_specs
+        if expected is None:
+            return update_info.specs()
+        specs = [s for s in update_info.specs() if not _derived(s.name, expected)]
+        missing = sorted(expected.keys() - {s.name for s in specs})
+        if missing:
+            raise WeightValidationError(
+                f"update rejected before any byte moved: the directory lacks {len(missing)} of "
+                f"the model's {len(expected)} weights, e.g. {missing[:5]}; write every weight "
+                "(a checkpoint, not a patch)"
+            )
+        _validate_specs(specs, expected)
+        return specs
+
+    def receive_weights(
+        self,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir,
+        load_weights: LoadWeightsFn,
+    ) -> TransferStats:
+        """Checks the directory against the model, then reads its tensors into the model.
+
+        Every file is opened before the first tensor is written, so a file that went missing
+        since the headers were read refuses the update with nothing written. A weight in
+        `params` (a CPU tensor, contiguous) is read straight into its memory; any other goes
+        through `load_weights`.
+
+        Raises:
+            WeightValidationError: The directory does not match the model; nothing was written.
+            WeightTransferError: Reading failed after some weights were written
+                (`partially_applied`): a file shorter than its header says, say.
+        """
+        if self._shut_down:
+            raise WeightTransferError("the disk transfer engine was shut down")
+        start = time.perf_counter()
+        info = self.parse_update_info(update_info)
+        specs = self.check_update(info)
+        wanted = {s.name for s in specs}
+        directory = Path(info.path)
+        with contextlib.ExitStack() as files:
+            try:
+                fds = {
+                    file: files.enter_context(open(directory / file, "rb", buffering=0)).fileno()
+                    for file in dict.fromkeys(f for f, _ in info._entries)
+                }
+            except OSError as exc:
+                raise WeightValidationError(
+                    f"update rejected before any byte moved: {exc}; the directory changed "
+                    "after its headers were read"
+                ) from None
+            written = 0
+            try:
+                for file, entry in info._entries:
+                    if entry.spec.name in wanted:
+                        self._read(fds[file], entry, load_weights)
+                        written += 1
+            except Exception as exc:
+                raise WeightTransferError(
+                    f"loading {directory} failed after {written} of {len(specs)} weights "
+                    f"({type(exc).__name__}: {exc})",
+                    partially_applied=True,
+                ) from exc
+        stats = TransferStats(
+            num_tensors=len(specs),
+            num_bytes=sum(s.nbytes for s in specs),
+            num_buckets=len(fds),
+            seconds=time.perf_counter() - start,
+        )
+        logger.info(
+            "loaded %d tensors, %.1f MB from %s in %.3f s (%.2f GB/s)",
+            stats.num_tensors, stats.num_bytes / 1e6, directory, stats.seconds, stats.gbps,
+        )  # fmt: skip
+        return stats
+
+    def _read(self, fd: int, entry: SafetensorsEntry, load_weights: LoadWeightsFn) -> None:
+        """Reads one tensor into its weight: in place when the weight's memory allows."""
+        spec = entry.spec
+        target = self.params.get(spec.name) if self.params is not None else None
+        if not (
+            target is not None
+            and target.device.type == "cpu"
+            and target.dtype == spec.dtype
+            and tuple(target.shape) == spec.shape
+            and target.is_contiguous()
+        ):
+            load_weights([(spec.name, read_tensor(fd, entry))])
+            return
+        read_into(fd, target, entry)
+
+    def shutdown(self) -> None:
+        """Marks the engine shut down (it holds nothing between updates). Safe to call twice."""
+        self._shut_down = True
+
+
+def save_weight_dir(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    path: str | os.PathLike[str],
+    *,
+    weight_version: str | int | None = None,
+) -> dict[str, Any]:
+    """Writes tensors as a checkpoint directory (`model.safetensors`): the trainer's side.
+
+    The file is written under a temporary name and renamed into place, so a reader never sees
+    a half-written file.
+
+    Args:
+        named_tensors: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
+        path: The directory, created if needed; a fresh one per update.
+        weight_version: Optional label the update info carries.
+
+    Returns:
+        The update info to send: `{"path": DIR}` (and `weight_version` when given).
+
+    >>> import tempfile
+    >>> info = save_weight_dir([("w", torch.ones(2))], tempfile.mkdtemp())
+    >>> sorted(info)
+    ['path']
+    """
+    directory = Path(path).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach() for name, tensor in named_tensors}
+    partial = directory / ".model.safetensors.partial"
+    write_safetensors(tensors, partial)
+    os.replace(partial, directory / "model.safetensors")
+    info: dict[str, Any] = {"path": str(directory)}
+    if weight_version is not None:
+        info["weight_version"] = weight_version
+    return info

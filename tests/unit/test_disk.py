@@ -1,0 +1,189 @@
+"""The `disk` backend: a checkpoint directory checked against the model, then loaded in place."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from weightsync import EngineConfig, LLMEngine, WeightTransferConfig
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.transfer._safetensors import write_safetensors
+from weightsync.transfer.disk import (
+    DiskWeightTransferEngine,
+    DiskWeightTransferUpdateInfo,
+    save_weight_dir,
+)
+
+
+def _weights(model):
+    return {name: tensor.clone() for name, tensor in model.named_weights()}
+
+
+def _same(model, weights) -> bool:
+    return all(torch.equal(t, weights[name]) for name, t in model.named_weights())
+
+
+def _raw_file(path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+def _entry(dtype="F32", shape=(2,), offsets=(0, 8)):
+    return {"w": {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}}
+
+
+HOSTILE = {
+    "too short": lambda p: p.write_bytes(b"\x01\x02"),
+    "length past the file": lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"),
+    "not JSON": lambda p: _raw_file(p, b"{not json"),
+    "not an object": lambda p: _raw_file(p, b"[1, 2]"),
+    "entry not an object": lambda p: _raw_file(p, json.dumps({"w": 3}).encode()),
+    "unknown dtype": lambda p: _raw_file(p, json.dumps(_entry(dtype="F128")).encode(), b"\0" * 8),
+    "negative dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(-2,))).encode(), b"\0" * 8),
+    "bool dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(True,))).encode(), b"\0" * 8),
+    "offsets past the data": lambda p: _raw_file(
+        p, json.dumps(_entry(offsets=(0, 8))).encode(), b"\0" * 4
+    ),
+    "offsets not the shape's size": lambda p: _raw_file(
+        p, json.dumps(_entry(offsets=(0, 4))).encode(), b"\0" * 8
+    ),
+    "offsets not ints": lambda p: _raw_file(
+        p, json.dumps(_entry(offsets=("0", "8"))).encode(), b"\0" * 8
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_header_is_refused_and_nothing_changes(tmp_path, case):
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    before = _weights(model)
+    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
+    HOSTILE[case](tmp_path / "model-00002.safetensors")  # beside a valid file
+    engine = DiskWeightTransferEngine(expected_specs=model.weight_specs())
+    with pytest.raises(WeightValidationError, match=r"model-00002\.safetensors"):
+        engine.receive_weights({"path": str(tmp_path)}, model.load_weights)
+    assert _same(model, before)
+
+
+@pytest.mark.parametrize("fault", ["unknown name", "wrong shape", "wrong dtype", "missing"])
+def test_a_directory_that_does_not_fit_the_model_is_refused_before_any_write(tmp_path, fault):
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    before = _weights(model)
+    tensors = _weights(LlamaForCausalLM.from_preset("debug", seed=2))
+    name = "model.layers.0.mlp.down_proj.weight"
+    if fault == "unknown name":
+        tensors["model.layers.9.mlp.down_proj.weight"] = tensors[name]
+    elif fault == "wrong shape":
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    elif fault == "wrong dtype":
+        tensors[name] = tensors[name].to(torch.bfloat16)
+    else:
+        del tensors[name]
+    save_weight_dir(tensors.items(), tmp_path)
+    loads = []
+    engine = DiskWeightTransferEngine(expected_specs=model.weight_specs())
+    with pytest.raises(WeightValidationError, match="before any byte moved") as refused:
+        engine.receive_weights({"path": str(tmp_path)}, loads.append)
+    assert "model.layers" in str(refused.value)
+    assert loads == []
+    assert _same(model, before)
+
+
+def test_a_directory_loads_every_weight_in_place_fused_ones_included(tmp_path):
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    policy = LlamaForCausalLM.from_preset("debug", seed=2)
+    info = save_weight_dir(policy.named_weights(), tmp_path, weight_version="step-3")
+    assert info == {"path": str(tmp_path), "weight_version": "step-3"}
+    loads = []  # every weight, fused ones' row blocks included, is read in place
+    engine = DiskWeightTransferEngine(
+        expected_specs=model.weight_specs(), params=dict(model.named_weights())
+    )
+    stats = engine.receive_weights(info, loads.append)
+    assert loads == []
+    assert _same(model, _weights(policy))
+    assert stats.num_tensors == len(policy.weight_specs())
+    assert stats.num_bytes == sum(s.nbytes for s in policy.weight_specs().values())
+
+
+def test_shards_follow_their_index(tmp_path):
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    policy = LlamaForCausalLM.from_preset("debug", seed=2)
+    _two_shards(tmp_path, policy)
+    DiskWeightTransferEngine(expected_specs=model.weight_specs()).receive_weights(
+        {"path": str(tmp_path)}, model.load_weights
+    )
+    assert _same(model, _weights(policy))
+
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map[next(iter(weight_map))] = "b.safetensors"  # the index disagrees with the files
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightValidationError, match="maps"):
+        DiskWeightTransferUpdateInfo.from_directory(tmp_path)
+
+
+def test_not_a_checkpoint_directory_is_refused(tmp_path):
+    with pytest.raises(WeightValidationError, match="not a directory"):
+        DiskWeightTransferUpdateInfo.from_directory(tmp_path / "absent")
+    with pytest.raises(WeightValidationError, match=r"no \*\.safetensors"):
+        DiskWeightTransferUpdateInfo.from_directory(tmp_path)
+    engine = DiskWeightTransferEngine()
+    with pytest.raises(WeightValidationError, match="unknown keys"):
+        engine.receive_weights({"path": str(tmp_path), "names": []}, print)
+
+
+def _two_shards(directory, model):
+    """Writes `model` as two safetensors files with their index; returns the second file."""
+    tensors = _weights(model)
+    names = list(tensors)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for file, part in halves.items():
+        write_safetensors({n: tensors[n] for n in part}, directory / file)
+    weight_map = {n: f for f, part in halves.items() for n in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory / "b.safetensors"
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_a_directory_that_fails_halfway_leaves_the_previous_weights_or_holds(tmp_path, staging):
+    engine = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(weight_update_staging=staging),
+        weight_transfer_config=WeightTransferConfig(backend="disk"),
+    )
+    before = _weights(engine.model)
+    second = _two_shards(tmp_path, LlamaForCausalLM.from_preset("debug", seed=2))
+    info = DiskWeightTransferUpdateInfo.from_directory(tmp_path)  # headers read: both fit
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])  # the writer truncates
+    with pytest.raises(WeightTransferError, match="the file ended") as failed:
+        engine.update_weights({"update_info": info})
+    assert failed.value.partially_applied  # the first file's weights were written
+    assert engine.weight_version == 0
+    if staging:
+        assert _same(engine.model, before)
+        assert not engine.weights.is_torn
+    else:
+        assert engine.weights.is_torn  # never generated from until a complete update lands
+
+
+def test_the_disk_backend_takes_vllms_four_calls_without_an_init(tmp_path):
+    engine = LLMEngine("debug", weight_transfer_config=WeightTransferConfig(backend="disk"))
+    policy = LlamaForCausalLM.from_preset("debug", seed=2)
+    info = save_weight_dir(policy.named_weights(), tmp_path)
+    engine.start_weight_update()
+    engine.update_weights({"update_info": info})
+    assert engine.weight_version == 0  # the version moves at finish
+    engine.finish_weight_update("step-1")
+    assert engine.weight_version == "step-1"
+    assert _same(engine.model, _weights(policy))
+
+
+def test_a_hand_built_update_info_is_read_from_its_directory(tmp_path):
+    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
+    listed = DiskWeightTransferUpdateInfo(
+        names=["w"], dtype_names=["float32"], shapes=[[1]], path=str(tmp_path)
+    )
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    parsed = DiskWeightTransferEngine(expected_specs=model.weight_specs()).parse_update_info(listed)
+    assert parsed.names == list(model.weight_specs())  # what the files hold, not what it listed
