@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
@@ -84,6 +86,7 @@ class AsyncEngine:
 
     def _init(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.stats = ServingStats()  # requests, pauses and updates, for a metrics page
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-step")
         self._lock = asyncio.Lock()  # held by each step and by each control call
         self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
@@ -182,10 +185,13 @@ class AsyncEngine:
                 f"request_id {request_id!r} is already streaming; use a unique id"
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        arrived_at = time.monotonic()
         self.engine.add_request(request_id, prompt, sampling_params)
         self._streams[request_id] = queue
         self._wake.set()
         finished = False
+        last: RequestOutput | None = None
+        first_token_at: float | None = None
         try:
             while not finished:
                 item = await queue.get()
@@ -195,13 +201,29 @@ class AsyncEngine:
                     raise EngineStateError("the engine was shut down while this request ran")
                 if isinstance(item, BaseException):
                     raise EngineStateError(f"the engine loop died: {item!r}") from item
-                finished = item.finished
+                finished, last = item.finished, item
+                if first_token_at is None and any(o.token_ids for o in item.outputs):
+                    first_token_at = time.monotonic()
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
                 self._wake.set()
+            self._record_request(last, arrived_at, first_token_at)
+
+    def _record_request(
+        self, last: RequestOutput | None, arrived_at: float, first_token_at: float | None
+    ) -> None:
+        """Counts a request that ended: finished, or left (an abort) with what it had."""
+        outputs = last.outputs if last is not None else []
+        self.stats.record_request(
+            prompt_tokens=len(last.prompt_token_ids or []) if last is not None else 0,
+            generation_tokens=sum(len(o.token_ids) for o in outputs),
+            finish_reason=next((o.finish_reason for o in outputs if o.finish_reason), "abort"),
+            arrived_at=arrived_at,
+            first_token_at=first_token_at,
+        )
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
@@ -262,6 +284,8 @@ class AsyncEngine:
         self._wake.set()
         while self.engine.pause_state is PauseState.DRAINING:
             await self._next_step()
+        if self.engine.is_paused():  # not a `wait` pause that a resume called off
+            self.stats.record_pause(mode)
         return mode
 
     async def arm_pause(
@@ -297,6 +321,7 @@ class AsyncEngine:
         self._start()
         async with self._lock:
             self.engine.resume_generation()
+            self.stats.record_resume()
         self._wake.set()
 
     async def is_paused(self) -> bool:
@@ -395,7 +420,8 @@ class AsyncEngine:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
         self._start()
         async with self._lock:
-            self.engine.start_weight_update()
+            with self._counting_failures():
+                self.engine.start_weight_update()
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`), off the event loop.
@@ -406,7 +432,13 @@ class AsyncEngine:
         self._start()
         try:
             async with self._transfer_lock, self._lock:
-                return await _to_thread_uninterrupted(self.engine.update_weights, request)
+                bare = self.engine.weight_update is None
+                with self._counting_failures():
+                    stats = await _to_thread_uninterrupted(self.engine.update_weights, request)
+                self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                if bare and self.engine.weight_update is None:  # a whole update, finished
+                    self.stats.weight_updates += 1
+                return stats
         finally:
             self._wake.set()  # a bare update that ended resumes the engine it paused
 
@@ -414,8 +446,19 @@ class AsyncEngine:
         """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""
         self._start()
         async with self._lock:
-            self.engine.finish_weight_update(weight_version)
+            with self._counting_failures():
+                self.engine.finish_weight_update(weight_version)
+            self.stats.weight_updates += 1
         self._wake.set()
+
+    @contextlib.contextmanager
+    def _counting_failures(self) -> Iterator[None]:
+        """Counts a weight-update call that raises (`stats.weight_update_failures`)."""
+        try:
+            yield
+        except Exception:
+            self.stats.weight_update_failures += 1
+            raise
 
     async def abort_weight_update(self) -> bool:
         """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""

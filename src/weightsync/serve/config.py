@@ -24,6 +24,8 @@ class ServerConfig:
         max_request_bytes: Largest request body in bytes (64 MiB by default: room for the IPC
             handle records of large models); larger ones get a 413.
         world_size: Transfer workers behind this server (`/get_world_size`).
+        model_path: The model's directory or preset as given on the command line (`root` of
+            `/v1/models`, `model` of `/server_info`); None: the model's name.
 
     Raises:
         EngineConfigError: A value is out of range.
@@ -34,6 +36,7 @@ class ServerConfig:
     admin_api_key: str | None = None
     max_request_bytes: int = _DEFAULT_MAX_REQUEST_BYTES
     world_size: int = 1
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
