@@ -73,7 +73,7 @@ def server_info(tree: dict[str, Any], config_format: str) -> dict[str, Any]:
         "system_env": {
             "python_version": platform.python_version(),
             "torch_version": torch.__version__,
-            "os": platform.platform(),
+            "os": platform.system(),
         },
         "weightsync_version": weightsync.__version__,
     }
