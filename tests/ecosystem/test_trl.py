@@ -19,6 +19,7 @@ import torch
 trl_client = pytest.importorskip("trl.generation.vllm_client")
 async_grpo_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
 transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
 
 from weightsync import (  # noqa: E402
     NCCLTrainerSendWeightsArgs,
@@ -77,6 +78,8 @@ def test_vllm_client_sequence_logprobs(client):
 
 
 def test_async_grpo_client_reads_the_model_and_runs_a_whole_update(server, model_dir):
+    # The trainer's process state, as TRL's trainer sets it up (the client logs through it).
+    accelerate.PartialState(cpu=True)
     client = async_grpo_client.VLLMClient(server.base_url, server_timeout=WAIT_S)
     client.wait_for_server_ready(poll_interval_s=0.1)
     assert client.get_max_model_len() > 0  # /v1/models' max_model_len
