@@ -10,9 +10,13 @@ engine, so nothing here needs a lock.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from weightsync.engine.outputs import RequestOutput
 
 # Bucket upper bounds, in seconds. vLLM's for the request latencies, so dashboards built for it
 # read these; the pause and update buckets span a pause of a step to an update of a large model.
@@ -84,20 +88,20 @@ class ServingStats:
     _paused_at: float | None = None
 
     def record_request(
-        self,
-        *,
-        prompt_tokens: int,
-        generation_tokens: int,
-        finish_reason: str,
-        arrived_at: float,
-        first_token_at: float | None,
+        self, last: RequestOutput | None, arrived_at: float, first_token_at: float | None
     ) -> None:
-        """Counts a request that ended; times are `time.monotonic()` readings."""
-        now = time.monotonic()
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generation_tokens
-        self.finished[finish_reason] += 1
-        self.e2e_latency_s.observe(now - arrived_at)
+        """Counts a request that ended: finished, or left (an abort) with what it had.
+
+        Args:
+            last: Its last output (None: it ended before its first).
+            arrived_at: When it was submitted (`time.monotonic()`).
+            first_token_at: When its first output token came, if one did.
+        """
+        outputs = last.outputs if last is not None else []
+        self.prompt_tokens += len(last.prompt_token_ids or []) if last is not None else 0
+        self.generation_tokens += sum(len(o.token_ids) for o in outputs)
+        self.finished[next((o.finish_reason for o in outputs if o.finish_reason), "abort")] += 1
+        self.e2e_latency_s.observe(time.monotonic() - arrived_at)
         if first_token_at is not None:
             self.time_to_first_token_s.observe(first_token_at - arrived_at)
 
@@ -117,3 +121,12 @@ class ServingStats:
         """Counts one update message received."""
         self.weight_update_bytes += num_bytes
         self.weight_update_s.observe(seconds)
+
+    @contextlib.contextmanager
+    def counting_update_failures(self) -> Iterator[None]:
+        """Counts a weight-update call that raises in the block (`weight_update_failures`)."""
+        try:
+            yield
+        except Exception:
+            self.weight_update_failures += 1
+            raise

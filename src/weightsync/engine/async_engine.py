@@ -5,6 +5,9 @@ each forward pass runs on a dedicated worker thread, so the event loop keeps ser
 streams and control calls while the model computes. Control calls (`pause_generation`,
 `resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
 two steps: a pause waits for at most the step in flight.
+
+One concept: the asyncio front of one engine, its step loop, its request streams and every
+control call between two steps; each call is a few lines over the `LLMEngine` call it orders.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -210,20 +213,7 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort_request(request_id)
                 self._wake.set()
-            self._record_request(last, arrived_at, first_token_at)
-
-    def _record_request(
-        self, last: RequestOutput | None, arrived_at: float, first_token_at: float | None
-    ) -> None:
-        """Counts a request that ended: finished, or left (an abort) with what it had."""
-        outputs = last.outputs if last is not None else []
-        self.stats.record_request(
-            prompt_tokens=len(last.prompt_token_ids or []) if last is not None else 0,
-            generation_tokens=sum(len(o.token_ids) for o in outputs),
-            finish_reason=next((o.finish_reason for o in outputs if o.finish_reason), "abort"),
-            arrived_at=arrived_at,
-            first_token_at=first_token_at,
-        )
+            self.stats.record_request(last, arrived_at, first_token_at)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
@@ -420,7 +410,7 @@ class AsyncEngine:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
         self._start()
         async with self._lock:
-            with self._counting_failures():
+            with self.stats.counting_update_failures():
                 self.engine.start_weight_update()
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
@@ -433,7 +423,7 @@ class AsyncEngine:
         try:
             async with self._transfer_lock, self._lock:
                 bare = self.engine.weight_update is None
-                with self._counting_failures():
+                with self.stats.counting_update_failures():
                     stats = await _to_thread_uninterrupted(self.engine.update_weights, request)
                 self.stats.record_update_message(stats.num_bytes, stats.seconds)
                 if bare and self.engine.weight_update is None:  # a whole update, finished
@@ -446,19 +436,10 @@ class AsyncEngine:
         """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""
         self._start()
         async with self._lock:
-            with self._counting_failures():
+            with self.stats.counting_update_failures():
                 self.engine.finish_weight_update(weight_version)
             self.stats.weight_updates += 1
         self._wake.set()
-
-    @contextlib.contextmanager
-    def _counting_failures(self) -> Iterator[None]:
-        """Counts a weight-update call that raises (`stats.weight_update_failures`)."""
-        try:
-            yield
-        except Exception:
-            self.stats.weight_update_failures += 1
-            raise
 
     async def abort_weight_update(self) -> bool:
         """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""
