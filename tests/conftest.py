@@ -1,5 +1,5 @@
-"""Shared test set-up: tests under integration/ and faults/ are marked `integration`; `gpu` tests skip
-without CUDA."""
+"""Shared test set-up: tests under integration/, faults/ and ecosystem/ are marked `integration`;
+`gpu` tests skip without CUDA."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 # Folders whose tests start real processes.
-PROCESS_TIERS = (HERE / "integration", HERE / "faults")
+PROCESS_TIERS = (HERE / "integration", HERE / "faults", HERE / "ecosystem")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

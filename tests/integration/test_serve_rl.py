@@ -256,7 +256,7 @@ def test_engine_stats_records_where_each_pause_fell_in_engine_steps(fresh_server
             assert httpx.post(url + "/pause?mode=keep").json() == {"status": "paused"}
             records.append(httpx.get(url + "/engine_stats").json()["last_pause"])
             httpx.post(url + "/resume")
-        httpx.post(url + "/abort_requests")
+        httpx.post(url + "/abort_requests", json={})
         assert list(lines)[-1] == "data: [DONE]"
     for record in records:
         assert record["mode"] == "keep"

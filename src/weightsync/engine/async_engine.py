@@ -5,6 +5,9 @@ each forward pass runs on a dedicated worker thread, so the event loop keeps ser
 streams and control calls while the model computes. Control calls (`pause_generation`,
 `resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
 two steps: a pause waits for at most the step in flight.
+
+One concept: the asyncio front of one engine, its step loop, its request streams and every
+control call between two steps; each call is a few lines over the `LLMEngine` call it orders.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
@@ -84,6 +89,7 @@ class AsyncEngine:
 
     def _init(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.stats = ServingStats()  # requests, pauses and updates, for a metrics page
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-step")
         self._lock = asyncio.Lock()  # held by each step and by each control call
         self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
@@ -186,10 +192,13 @@ class AsyncEngine:
                 f"request_id {request_id!r} is already streaming; use a unique id"
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        arrived_at = time.monotonic()
         self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self._streams[request_id] = queue
         self._wake.set()
         finished = False
+        last: RequestOutput | None = None
+        first_token_at: float | None = None
         try:
             while not finished:
                 item = await queue.get()
@@ -199,13 +208,16 @@ class AsyncEngine:
                     raise EngineStateError("the engine was shut down while this request ran")
                 if isinstance(item, BaseException):
                     raise EngineStateError(f"the engine loop died: {item!r}") from item
-                finished = item.finished
+                finished, last = item.finished, item
+                if first_token_at is None and any(o.token_ids for o in item.outputs):
+                    first_token_at = time.monotonic()
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
                 self._wake.set()
+            self.stats.record_request(last, arrived_at, first_token_at)
 
     def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
@@ -268,6 +280,8 @@ class AsyncEngine:
         self._wake.set()
         while self.engine.pause_state is PauseState.DRAINING:
             await self._next_step()
+        if self.engine.is_paused():  # not a `wait` pause that a resume called off
+            self.stats.record_pause(mode)
         return mode
 
     async def arm_pause(
@@ -303,6 +317,7 @@ class AsyncEngine:
         self._start()
         async with self._lock:
             self.engine.resume_generation()
+            self.stats.record_resume()
         self._wake.set()
 
     async def is_paused(self) -> bool:
@@ -401,7 +416,8 @@ class AsyncEngine:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
         self._start()
         async with self._lock:
-            self.engine.start_weight_update()
+            with self.stats.counting_update_failures():
+                self.engine.start_weight_update()
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`), off the event loop.
@@ -412,7 +428,13 @@ class AsyncEngine:
         self._start()
         try:
             async with self._transfer_lock, self._lock:
-                return await _to_thread_uninterrupted(self.engine.update_weights, request)
+                bare = self.engine.weight_update is None
+                with self.stats.counting_update_failures():
+                    stats = await _to_thread_uninterrupted(self.engine.update_weights, request)
+                self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                if bare and self.engine.weight_update is None:  # a whole update, finished
+                    self.stats.weight_updates += 1
+                return stats
         finally:
             self._wake.set()  # a bare update that ended resumes the engine it paused
 
@@ -420,7 +442,9 @@ class AsyncEngine:
         """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""
         self._start()
         async with self._lock:
-            self.engine.finish_weight_update(weight_version)
+            with self.stats.counting_update_failures():
+                self.engine.finish_weight_update(weight_version)
+            self.stats.weight_updates += 1
         self._wake.set()
 
     async def abort_weight_update(self) -> bool:

@@ -18,6 +18,7 @@ from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.engine.weights import WeightUpdateStatus
+from weightsync.serve import _info, _metrics
 from weightsync.serve.config import ServerConfig
 
 Body = dict[str, Any]
@@ -144,6 +145,14 @@ class ControlSurface(Protocol):
 
     async def health(self) -> tuple[int, Body]:
         """The health status and body."""
+        ...
+
+    async def vllm_config(self) -> Body:
+        """The server's config in vLLM's `/server_info` tree."""
+        ...
+
+    async def metrics(self) -> bytes:
+        """The server's metrics in Prometheus's text format."""
         ...
 
 
@@ -324,3 +333,11 @@ class EngineControl:
     async def health(self) -> tuple[int, Body]:
         """200 while the server serves."""
         return 200, {"status": "ok"}
+
+    async def vllm_config(self) -> Body:
+        """The engine's config in vLLM's `/server_info` tree."""
+        return _info.vllm_config(self.engine, self.config)
+
+    async def metrics(self) -> bytes:
+        """The engine's metrics in Prometheus's text format."""
+        return _metrics.render(_metrics.engine_families(self.engine, self.config.model_name))

@@ -37,6 +37,7 @@ logger = logging.getLogger("weightsync.serve")
 
 DEFAULT_REPLICA_TIMEOUT_S = 300.0
 """Limit of one front-to-replica call, in seconds (a transfer call waits for its trainer)."""
+_METRICS_TIMEOUT_S = 10.0  # a scrape: the replica renders counters, nothing waits
 _STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, before it is killed
 # Options the front sets for each replica itself rather than passing its own on.
 _NOT_PASSED_ON = {"command", "host", "port", "api_key", "admin_api_key", "worker_index", "device",
@@ -173,6 +174,22 @@ class Replica:
             )
         answer: dict[str, Any] = response.json()
         return answer
+
+    async def metrics_page(self, timeout_s: float = _METRICS_TIMEOUT_S) -> str:
+        """The text of its `GET /metrics`.
+
+        Raises:
+            ReplicaUnavailableError: It exited, its connection broke, or it did not answer
+                within `timeout_s`.
+        """
+        if not self.alive or self.http is None:
+            raise self.unavailable()
+        try:
+            response = await self.http.get("/metrics", timeout=timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ReplicaUnavailableError(f"{self.name}: GET /metrics failed: {exc!r}") from exc
+        return response.text
 
     async def close(self) -> None:
         """Stops the process (SIGTERM, SIGKILL after a grace period) and closes its client."""

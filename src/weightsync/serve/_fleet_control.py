@@ -29,6 +29,7 @@ from typing import Any
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
+from weightsync.serve import _metrics
 from weightsync.serve._control import Body
 from weightsync.serve._fleet import Fleet, Replica, raise_failures
 from weightsync.serve.config import ServerConfig
@@ -338,3 +339,23 @@ class FleetControl:
             "message": "; ".join(str(r.unavailable()) for r in dead),
             "replicas": replicas,
         }
+
+    async def vllm_config(self) -> Body:
+        """A live replica's config tree, with the front's data-parallel size."""
+        tree = (
+            await self.fleet.pick().call("GET", "/server_info", params={"config_format": "json"})
+        )["vllm_config"]
+        tree["parallel_config"]["data_parallel_size"] = self.config.world_size
+        return dict(tree)
+
+    async def metrics(self) -> bytes:
+        """Each live replica's metrics under its `engine` index, and their sums (`total`)."""
+        live = self.fleet.live()
+        pages = await asyncio.gather(*(r.metrics_page() for r in live), return_exceptions=True)
+        answered = []
+        for replica, page in zip(live, pages, strict=True):
+            if isinstance(page, BaseException):  # died since: the scrape shows the survivors
+                logger.warning("metrics of %s left out: %s", replica.name, page)
+            else:
+                answered.append((replica.index, page))
+        return _metrics.render(_metrics.merge_replicas(answered))

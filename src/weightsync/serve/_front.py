@@ -4,7 +4,8 @@ Completions go to the replica with the fewest open requests, and its answer (a s
 as they come) goes back unchanged. A replica that dies ends its streams with
 `finish_reason="error"` for every unfinished choice, then `[DONE]`; a non-streamed request it ran
 is answered with the same finish reason. The RL routes are the one server's, over the replicas
-(`FleetControl`).
+(`FleetControl`). `/inference/v1/generate` is relayed as a completion is; `/tokenize` and
+`/detokenize` go to any live replica.
 """
 
 from __future__ import annotations
@@ -237,6 +238,48 @@ async def _create_chat_completion(request: Request) -> Response:
     return await _completion(request, "/v1/chat/completions", chat=True)
 
 
+_tokens = APIRouter(tags=["tokens"], dependencies=[Depends(require_api_key)])
+_PASS_THROUGH_TIMEOUT_S = 60.0  # a tokenizer call on a replica: no engine step waits on it
+
+
+async def _pass_through(request: Request, path: str) -> Response:
+    """A replica's answer to the request as it came (a tokenizer call: any replica answers)."""
+    state: FleetControl = request.app.state.serve
+    replica = state.fleet.pick()
+    assert replica.http is not None
+    try:
+        upstream = await replica.http.post(
+            path, content=await request.body(), timeout=_PASS_THROUGH_TIMEOUT_S,
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )  # fmt: skip
+    except httpx.HTTPError as exc:
+        raise replica.unavailable() if not replica.alive else RequestRefused(
+            503, f"{replica.name}: POST {path} failed: {exc!r}",
+            error_type="ReplicaUnavailableError",
+        ) from exc  # fmt: skip
+    return Response(
+        upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type")
+    )
+
+
+@_tokens.post("/tokenize", operation_id="tokenize")
+async def _tokenize(request: Request) -> Response:
+    """A replica's `/tokenize` (see `/tokenize` of a replica)."""
+    return await _pass_through(request, "/tokenize")
+
+
+@_tokens.post("/detokenize", operation_id="detokenize")
+async def _detokenize(request: Request) -> Response:
+    """A replica's `/detokenize` (see `/detokenize` of a replica)."""
+    return await _pass_through(request, "/detokenize")
+
+
+@_tokens.post("/inference/v1/generate", response_model=None, operation_id="generate_tokens")
+async def _generate_tokens(request: Request) -> Response:
+    """Tokens in, tokens out on the least-loaded replica (see its `/inference/v1/generate`)."""
+    return await _completion(request, "/inference/v1/generate", chat=False)
+
+
 def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
     """Builds the front's app over `fleet`; its shutdown stops the replicas.
 
@@ -254,6 +297,6 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
 
     control = FleetControl(fleet, config)
     return build_app(
-        control, _v1, close=close, start=control.watch_replicas,
+        control, [_v1, _tokens], close=close, start=control.watch_replicas,
         title="weightsync serve (data parallel)",
     )  # fmt: skip

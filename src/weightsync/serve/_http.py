@@ -1,7 +1,7 @@
 """What every weightsync HTTP app shares: its assembly, the server routes, the size limit.
 
-The assembly is around a control surface; the server routes are `/health`, `/version` and
-`/v1/models`.
+The assembly is around a control surface; the server routes are `/health`, `/version`,
+`/v1/models`, `/metrics` and `/server_info`.
 
 [`create_app`][weightsync.serve.app.create_app] (one engine) and a data-parallel front build
 their apps here, so both answer the same RL routes with the same errors.
@@ -13,20 +13,21 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
-from weightsync.serve._auth import require_api_key
+from weightsync.serve._auth import require_admin_key, require_api_key
 from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import error_body, install_error_handlers
 from weightsync.serve._fields import RequestFields
+from weightsync.serve._info import model_card, server_info
+from weightsync.serve._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.serve._rl_routes import router as rl_router
-from weightsync.serve.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +63,18 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(
     surface: ControlSurface,
-    completions: APIRouter,
+    routers: Sequence[APIRouter],
     *,
     close: Callable[[], Awaitable[None]],
     title: str,
     start: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The app of one control surface: its RL routes, the `completions` routes, the server routes.
+    """The app of one control surface: its RL routes, the generation routes, the server routes.
 
     Args:
         surface: What the RL routes act on (one engine, or a front's replicas).
-        completions: The `/v1` completion routes (the engine's own, or a front's relay).
+        routers: The generation routes, `/v1` completions and the token routes (the engine's
+            own, or a front's relay).
         close: Run when the app stops, after every running request was aborted.
         title: The OpenAPI title.
         start: Run on the app's event loop when it starts.
@@ -101,7 +103,9 @@ def build_app(
     app.add_middleware(_BodyLimit, max_bytes=surface.config.max_request_bytes)
     app.include_router(_server_router)
     app.include_router(_models_router)
-    app.include_router(completions)
+    app.include_router(_info_router)
+    for router in routers:
+        app.include_router(router)
     app.include_router(rl_router)
     return app
 
@@ -123,14 +127,39 @@ async def version() -> dict[str, Any]:
 
 
 _models_router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+# What vLLM keeps behind its development mode: the admin key here, as the RL routes.
+_info_router = APIRouter(tags=["server"], dependencies=[Depends(require_admin_key)])
 
 
 @_models_router.get("/models", operation_id="list_models")
 async def _list_models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
-    config: ServerConfig = request.app.state.serve.config
-    model = {"id": config.model_name, "object": "model", "owned_by": "weightsync"}
-    return {"object": "list", "data": [{**model, "created": 0}]}
+    """The one model this server serves, as vLLM's model card (`max_model_len`, `root`, ...)."""
+    surface: ControlSurface = request.app.state.serve
+    max_model_len = (await surface.vllm_config())["model_config"]["max_model_len"]
+    return {"object": "list", "data": [model_card(surface.config, max_model_len)]}
+
+
+@_server_router.get("/metrics", response_class=Response, operation_id="metrics")
+async def _metrics_page(request: Request) -> Response:
+    """Prometheus's text format: vLLM's request metrics and weightsync's pause and update ones.
+
+    No key needed, as vLLM's: it says how much was served, nothing of what.
+    """
+    surface: ControlSurface = request.app.state.serve
+    return Response(await surface.metrics(), media_type=METRICS_CONTENT_TYPE)
+
+
+@_info_router.get("/server_info", operation_id="server_info")
+async def _server_info(
+    request: Request, config_format: Literal["text", "json"] = "text"
+) -> dict[str, Any]:
+    """The server's config in vLLM's shape; `config_format=json` makes `vllm_config` a tree.
+
+    TRL reads `vllm_config.model_config.dtype`, `weight_transfer_config` and
+    `parallel_config.data_parallel_size` before it syncs.
+    """
+    surface: ControlSurface = request.app.state.serve
+    return server_info(await surface.vllm_config(), config_format)
 
 
 class _BodyLimit:

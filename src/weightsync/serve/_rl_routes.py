@@ -44,7 +44,10 @@ _Body = RequestBody  # unknown fields: see `_fields`
 
 
 class AbortRequestsRequest(_Body):
-    """`/abort_requests`: the completion ids to abort; empty or absent aborts every one."""
+    """`/abort_requests`: the completion ids to abort; empty or absent aborts every one.
+
+    The body itself is required (`{}` at least), as vLLM's.
+    """
 
     request_ids: list[str] | None = None
 
@@ -173,8 +176,19 @@ async def _is_paused(request: Request) -> Answer:
 async def _abort_requests(
     request: Request, body: Annotated[AbortRequestsRequest | None, Body()] = None
 ) -> Answer:
-    """Aborts running completions by id (every one when none is given)."""
-    return await _surface(request).abort_requests(body.request_ids if body is not None else None)
+    """Aborts running completions by id (every one when `request_ids` is empty or absent).
+
+    A request without a body is a 400, as vLLM's (whose body must be JSON): `{}` aborts every
+    completion.
+    """
+    if body is None:
+        raise RequestRefused(
+            400,
+            'the body is missing: send {"request_ids": [...]} to abort those completions, or '
+            "{} to abort every one",
+            param="body",
+        )
+    return await _surface(request).abort_requests(body.request_ids)
 
 
 @router.post("/unfinished_requests", operation_id="unfinished_requests")

@@ -1,7 +1,8 @@
 """`create_app`: an `AsyncEngine` served over HTTP by FastAPI.
 
-The app carries OpenAI-compatible routes under `/v1`, vLLM's RL routes, `/health` and `/version`
-(the docs' serving page describes each route, their OpenAPI schema has every body). The routes
+The app carries OpenAI-compatible routes under `/v1`, vLLM's RL routes, its token routes
+(`/tokenize`, `/detokenize`, `/inference/v1/generate`), `/server_info`, `/metrics`, `/health` and
+`/version` (the docs' serving page describes each route, their OpenAPI schema has every body). The routes
 and their request models live in private modules: the HTTP shapes are the API, not the Python
 classes that parse them. Errors come back as JSON in OpenAI's error shape, naming the weightsync
 error type and the field at fault, with the status of their class (400 invalid, 401 key, 409
@@ -43,6 +44,7 @@ def create_app(
     ['/v1/chat/completions', '/v1/completions', '/v1/models']
     """
     from weightsync.serve._openai_routes import router as completions
+    from weightsync.serve._token_routes import router as tokens
 
     async def close() -> None:
         if own_engine:
@@ -50,4 +52,4 @@ def create_app(
         logger.info("engine shut down")
 
     control = EngineControl(engine, config or ServerConfig())
-    return build_app(control, completions, close=close, title="weightsync serve")
+    return build_app(control, [completions, tokens], close=close, title="weightsync serve")

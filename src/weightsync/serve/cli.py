@@ -170,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         config = ServerConfig(
             model_name=args.served_model_name or args.model,
+            model_path=args.model,
             api_key=args.api_key,
             admin_api_key=args.admin_api_key,
             max_request_bytes=args.max_request_bytes,
@@ -231,6 +232,7 @@ def _serve_data_parallel(
     try:
         config = ServerConfig(
             model_name=args.served_model_name or args.model,
+            model_path=args.model,
             api_key=args.api_key,
             admin_api_key=args.admin_api_key,
             max_request_bytes=args.max_request_bytes,

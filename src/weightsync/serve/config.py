@@ -27,6 +27,8 @@ class ServerConfig:
         strict_request_fields: Refuse request fields the server does not know (a 400 naming
             them). By default they are ignored as vLLM ignores them: logged once per request
             and named in the answer's `X-Ignored-Fields` header.
+        model_path: The model's directory or preset as given on the command line (`root` of
+            `/v1/models`, `model` of `/server_info`); None: the model's name.
 
     Raises:
         EngineConfigError: A value is out of range.
@@ -38,6 +40,7 @@ class ServerConfig:
     max_request_bytes: int = _DEFAULT_MAX_REQUEST_BYTES
     world_size: int = 1
     strict_request_fields: bool = False
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
