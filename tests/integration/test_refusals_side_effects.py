@@ -57,7 +57,11 @@ def state(url: str) -> dict:
     }
 
 
-def test_refused_calls_during_an_update_abort_nothing_and_the_server_resumes(server):
+def test_refused_calls_during_an_update_abort_nothing_and_the_server_resumes(
+    server, record_property
+):
+    """Completions queued behind an update; 13 refused calls (sleep in each mode...): no abort."""
+    # A refused /sleep used to abort them (0 tokens) and leave the server paused after finish.
     url = server.base_url
     assert get(url, "/is_paused")["is_paused"] is False
     post(url, "/start_weight_update")  # a running, idle server pauses for the update
@@ -85,9 +89,15 @@ def test_refused_calls_during_an_update_abort_nothing_and_the_server_resumes(ser
         assert choice["finish_reason"] == "length", choice
         assert len(choice["token_ids"]) == BODY["max_tokens"]
     assert get(url, "/is_paused")["is_paused"] is False  # it was running before the update
+    record_property(
+        "message",
+        f"{len(REFUSED_DURING_AN_UPDATE)} refused calls changed nothing; {COMPLETIONS} "
+        f"completions ended with {BODY['max_tokens']} tokens each; running after the finish",
+    )
 
 
 def test_refused_calls_while_paused_keep_the_pause_and_the_frozen_requests(server):
+    """Completions frozen by a keep pause; bad sleep, pause, wake-up and finish calls: kept."""
     url = server.base_url
     post(url, "/pause", params={"mode": "keep"})
     answers: list[dict] = []
