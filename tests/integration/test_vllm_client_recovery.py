@@ -38,12 +38,17 @@ pytestmark = pytest.mark.reliability("fault")
 BODY = {"prompt": "after", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["no-staging", "staging"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, False), (1, True), (2, False)],
+    ids=["no-staging", "staging", "replica-front"],
+)
 def server(request):
-    staging = ["--weight-update-staging"] if request.param else []
+    replicas, staging = request.param
     server = Server("debug", "--port", "0", "--weight-transfer-config.backend", "gloo",
-                    "--num-kv-blocks", "64", *staging)  # fmt: skip
-    server.staging = request.param
+                    "--num-kv-blocks", "64", "--data-parallel-size", str(replicas),
+                    *(["--weight-update-staging"] if staging else []))  # fmt: skip
+    server.staging = staging
     yield server
     server.stop()
     server.kill()
