@@ -318,6 +318,9 @@ class AsyncEngine:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
         self._start()
+        # Checked before the pause, which may end requests. An update opened by another task
+        # while a `wait` pause drains is still refused below, after the pause: the server's
+        # routes exclude that by running sleep and the update calls one at a time.
         level = self.engine.check_sleep(level, mode)
         await self.pause_generation(mode=mode, clear_cache=level >= 1)
         async with self._lock:
