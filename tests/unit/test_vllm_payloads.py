@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from weightsync.errors import WeightValidationError
+from weightsync.transfer._identity import send_identity
 from weightsync.transfer.base import WeightTransferUpdateInfo
 from weightsync.transfer.nccl import GlooWeightTransferEngine
 
@@ -45,3 +46,31 @@ def test_an_update_info_writes_no_null_field():
         [("w", torch.zeros(2))], weight_version="v1"
     ).to_dict()
     assert labelled["weight_version"] == "v1"
+
+
+# What TRL sends servers older than vLLM 0.28: the wire parameters in every update info.
+VLLM_OLD_UPDATE = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "packed": True}
+
+
+def test_vllms_older_update_info_with_the_wire_parameters_is_taken():
+    # It was refused: "unknown keys ['packed']".
+    engine = GlooWeightTransferEngine()
+    info = engine.parse_update_info(VLLM_OLD_UPDATE)
+    assert (info.names, info.shapes) == (["w"], [[2]])
+    defaults = {"packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+    assert engine.parse_update_info({**VLLM_OLD_UPDATE, **defaults}).names == ["w"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("packed", False), ("packed", 1), ("packed_buffer_size_bytes", 1 << 20),
+     ("packed_num_buffers", 3), ("packed_num_buffers", 2.0)],
+)  # fmt: skip
+def test_an_update_info_whose_wire_parameters_differ_from_the_groups_is_refused_by_name(key, value):
+    with pytest.raises(WeightValidationError, match=rf"update_info.{key} is {value!r}, but the"):
+        GlooWeightTransferEngine().parse_update_info({**VLLM_OLD_UPDATE, key: value})
+
+
+def test_the_wire_parameters_do_not_change_which_send_a_message_belongs_to():
+    plain = {k: v for k, v in VLLM_OLD_UPDATE.items() if k != "packed"}
+    assert send_identity(VLLM_OLD_UPDATE) == send_identity(plain)

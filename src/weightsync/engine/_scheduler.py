@@ -36,6 +36,17 @@ logger = logging.getLogger(__name__)
 _PAUSE_MODES = get_args(PauseMode)
 
 
+def check_pause_mode(mode: object) -> PauseMode:
+    """The pause mode, checked: `abort`, `wait` or `keep`.
+
+    Raises:
+        InvalidRequestError: Another value.
+    """
+    if mode not in _PAUSE_MODES:
+        raise InvalidRequestError(f"pause mode must be one of {list(_PAUSE_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
 @dataclass
 class ScheduledSequence:
     """A sequence and how many of its tokens this step computes.
@@ -211,10 +222,7 @@ class Scheduler:
         Raises:
             InvalidRequestError: `mode` is not one of `abort`, `wait`, `keep`.
         """
-        if mode not in _PAUSE_MODES:
-            raise InvalidRequestError(
-                f"pause mode must be one of {list(_PAUSE_MODES)}, got {mode!r}"
-            )
+        check_pause_mode(mode)
         aborted: list[Sequence] = []
         if mode == "abort":
             aborted = self.abort({s.request_id for s in (*self.running, *self.waiting)})

@@ -73,10 +73,13 @@ class UpdateGate:
         finally:
             self._settle(running)
 
-    def finish(self, weight_version: WeightVersion | None) -> None:
-        """Ends the transaction; the engine returns to the pause state it had before it."""
+    def finish(self, weight_version: WeightVersion | None) -> bool:
+        """Ends the transaction; the engine returns to the pause state it had before it.
+
+        Returns whether the update was applied (see `LiveWeights.finish`).
+        """
         try:
-            self.weights.finish(weight_version)
+            return self.weights.finish(weight_version)
         finally:
             self._settle(running=False)
 

@@ -262,8 +262,12 @@ class AsyncEngine:
 
         Returns:
             The mode of the pause that landed (an armed pause's own).
+
+        Raises:
+            InvalidRequestError: An unknown `mode` or a negative `after_tokens`; nothing changed.
         """
         self._start()
+        self.engine.check_pause_mode(mode)  # before an armed pause is waited for or replaced
         if after_tokens is not None:
             await self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
@@ -327,12 +331,19 @@ class AsyncEngine:
     async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
         """Pauses (`mode`) and frees memory; see `LLMEngine.sleep`.
 
-        A `wait` sleep lets the running requests finish first, as a `wait` pause does.
+        A `wait` sleep lets the running requests finish first, as a `wait` pause does. A sleep
+        that would be refused is refused before the pause: it ends no request and pauses nothing.
+
+        Raises:
+            InvalidRequestError: A level other than 0, 1 or 2, or an unknown `mode`.
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
         self._start()
-        await self.pause_generation(
-            mode=mode, clear_cache=level >= 1 if level in (0, 1, 2) else True
-        )
+        # Checked before the pause, which may end requests. An update opened by another task
+        # while a `wait` pause drains is still refused below, after the pause: the server's
+        # routes exclude that by running sleep and the update calls one at a time.
+        level = self.engine.check_sleep(level, mode)
+        await self.pause_generation(mode=mode, clear_cache=level >= 1)
         async with self._lock:
             self.engine.sleep(level, mode="keep")  # paused already: nothing more is aborted
             self._dispatch(self.engine.step())  # delivers what the pause ended
@@ -438,14 +449,22 @@ class AsyncEngine:
         finally:
             self._wake.set()  # a bare update that ended resumes the engine it paused
 
-    async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
-        """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`."""
+    async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> bool:
+        """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`.
+
+        Returns:
+            Whether the update was applied (False: it ended unapplied after a refusal).
+        """
         self._start()
-        async with self._lock:
-            with self.stats.counting_update_failures():
-                self.engine.finish_weight_update(weight_version)
-            self.stats.weight_updates += 1
-        self._wake.set()
+        try:
+            async with self._lock:
+                with self.stats.counting_update_failures():
+                    applied = self.engine.finish_weight_update(weight_version)
+                if applied:
+                    self.stats.weight_updates += 1
+                return applied
+        finally:
+            self._wake.set()
 
     async def abort_weight_update(self) -> bool:
         """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""

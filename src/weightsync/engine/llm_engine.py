@@ -30,7 +30,7 @@ from weightsync.engine._isolation import run_batch
 from weightsync.engine._kv_cache import BlockManager
 from weightsync.engine._model_runner import ModelRunner
 from weightsync.engine._processing import InputProcessor, OutputProcessor
-from weightsync.engine._scheduler import Scheduler
+from weightsync.engine._scheduler import Scheduler, check_pause_mode
 from weightsync.engine._sequence import Sequence as Seq
 from weightsync.engine._sleep import Sleep
 from weightsync.engine._update_gate import UpdateGate, unwrap_request
@@ -312,7 +312,11 @@ class LLMEngine:
         """Enters a pause without running any step: the non-blocking half of `pause_generation`.
 
         A `wait` pause is then draining until later steps finish its running requests.
+
+        Raises:
+            InvalidRequestError: An unknown `mode`; nothing changed (see `check_pause_mode`).
         """
+        self.check_pause_mode(mode)
         self._drain_inbox()
         self._gate.caller_paused()  # the caller owns this pause now, not an update
         armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
@@ -329,6 +333,17 @@ class LLMEngine:
             "pause(mode=%s, clear_cache=%s): %s; %d aborted, %d kept",
             mode, clear_cache, self.scheduler.state.value, len(aborted), self.scheduler.num_unfinished,
         )  # fmt: skip
+
+    @staticmethod
+    def check_pause_mode(mode: object) -> PauseMode:
+        """The pause mode, checked before a pause touches anything: `abort`, `wait` or `keep`.
+
+        A refused pause leaves requests, the pause state and an armed pause as they were.
+
+        Raises:
+            InvalidRequestError: Another value.
+        """
+        return check_pause_mode(mode)
 
     def arm_pause(
         self,
@@ -427,17 +442,37 @@ class LLMEngine:
         they are torn until an update covering them lands. The pause takes `mode`: `abort` ends
         the requests in flight, `keep` freezes them (they recompute their KV after wake-up),
         `wait` lets them finish first. While asleep no request is taken (`EngineStateError`).
-        Sleeping again at a higher level frees more.
+        Sleeping again at a higher level frees more. A refused sleep changes nothing: no
+        request ends, the pause state stays (see `check_sleep`).
 
         Raises:
             InvalidRequestError: A level other than 0, 1 or 2, or an unknown `mode`.
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+            EngineStateError: The engine was shut down.
         """
-        level = Sleep.check_level(level)
-        if self.weights.in_update:
-            self.weights.sleep(discard=False)  # raises, naming the update in progress
+        level = self.check_sleep(level, mode)
         self.pause_generation(mode=mode, clear_cache=level >= 1)
         self._sleep.sleep(level)
+
+    def check_sleep(self, level: object, mode: object = "abort") -> int:
+        """Raises what `sleep(level, mode=mode)` would refuse now; changes nothing.
+
+        Sleep pauses before it frees memory, and a pause may end requests: every refusal is
+        decided here first, so that a refused sleep aborts nothing and pauses nothing.
+
+        Returns:
+            The level, checked.
+
+        Raises:
+            InvalidRequestError: A level other than 0, 1 or 2, or an unknown `mode`.
+            WeightUpdateStateError: A weight update is in progress.
+            EngineStateError: The engine was shut down.
+        """
+        self._check_not_shut_down("sleep")
+        checked = Sleep.check_level(level)
+        self.check_pause_mode(mode)
+        self.weights.check_can_sleep()
+        return checked
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Wakes what sleeps, as vLLM's `wake_up`: some of `weights`, `kv_cache`, `scheduling`.
@@ -506,11 +541,13 @@ class LLMEngine:
 
         Accepted while paused or idle. From now until `finish_weight_update` or
         `abort_weight_update` no forward pass runs; requests that arrive are queued. An idle,
-        unpaused engine pauses itself for the transaction and resumes after it.
+        unpaused engine pauses itself for the transaction and resumes after it. A transaction
+        left open by a refused `update_weights` is ended first, unapplied (as by
+        `abort_weight_update()`), and a new one begins.
 
         Raises:
             EngineBusyError: Requests are in flight and the engine is not paused.
-            EngineStateError: No transfer engine was initialized.
+            EngineStateError: The weights are asleep, or the engine was shut down.
             WeightUpdateStateError: A transaction is already open.
         """
         self._check_not_shut_down("start_weight_update")
@@ -550,25 +587,34 @@ class LLMEngine:
             return self._gate.update(WeightDir(path=request["weight_dir"]))
         return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
 
-    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> bool:
         """Ends the open transaction and moves the weight version, as vLLM's call of that name.
 
         The version becomes `weight_version`, else the label the update carried, else the count
         of updates. It moves only if every announced weight landed and no weight is torn. The
         engine then returns to the pause state it had before the transaction.
 
+        After an `update_weights` of this update was refused (and not sent again), the update
+        ends unapplied instead, as `abort_weight_update()` would end it: the previous weights
+        and version stay, and the engine returns to its pause state. So a client that knows
+        only vLLM's calls (start, update, finish, resume) gets back to serving after a refusal.
+
+        Returns:
+            Whether the update was applied: False when it ended unapplied after a refusal.
+
         Raises:
             WeightUpdateStateError: No transaction is open.
-            IncompleteWeightUpdateError: Announced weights are missing, or an `update_weights` of
-                this update was refused and not sent again; the transaction stays open (send
-                them, or `abort_weight_update()`).
-            TornWeightsError: Weights torn by an earlier failure remain; the version stays.
+            IncompleteWeightUpdateError: Announced weights are missing; the transaction stays
+                open (send them, or `abort_weight_update()`).
+            TornWeightsError: Weights torn by an earlier failure remain; the version stays. Or
+                an `update_weights` was refused after others of the update had landed, without
+                staging: the update ends and those weights are torn.
             NonFiniteWeightsError: The engine refuses non-finite weights and one landed with a
                 NaN or an infinity; the update ends (restored with staging, else torn).
             WeightValidationError: `weight_version` is not a string of at most 256 characters
                 or a 64-bit int.
         """
-        self._gate.finish(weight_version)
+        return self._gate.finish(weight_version)
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update(weight_version)` would raise now; changes nothing.

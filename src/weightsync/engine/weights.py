@@ -15,7 +15,9 @@ idle --start()--> open --update()*--> open --finish(version)--> idle   (version 
 A bare `update()` opens an implicit transaction that finishes itself once every weight it
 announced landed (or, with `finish_bare_updates=False`, waits for `finish()`, so that a front can
 commit every replica at once). The version moves only at finish, when every announced weight
-landed, no message of the transaction was refused, and no weight is torn. Weights a failed
+landed, no message of the transaction was refused, and no weight is torn; a finish (or a new
+start) after a refused message ends the transaction unapplied, as an abort would, so that a client
+that knows only vLLM's four calls gets back to serving. Weights a failed
 transaction may have half-written are *torn* (no generation) until a transaction covers them;
 with staging, a failure or abort copies back the touched weights.
 
@@ -304,16 +306,24 @@ class LiveWeights:
         Needs no transfer engine, as vLLM's: a transaction with no message is a relabel (its
         finish moves the version, no byte changes).
 
+        A transaction left open by a refused message (see `finish`) is ended first, unapplied,
+        as `abort` would end it: a client that knows only vLLM's calls starts again after a
+        refusal, and vLLM's own start begins afresh.
+
         Raises:
             EngineStateError: The weights are asleep.
-            WeightUpdateStateError: A transaction is already open.
+            WeightUpdateStateError: A transaction is already open (and no message of it was
+                refused); it is left as it was.
         """
         self._require_awake("start_weight_update")
-        if self._transaction is not None:
+        txn = self._transaction
+        if txn is not None and txn.refused is None:
             raise WeightUpdateStateError(
                 "start_weight_update: a weight update is already in progress: finish it with "
                 "finish_weight_update(...) or end it with abort_weight_update()"
             )
+        if txn is not None:
+            self._end_refused(txn, "start_weight_update")
         self._transaction = _Transaction(explicit=True)
 
     def update(
@@ -341,8 +351,12 @@ class LiveWeights:
             return self._update(self._directory_reader(), dataclasses.asdict(update_info))
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
             return self._update(self._directory_reader(), update_info)
-        transfer = self._require_transfer("update_weights")
-        own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
+        try:
+            transfer = self._require_transfer("update_weights")
+            own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
+        except WeightSyncError as exc:
+            self._note_refusal(exc)  # the transaction must not finish as if nothing was sent
+            raise
         return self._update(transfer, own)
 
     def _directory_reader(self) -> WeightTransferEngine:
@@ -497,6 +511,11 @@ class LiveWeights:
         A data-parallel front asks every replica before any of them moves its version.
         """
         txn = self._finishable(weight_version)
+        if txn.refused is not None:
+            torn = sorted(txn.touched) if txn.staged is None else []
+            if torn:
+                raise self._refused_torn_error(txn, torn)
+            return
         bad = self._non_finite(txn)
         if bad:
             raise self._non_finite_error(bad, ends="")
@@ -504,19 +523,28 @@ class LiveWeights:
         if torn:
             raise self._torn_error(torn)
 
-    def finish(self, weight_version: WeightVersion | None = None) -> None:
+    def finish(self, weight_version: WeightVersion | None = None) -> bool:
         """Ends the open transaction; the version moves (`finish_weight_update`).
 
         The new version is `weight_version`, else the label the messages carried, else the
         count of finished updates.
 
+        If a message of the transaction was refused and not sent again since, the transaction
+        ends unapplied instead, as `abort` would end it: nothing it landed stays (restored with
+        staging; with nothing landed, nothing changed) and the version stays. This is how a
+        client that knows only vLLM's calls, which has no abort, gets back to serving.
+
+        Returns:
+            Whether the update was applied (False: it ended unapplied after a refusal).
+
         Raises:
             WeightUpdateStateError: No transaction is open.
-            IncompleteWeightUpdateError: Announced weights have not landed, or a message of the
-                transaction was refused and not sent again; the transaction stays open.
+            IncompleteWeightUpdateError: Announced weights have not landed; the transaction
+                stays open.
             TornWeightsError: The transaction landed, but weights torn by an earlier failure
                 remain; the transaction ends (what it landed is no longer torn), the version
-                stays.
+                stays. Or a message was refused after others of the transaction had landed,
+                without staging: the transaction ends and those weights are torn.
             WeightValidationError: `weight_version` is not a valid label (a string of at most
                 256 characters, or an int).
             NonFiniteWeightsError: `refuse_non_finite` is on and a landed weight holds a NaN or
@@ -524,6 +552,11 @@ class LiveWeights:
                 torn) and the version stays.
         """
         txn = self._finishable(weight_version)
+        if txn.refused is not None:
+            torn = self._end_refused(txn, "finish_weight_update")
+            if torn:
+                raise self._refused_torn_error(txn, torn)
+            return False
         bad = self._non_finite(txn)
         if bad:
             self._end_failed(txn)
@@ -539,6 +572,29 @@ class LiveWeights:
         logger.info(
             "weights updated to version %r: %d tensors", self.weight_version, len(txn.landed)
         )
+        return True
+
+    def _end_refused(self, txn: _Transaction, call: str) -> list[str]:
+        """Ends a transaction a refused message left open, unapplied; the version stays.
+
+        Returns:
+            The names it leaves torn: those it landed, when nothing was staged to restore them.
+        """
+        torn = sorted(txn.touched) if txn.staged is None else []
+        self._end_failed(txn)
+        logger.warning(
+            "%s: an update_weights of the update in progress was refused (%s): the update ends "
+            "unapplied and the version stays %r", call, txn.refused, self.weight_version,
+        )  # fmt: skip
+        return torn
+
+    def _refused_torn_error(self, txn: _Transaction, torn: list[str]) -> TornWeightsError:
+        return TornWeightsError(
+            f"finish_weight_update: an update_weights of this update was refused ({txn.refused}) "
+            f"after {len(torn)} of its weights had landed (e.g. {torn[:3]}); without staging "
+            f"they are torn, and the version stays {self.weight_version!r}: send an update that "
+            "covers them (start_weight_update, update_weights, finish_weight_update)"
+        )
 
     def _finishable(self, weight_version: WeightVersion | None) -> _Transaction:
         """The open transaction, if a finish may take it; else the finish's refusal."""
@@ -551,11 +607,7 @@ class LiveWeights:
                 "start_weight_update() and update_weights(...) first"
             )
         if txn.refused is not None:
-            raise IncompleteWeightUpdateError(
-                f"finish_weight_update refused: an update_weights of this update was refused "
-                f"({txn.refused}) and nothing of it landed; send it again, or end the update "
-                "with abort_weight_update()"
-            )
+            return txn  # it ends unapplied (see `finish`)
         missing = sorted(txn.announced - txn.landed)
         if missing:
             raise IncompleteWeightUpdateError(
@@ -713,7 +765,7 @@ class LiveWeights:
         Raises:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
-        self._refuse_during_update("sleep")
+        self.check_can_sleep()
         self._asleep = True
         if discard and not self._discarded:
             storages = {
@@ -724,6 +776,14 @@ class LiveWeights:
                 storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
             self._on_write()
             logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
+
+    def check_can_sleep(self) -> None:
+        """Raises what `sleep` would refuse now; changes nothing.
+
+        Raises:
+            WeightUpdateStateError: A weight update is in progress: finish or abort it first.
+        """
+        self._refuse_during_update("sleep")
 
     def wake(self) -> None:
         """Wakes the weights; discarded ones come back as memory to fill, torn until then."""

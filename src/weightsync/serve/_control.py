@@ -267,10 +267,13 @@ class EngineControl:
         }
 
     async def finish_weight_update(self, weight_version: WeightVersion | None) -> Body:
-        """Ends the transaction: the version moves if every announced weight landed."""
+        """Ends the transaction: the version moves if every announced weight landed.
+
+        `applied` is false when a refused message made the update end unapplied.
+        """
         async with self._updates:
-            await self.engine.finish_weight_update(weight_version)
-        return {"message": "Weight update finished"}
+            applied = await self.engine.finish_weight_update(weight_version)
+        return {"message": "Weight update finished", "applied": applied}
 
     async def abort_weight_update(self) -> Body:
         """Ends the transaction on purpose; `aborted`: one was open."""
@@ -320,13 +323,15 @@ class EngineControl:
         return {"success": await self.engine.reset_prefix_cache()}
 
     async def engine_stats(self) -> Body:
-        """Forward passes run, requests in flight, the pause and version, the last pause."""
+        """Steps run, requests in flight, pause, sleep, version, update in progress, last pause."""
         last = self.last_pause
         return {
             "num_steps": self.engine.num_steps,
             "num_unfinished": self.engine.num_unfinished_requests(),
             "is_paused": await self.engine.is_paused(),
+            "is_sleeping": await self.engine.is_sleeping(),
             "weight_version": self.engine.weight_version,
+            "weight_update": update_status(self.engine.weight_update),
             "last_pause": dataclasses.asdict(last) if last is not None else None,
         }
 

@@ -228,11 +228,15 @@ class FleetControl:
         """Moves the version on every replica, or on none: each is checked before any commits."""
         async with self._updates:
             self.fleet.require_alive()
-            await self._commit(weight_version)
-        return {"message": "Weight update finished"}
+            applied = await self._commit(weight_version)
+        return {"message": "Weight update finished", "applied": applied}
 
-    async def _commit(self, weight_version: WeightVersion | None) -> None:
-        """The two-phase commit of the update in progress (see the module docstring)."""
+    async def _commit(self, weight_version: WeightVersion | None) -> bool:
+        """The two-phase commit of the update in progress (see the module docstring).
+
+        Returns whether the update was applied: an update that a refused message left open
+        ends unapplied on every replica (each decides it as one engine would).
+        """
         body = {"weight_version": weight_version}
         checks = await self.fleet.each("POST", "/prepare_weight_update", body=body)
         refusals = [c for c in checks if isinstance(c, BaseException)]
@@ -246,7 +250,8 @@ class FleetControl:
             with contextlib.suppress(WeightSyncError):
                 raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
         raise_failures(checks)
-        raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
+        answers = raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
+        return all(bool(a.get("applied", True)) for a in answers)
 
     async def _end_everywhere(self) -> None:
         """Ends the update on every live replica (each restores or marks what it touched)."""
@@ -318,7 +323,9 @@ class FleetControl:
             "num_steps": sum(a["num_steps"] for a in answers),
             "num_unfinished": sum(a["num_unfinished"] for a in answers),
             "is_paused": all(a["is_paused"] for a in answers),
+            "is_sleeping": any(a["is_sleeping"] for a in answers),
             "weight_version": answers[0]["weight_version"],
+            "weight_update": answers[0]["weight_update"],
             "replicas": answers,
         }
 

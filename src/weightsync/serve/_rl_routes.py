@@ -255,7 +255,13 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> Answe
 async def _finish_weight_update(
     request: Request, body: Annotated[FinishWeightUpdateRequest | None, Body()] = None
 ) -> Answer:
-    """Ends the transaction: the version moves if every announced weight landed."""
+    """Ends the transaction: the version moves if every announced weight landed.
+
+    `applied` (added to vLLM's body) is false when an `/update_weights` of the update was
+    refused and not sent again: the update then ends unapplied, as `/abort_weight_update` ends
+    it, with the previous weights and version; so vLLM's calls alone get a server back to
+    serving after a refusal.
+    """
     return await _surface(request).finish_weight_update(body.weight_version if body else None)
 
 
@@ -326,6 +332,8 @@ async def _engine_stats(request: Request) -> Answer:
     `last_pause` says where the last `/pause` fell in the engine's steps: `requested_at_step`
     (steps run when the server handled it), `landed_at_step` (steps run once it had landed) and
     its `mode`; null before the first pause. Network transit is not in these counts.
+    `is_sleeping` says whether anything sleeps, `weight_update` is the update in progress (as
+    `/update_weights` answers it) or null.
     """
     return await _surface(request).engine_stats()
 

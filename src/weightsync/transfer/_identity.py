@@ -16,6 +16,8 @@ from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, dtype
 
 __all__ = ["metadata_digest", "send_identity"]
 
+_VLLM_WIRE_KEYS = frozenset({"packed", "packed_buffer_size_bytes", "packed_num_buffers"})
+
 
 def metadata_digest(specs: Sequence[TensorSpec]) -> int:
     """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
@@ -36,7 +38,9 @@ def send_identity(update_info: object) -> str:
     if isinstance(data, dict) and isinstance(data.get("send_id"), str):
         key: Any = ["send_id", data["send_id"]]
     elif isinstance(data, dict):  # null fields are as good as absent (to_dict leaves them out)
-        key = ["content", {k: v for k, v in data.items() if v is not None}]
+        # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
+        content = {k: v for k, v in data.items() if v is not None and k not in _VLLM_WIRE_KEYS}
+        key = ["content", content]
     else:
         key = ["content", update_info]
     try:

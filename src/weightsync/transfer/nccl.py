@@ -164,6 +164,39 @@ def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any
     return data
 
 
+# vLLM's update info of 0.16 to 0.25 carried three wire parameters, and TRL still sends them to
+# servers older than 0.28. Here the trainer decides them at init: the update info may repeat them.
+_VLLM_UPDATE_WIRE_KEYS = {
+    "packed": "packed",
+    "packed_buffer_size_bytes": "bucket_size_bytes",
+    "packed_num_buffers": "num_buffers",
+}
+
+
+def _without_vllm_wire_keys(
+    update_info: Mapping[str, Any], wire: WireParams | None
+) -> dict[str, Any]:
+    """`update_info` without vLLM's older wire keys, once each agrees with the group's `wire`.
+
+    Raises:
+        WeightValidationError: A key whose value differs from the group's (the two sides would
+            cut different buckets); nothing moved.
+    """
+    data = dict(update_info)
+    for vllm_key, key in _VLLM_UPDATE_WIRE_KEYS.items():
+        if vllm_key not in data:
+            continue
+        value = data.pop(vllm_key)
+        expected = getattr(wire if wire is not None else _DEFAULT_WIRE, key)
+        if type(value) is not type(expected) or value != expected:
+            raise WeightValidationError(
+                f"update_info.{vllm_key} is {value!r}, but the group's wire parameters, decided "
+                f"by the trainer at init, have {key}={expected!r}: leave {vllm_key} out of "
+                "update_info (vLLM 0.28 moved it to the init info), or give it the group's value"
+            )
+    return data
+
+
 class _BroadcastWeightTransferEngine(WeightTransferEngine):
     """Worker side of the broadcast transfer; subclasses name the backend.
 
@@ -212,6 +245,18 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         if isinstance(init_info, Mapping):
             init_info = _from_vllm_keys(init_info, self.backend)
         return super().parse_init_info(init_info)
+
+    def parse_update_info(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> Any:
+        """Parses the update info; vLLM's older keys too, when they agree with the group.
+
+        vLLM's update info before 0.28 repeated the wire parameters (`packed`,
+        `packed_buffer_size_bytes`, `packed_num_buffers`); each is taken when it has the
+        group's value, and refused by name otherwise.
+        """
+        if isinstance(update_info, Mapping):
+            wire = self._info.wire if self._info is not None else None
+            update_info = _without_vllm_wire_keys(update_info, wire)
+        return super().parse_update_info(update_info)
 
     @exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:

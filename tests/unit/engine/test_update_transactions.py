@@ -97,10 +97,13 @@ def test_the_version_moves_only_at_finish_and_nothing_computes_in_between(local_
 
 def test_calls_out_of_order_are_refused_and_say_what_comes_next(local_source):
     engine = make_engine()
-    engine.start_weight_update()  # as vLLM: an update with no message is a relabel
+    engine.start_weight_update()
     with pytest.raises(EngineStateError, match=r"init_weight_transfer_engine"):
         engine.update_weights(local_source.update_info())  # a message needs a transfer
-    engine.finish_weight_update("relabelled")
+    assert engine.finish_weight_update("never") is False  # its message was refused: unapplied
+    assert engine.weight_version == 0
+    engine.start_weight_update()  # as vLLM: an update with no message is a relabel
+    assert engine.finish_weight_update("relabelled") is True
     assert engine.weight_version == "relabelled"
     engine.init_weight_transfer_engine(local_source.init_request)
     with pytest.raises(WeightUpdateStateError, match=r"start_weight_update\(\) and update_weights"):
