@@ -10,6 +10,7 @@ import torch
 from weightsync.engine._sampler import TokenLogprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
+from weightsync.engine._template_sandbox import CHARS_PER_TOKEN
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams
@@ -30,6 +31,8 @@ class InputProcessor:
     Attributes:
         chat_template: The tokenizer's chat template, else the documented default
             (`ChatTemplate.default()`).
+        max_chars: The longest text, in characters, that a prompt or a rendered chat template
+            may be: `max_model_len x CHARS_PER_TOKEN`.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class InputProcessor:
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_chars = max_model_len * CHARS_PER_TOKEN
         self.seed = seed
         self._num_requests = 0
 
@@ -58,12 +62,22 @@ class InputProcessor:
         `add_special_tokens=False` encodes a text without the tokenizer's BOS token (a chat
         template's output carries its own).
 
+        A text is encoded only if it could be served: one longer than `max_chars` characters is
+        refused before the tokenizer sees it.
+
         Raises:
-            InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
-                ids, or a prompt that leaves no room for output within `max_model_len`.
+            InvalidRequestError: An empty prompt, text that is not valid Unicode or longer than
+                `max_chars`, unknown token ids, or a prompt that leaves no room for output within
+                `max_model_len`.
         """
         if isinstance(prompt, str):
             text: str | None = prompt
+            if len(prompt) > self.max_chars:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters, more than the limit of "
+                    f"{self.max_chars} (max_model_len {self.max_model_len} x {CHARS_PER_TOKEN}) "
+                    "that can be encoded: it could not fit in max_model_len tokens; shorten it"
+                )
             try:
                 token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except UnicodeEncodeError as exc:  # a lone surrogate, say ("\ud800" in JSON)
@@ -100,11 +114,13 @@ class InputProcessor:
 
         Renders `messages` (dicts with `role` and `content`) and encodes the text as
         `transformers`' `apply_chat_template` does: a model's own template writes its special
-        tokens itself; the default template's text gets the tokenizer's BOS token.
+        tokens itself; the default template's text gets the tokenizer's BOS token. The render is
+        bounded: `RENDER_TIMEOUT_S` seconds and `max_chars` characters.
 
         Raises:
-            InvalidRequestError: The template refused or failed on the messages, or the prompt
-                is empty, not valid Unicode, or leaves no room for output within `max_model_len`.
+            InvalidRequestError: The template refused or failed on the messages or passed a
+                bound, or the prompt is empty, not valid Unicode, or leaves no room for output
+                within `max_model_len`.
 
         >>> from weightsync.engine.tokenizer import ByteTokenizer
         >>> processor = InputProcessor(ByteTokenizer(), vocab_size=259, max_model_len=64, seed=0)
@@ -112,7 +128,9 @@ class InputProcessor:
         [256, 60, 124, 117]
         """
         template = self.chat_template
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(
+            messages, add_generation_prompt=add_generation_prompt, max_chars=self.max_chars
+        )
         return self.tokenize(text, add_special_tokens=template.add_special_tokens)[1]
 
     def process(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -47,44 +48,97 @@ _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
 
+    The whole header is checked before any tensor is read (`_read_header`).
+
     Raises:
-        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype).
+        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype);
+            one line naming the file, the tensor and what is wrong.
     """
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise EngineConfigError("reading safetensors needs a little-endian machine")
     with open(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
-            raise EngineConfigError(
-                f"{path}: safetensors header length {header_len} exceeds the file"
-            )
-        header = json.loads(f.read(header_len))
-        base = 8 + header_len
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise EngineConfigError(
-                    f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}; supported: {sorted(_DTYPES)}"
-                )
-            begin, end = entry["data_offsets"]
-            shape = [int(d) for d in entry["shape"]]
-            numel = 1
-            for d in shape:
-                numel *= d
-            if not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
-                raise EngineConfigError(
-                    f"{path}: tensor {name!r} has inconsistent data_offsets {entry['data_offsets']}"
-                )
-            if numel == 0:
+        entries, base = _read_header(path, f, size)
+        for name, (dtype, shape, begin, end) in entries.items():
+            if begin == end:
                 yield name, torch.empty(shape, dtype=dtype)
                 continue
             f.seek(base + begin)
             data = bytearray(f.read(end - begin))
             yield name, torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+_Entry = tuple[torch.dtype, list[int], int, int]  # dtype, shape, first and past-last data byte
+
+
+def _read_header(
+    path: str | os.PathLike[str], f: BinaryIO, size: int
+) -> tuple[dict[str, _Entry], int]:
+    """A safetensors file's header, every value checked: its tensors and where their data starts.
+
+    Raises:
+        EngineConfigError: A file shorter than its header, a header that is not a JSON object,
+            an entry that is not an object or lacks `dtype`, `shape` or `data_offsets`, a
+            shape that is not a list of ints >= 0, or offsets that do not match the shape or
+            fall outside the file.
+    """
+    if size < 8:
+        raise EngineConfigError(
+            f"{path}: the file has {size} bytes, fewer than the 8 of a safetensors header length"
+        )
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    if header_len > size - 8:
+        raise EngineConfigError(f"{path}: safetensors header length {header_len} exceeds the file")
+    try:
+        header = json.loads(f.read(header_len).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise EngineConfigError(f"{path}: the safetensors header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise EngineConfigError(
+            f"{path}: the safetensors header must be a JSON object of tensors, got "
+            f"{type(header).__name__}"
+        )
+    base, data_size = 8 + header_len, size - 8 - header_len
+    entries: dict[str, _Entry] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise EngineConfigError(
+                f"{where} must be an object with dtype, shape and data_offsets, got "
+                f"{type(entry).__name__}"
+            )
+        missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+        if missing:
+            raise EngineConfigError(f"{where} has no {missing[0]!r}")
+        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise EngineConfigError(
+                f"{where} has dtype {entry['dtype']!r}; supported: {sorted(_DTYPES)}"
+            )
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise EngineConfigError(f"{where}: shape must be a list of ints >= 0, got {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(o) for o in offsets)
+        ):
+            raise EngineConfigError(f"{where}: data_offsets must be two ints >= 0, got {offsets!r}")
+        begin, end = offsets
+        if not begin <= end <= data_size or end - begin != math.prod(shape) * dtype.itemsize:
+            raise EngineConfigError(
+                f"{where} has data_offsets {offsets} that do not hold its shape {shape} of "
+                f"{entry['dtype']} within the file's {data_size} data bytes"
+            )
+        entries[name] = (dtype, shape, begin, end)
+    return entries, base
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
@@ -164,13 +218,16 @@ def load_hf_directory(
             f"{directory} has no model.safetensors or model.safetensors.index.json; convert "
             "other checkpoint formats to safetensors first"
         )
-    model = LlamaForCausalLM(config, dtype=dtype)
+    try:
+        model = LlamaForCausalLM(config, dtype=dtype)
+    except EngineConfigError as exc:  # a shape that cannot fit this machine
+        raise EngineConfigError(f"{config_path}: {exc}") from None
     expected = set(model.weight_specs())
     loaded: set[str] = set()
     for file in files:
         pairs = _read_safetensors(directory / file)
         kept = (
-            (n, t)
+            _floating(directory / file, n, t)
             for n, t in pairs
             if not (n == "lm_head.weight" and config.tie_word_embeddings)
             # Older Llama checkpoints saved the rotary frequencies, which the model computes.
@@ -187,6 +244,20 @@ def load_hf_directory(
         )
     logger.info("loaded %s (%d weights, %d files)", directory, len(loaded), len(files))
     return model
+
+
+def _floating(path: Path, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """`(name, tensor)`, refused when its dtype is not a float: every weight of the model is.
+
+    Casting integers (or booleans) into a float weight would load numbers that were never a
+    model's: the file is damaged or not this model's checkpoint.
+    """
+    if not tensor.dtype.is_floating_point:
+        raise EngineConfigError(
+            f"{path}: tensor {name!r} has dtype {_NAMES[tensor.dtype]}, but the model's weights "
+            "are floating point (F16, BF16, F32, F64): the file is not this model's checkpoint"
+        )
+    return name, tensor
 
 
 def load_model(

@@ -300,11 +300,12 @@ class EngineControl:
         return {"success": await self.engine.reset_prefix_cache()}
 
     async def engine_stats(self) -> Body:
-        """Forward passes run, requests in flight, the pause and version, the last pause."""
+        """Steps run, requests in flight, templates rendering, the pause, version, last pause."""
         last = self.last_pause
         return {
             "num_steps": self.engine.num_steps,
             "num_unfinished": self.engine.num_unfinished_requests(),
+            "num_rendering": self.engine.num_rendering,
             "is_paused": await self.engine.is_paused(),
             "weight_version": self.engine.weight_version,
             "last_pause": dataclasses.asdict(last) if last is not None else None,

@@ -294,7 +294,7 @@ async def _create_chat_completion(
     state: EngineControl = request.app.state.serve
     messages = [m.template_fields() for m in body.messages]
     try:  # the model's own template, or the documented default
-        prompt = state.engine.apply_chat_template(messages)
+        prompt = await state.engine.apply_chat_template(messages)
     except InvalidRequestError as exc:
         raise RequestRefused(400, str(exc), param="messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
