@@ -140,13 +140,13 @@ class ChatTemplate:
         path = directory / "chat_template.jinja"
         if path.is_file():
             try:
-                source = path.read_text(encoding="utf-8")
+                text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
                 raise EngineConfigError(
                     f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}; save the "
                     "template as UTF-8"
                 ) from None
-            return cls(source, origin=str(path), variables=variables)
+            return cls(text, origin=str(path), variables=variables)
         source = tokenizer_config.get("chat_template")
         origin = f"{directory / 'tokenizer_config.json'}: chat_template"
         if isinstance(source, list):
