@@ -33,7 +33,7 @@ from weightsync.errors import EngineConfigError, InvalidRequestError
 
 __all__ = ["ChatTemplate"]
 
-DEFAULT_MAX_CHARS = 2**20
+_DEFAULT_MAX_CHARS = 2**20
 """`ChatTemplate.render`'s size bound when none is given, in characters (an engine gives its
 own: `max_model_len x CHARS_PER_TOKEN`)."""
 
@@ -170,7 +170,7 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
-        max_chars: int = DEFAULT_MAX_CHARS,
+        max_chars: int = _DEFAULT_MAX_CHARS,
         timeout_s: float = RENDER_TIMEOUT_S,
     ) -> str:
         """Renders `messages` (dicts with `role` and `content`) into the prompt text.
@@ -179,7 +179,7 @@ class ChatTemplate:
             messages: The conversation.
             add_generation_prompt: End with the marker where the assistant's reply begins.
             max_chars: The most characters the text (and any text or list the template builds
-                on the way) may hold; an engine gives `max_model_len x CHARS_PER_TOKEN`.
+                on the way) may hold: 2**20 unless given; an engine gives `max_model_len x 32`.
             timeout_s: The most seconds the render may take.
 
         Raises:
