@@ -81,7 +81,9 @@ CASES: list[tuple[str, Callable[[Path], None], str, str, str]] = [
      f"is {2**40}, more than the 4096"),
     ("intermediate-size-1e11", config_with(intermediate_size=10**11), "config.json",
      "intermediate_size", "is 100000000000, more than the 1048576"),
-    ("larger-than-the-machine", config_with(vocab_size=1 << 22, hidden_size=1 << 16, head_dim=128),
+    # Each size within its maximum, together about 900 TB: more than any machine has.
+    ("larger-than-the-machine", config_with(vocab_size=1 << 22, hidden_size=1 << 16, head_dim=128,
+                                            intermediate_size=1 << 20, num_hidden_layers=1 << 10),
      "config.json", "vocab_size 4194304, hidden_size 65536", "GB of memory this machine has"),
     ("safetensors-under-8-bytes", raw("model.safetensors", b"abc"), "model.safetensors",
      "8 of a safetensors header length", "the file has 3 bytes"),
