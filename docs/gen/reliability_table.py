@@ -31,6 +31,8 @@ SURFACES = {
     "tests/unit/engine/test_stop_strings.py": "Python API, streamed outputs",
     "tests/unit/serve/test_cli_bad_input.py": "`weightsync serve` flags",
     "tests/integration/test_serve_bad_input.py": "HTTP routes (and the real command)",
+    "tests/integration/test_serve_bad_checkpoint.py": "`weightsync serve DIR`: a damaged checkpoint",
+    "tests/integration/test_serve_chat_template.py": "a hostile chat template, through the server",
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",
     "tests/faults/test_serve_faults.py": "faults through the server",
     "tests/integration/test_soak.py": "soak, short",

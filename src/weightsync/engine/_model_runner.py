@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -11,7 +12,7 @@ from weightsync.engine._lanes import DecodeLanes
 from weightsync.engine._sampler import TokenLogprobs, position_logprobs, sample, token_logprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
-from weightsync.engine.model import LlamaForCausalLM
+from weightsync.engine.model import LlamaForCausalLM, _check_fits_memory
 
 _SCORED_POSITIONS = 256  # prompt positions whose logits are scored together
 
@@ -54,6 +55,16 @@ class ModelRunner:
         slots = num_blocks * block_size
         # One (2, kv_heads, slots, head_dim) tensor per layer: keys, then values.
         shape = (2, config.num_key_value_heads, slots, config.kv_head_dim)
+        kv_bytes = math.prod(shape) * config.num_hidden_layers * model.dtype.itemsize
+        model_bytes = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+        _check_fits_memory(
+            kv_bytes + model_bytes,
+            f"the KV cache (num_kv_blocks {num_blocks} x block_size {block_size} slots, for "
+            f"{config.num_hidden_layers} layers of {config.num_key_value_heads} KV heads of "
+            f"head_dim {config.kv_head_dim}) with the model's {model_bytes / 1e9:.1f} GB",
+            self.device,
+            "lower num_kv_blocks (--num-kv-blocks)",
+        )
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(config.num_hidden_layers)

@@ -10,6 +10,7 @@ import torch
 from weightsync.engine._sampler import TokenLogprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
+from weightsync.engine._template_sandbox import CHARS_PER_TOKEN
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams
@@ -30,6 +31,8 @@ class InputProcessor:
     Attributes:
         chat_template: The tokenizer's chat template, else the documented default
             (`ChatTemplate.default()`).
+        max_chars: The longest text, in characters, that a prompt or a rendered chat template
+            may be: `max_model_len x CHARS_PER_TOKEN`.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class InputProcessor:
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_chars = max_model_len * CHARS_PER_TOKEN
         self.seed = seed
         self._num_requests = 0
 
@@ -63,12 +67,22 @@ class InputProcessor:
         template's output carries its own). `truncate_prompt_tokens` keeps the prompt's last
         tokens, as `SamplingParams.truncate_prompt_tokens` says, before the length is checked.
 
+        A text is encoded only if it could be served: one longer than `max_chars` characters is
+        refused before the tokenizer sees it.
+
         Raises:
-            InvalidRequestError: An empty prompt, text that is not valid Unicode, unknown token
-                ids, or a prompt that leaves no room for output within `max_model_len`.
+            InvalidRequestError: An empty prompt, text that is not valid Unicode or longer than
+                `max_chars`, unknown token ids, or a prompt that leaves no room for output within
+                `max_model_len`.
         """
         if isinstance(prompt, str):
             text: str | None = prompt
+            if len(prompt) > self.max_chars:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters, more than the limit of "
+                    f"{self.max_chars} (max_model_len {self.max_model_len} x {CHARS_PER_TOKEN}) "
+                    "that can be encoded: it could not fit in max_model_len tokens; shorten it"
+                )
             try:
                 token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except UnicodeEncodeError as exc:  # a lone surrogate, say ("\ud800" in JSON)
@@ -121,11 +135,13 @@ class InputProcessor:
         `continue_final_message` ends the text right after the last message's content (the
         model continues that message, as `transformers` does it: no end-of-turn marker);
         it excludes `add_generation_prompt`. `tools`, `documents` and `template_kwargs` go to
-        the template (see `ChatTemplate.render`).
+        the template (see `ChatTemplate.render`). The render is
+        bounded: `RENDER_TIMEOUT_S` seconds and `max_chars` characters.
 
         Raises:
-            InvalidRequestError: The template refused or failed on the messages, or the prompt
-                is empty, not valid Unicode, or leaves no room for output within `max_model_len`.
+            InvalidRequestError: The template refused or failed on the messages or passed a
+                bound, or the prompt is empty, not valid Unicode, or leaves no room for output
+                within `max_model_len`.
 
         >>> from weightsync.engine.tokenizer import ByteTokenizer
         >>> processor = InputProcessor(ByteTokenizer(), vocab_size=259, max_model_len=64, seed=0)
@@ -146,6 +162,7 @@ class InputProcessor:
             tools=tools,
             documents=documents,
             template_kwargs=template_kwargs,
+            max_chars=self.max_chars,
         )
         if continue_final_message:
             text = _cut_after_final_message(text, messages)

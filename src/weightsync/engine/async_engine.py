@@ -101,6 +101,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self.num_rendering = 0  # chat templates rendering now (see apply_chat_template)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -223,11 +224,20 @@ class AsyncEngine:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
         return self.engine.tokenize(prompt, truncate_prompt_tokens=truncate_prompt_tokens)
 
-    def apply_chat_template(
+    async def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], **options: Any
     ) -> list[int]:
-        """A conversation's prompt token ids; see `LLMEngine.apply_chat_template`."""
-        return self.engine.apply_chat_template(messages, **options)
+        """A conversation's prompt token ids; see `LLMEngine.apply_chat_template`.
+
+        The template renders and its text is encoded on a worker thread: a template is the
+        model publisher's code, and while it runs (up to its deadline) the event loop keeps
+        serving every other request. `num_rendering` counts the renders in progress.
+        """
+        self.num_rendering += 1
+        try:
+            return await asyncio.to_thread(self.engine.apply_chat_template, messages, **options)
+        finally:
+            self.num_rendering -= 1
 
     @property
     def max_model_len(self) -> int:

@@ -7,6 +7,11 @@ Hugging Face Hub are written for (`trim_blocks`, `lstrip_blocks`, loop controls,
 keeps non-ASCII text, `raise_exception`, `strftime_now`), so it renders exactly what
 `transformers`' `apply_chat_template` renders. A model without a template gets the engine's
 documented default (`ChatTemplate.default()`).
+
+Each render is bounded (`weightsync.engine._template_sandbox`): it may take at most
+`RENDER_TIMEOUT_S` seconds and produce at most `max_chars` characters, checked by the
+template's own loops, calls, filters and operators as it runs; a template that passes a bound is
+refused as the request's error, naming the bound and its limit.
 """
 
 from __future__ import annotations
@@ -18,11 +23,19 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
-import jinja2.sandbox
 
+from weightsync.engine._template_sandbox import (
+    RENDER_TIMEOUT_S,
+    BoundedSandbox,
+    TemplateBoundError,
+)
 from weightsync.errors import EngineConfigError, InvalidRequestError
 
 __all__ = ["ChatTemplate"]
+
+_DEFAULT_MAX_CHARS = 2**20
+"""`ChatTemplate.render`'s size bound when none is given, in characters (an engine gives its
+own: `max_model_len x CHARS_PER_TOKEN`)."""
 
 _DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
@@ -94,12 +107,13 @@ class ChatTemplate:
         self.origin = origin
         self.variables = dict(variables or {})
         self.add_special_tokens = add_special_tokens
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        environment = BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        environment.filters["tojson"] = _tojson
+        environment.add_filter("tojson", _tojson)
         environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
+            self._environment = environment
             self._template = environment.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise EngineConfigError(
@@ -123,12 +137,19 @@ class ChatTemplate:
         text, or a list of named templates of which `default` is taken), as in `transformers`.
 
         Raises:
-            EngineConfigError: A template that is not valid Jinja, or a `chat_template` entry of
-                the wrong shape; the message names the file and key.
+            EngineConfigError: A template that is not UTF-8 or not valid Jinja, or a
+                `chat_template` entry of the wrong shape; the message names the file and key.
         """
         path = directory / "chat_template.jinja"
         if path.is_file():
-            return cls(path.read_text(encoding="utf-8"), origin=str(path), variables=variables)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise EngineConfigError(
+                    f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}; save the "
+                    "template as UTF-8"
+                ) from None
+            return cls(text, origin=str(path), variables=variables)
         source = tokenizer_config.get("chat_template")
         origin = f"{directory / 'tokenizer_config.json'}: chat_template"
         if isinstance(source, list):
@@ -155,6 +176,8 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        max_chars: int = _DEFAULT_MAX_CHARS,
+        timeout_s: float = RENDER_TIMEOUT_S,
     ) -> str:
         """Renders `messages` (dicts with `role` and `content`) into the prompt text.
 
@@ -167,10 +190,14 @@ class ChatTemplate:
             template_kwargs: More variables for the template (vLLM's `chat_template_kwargs`,
                 `enable_thinking`, say); they may not replace `messages`, `tools`, `documents`
                 or `add_generation_prompt`.
+            max_chars: The most characters the text (and any text or list the template builds
+                on the way) may hold: 2**20 unless given; an engine gives `max_model_len x 32`.
+            timeout_s: The most seconds the render may take.
 
         Raises:
             InvalidRequestError: The template refused the messages (its `raise_exception`, say:
-                roles that do not alternate) or failed on them; the message names the template.
+                roles that do not alternate), failed on them, or passed `timeout_s` or
+                `max_chars`; the message names the template (and the bound and its limit).
         """
         reserved = sorted(_RESERVED & set(template_kwargs or {}))
         if reserved:
@@ -180,14 +207,24 @@ class ChatTemplate:
             )
             error.param = "chat_template_kwargs"
             raise error
+        variables = {
+            **self.variables,
+            **(template_kwargs or {}),
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None if tools is None else [dict(t) for t in tools],
+            "documents": None if documents is None else [dict(d) for d in documents],
+        }
         try:
-            return self._template.render(
-                **{**self.variables, **(template_kwargs or {})},
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                tools=None if tools is None else [dict(t) for t in tools],
-                documents=None if documents is None else [dict(d) for d in documents],
+            return self._environment.render(
+                self._template, variables, timeout_s=timeout_s, max_chars=max_chars
             )
+        except TemplateBoundError as exc:
+            raise InvalidRequestError(
+                f"{self.origin} passed its {exc.bound} bound on these messages: {exc.message}; "
+                "send a shorter conversation, or serve the model with a template that does "
+                "less work"
+            ) from None
         except jinja2.TemplateError as exc:  # raise_exception, an undefined name, the sandbox
             raise InvalidRequestError(f"{self.origin} refused the messages: {exc}") from None
         except Exception as exc:  # a template's own bug (a wrong type, say) on these messages

@@ -38,8 +38,11 @@ logger = logging.getLogger(__name__)
 def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
 
+    The whole header is checked before any tensor is read (`read_header`).
+
     Raises:
-        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype).
+        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype);
+            one line naming the file, the tensor and what is wrong.
     """
     try:
         entries = read_header(path)
@@ -104,13 +107,16 @@ def load_hf_directory(
             f"{directory} has no model.safetensors or model.safetensors.index.json; convert "
             "other checkpoint formats to safetensors first"
         )
-    model = LlamaForCausalLM(config, dtype=dtype)
+    try:
+        model = LlamaForCausalLM(config, dtype=dtype)
+    except EngineConfigError as exc:  # a shape that cannot fit this machine
+        raise EngineConfigError(f"{config_path}: {exc}") from None
     expected = set(model.weight_specs())
     loaded: set[str] = set()
     for file in files:
         pairs = _read_safetensors(directory / file)
         kept = (
-            (n, t)
+            _floating(directory / file, n, t)
             for n, t in pairs
             if not (n == "lm_head.weight" and config.tie_word_embeddings)
             # Older Llama checkpoints saved the rotary frequencies, which the model computes.
@@ -127,6 +133,20 @@ def load_hf_directory(
         )
     logger.info("loaded %s (%d weights, %d files)", directory, len(loaded), len(files))
     return model
+
+
+def _floating(path: Path, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """`(name, tensor)`, refused when its dtype is not a float: every weight of the model is.
+
+    Casting integers (or booleans) into a float weight would load numbers that were never a
+    model's: the file is damaged or not this model's checkpoint.
+    """
+    if not tensor.dtype.is_floating_point:
+        raise EngineConfigError(
+            f"{path}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}, but the model's weights "
+            "are floating point (F16, BF16, F32, F64): the file is not this model's checkpoint"
+        )
+    return name, tensor
 
 
 def load_model(

@@ -16,6 +16,7 @@ the tokens as one sequence with plain causal attention (the reference path).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,10 +26,46 @@ from torch import nn
 
 from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
 from weightsync.engine.model_config import LlamaConfig
-from weightsync.errors import WeightValidationError
+from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.base import TensorSpec
 
 __all__ = ["LlamaForCausalLM"]
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The memory `device` has: a GPU's own, else the machine's physical memory (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not POSIX: the allocator will say it
+        return None
+
+
+def _check_fits_memory(needed_bytes: int, what: str, device: torch.device, advice: str) -> None:
+    """Refuses, before anything is allocated, what needs more memory than `device` has at all.
+
+    Raises:
+        EngineConfigError: `what` needs more than the device's memory; the message says both.
+    """
+    total = _memory_bytes(device)
+    if total is not None and needed_bytes > total:
+        where = "this machine has" if device.type == "cpu" else f"{device} has"
+        raise EngineConfigError(
+            f"{what} needs {needed_bytes / 1e9:.1f} GB, more than the {total / 1e9:.1f} GB of "
+            f"memory {where}: {advice}"
+        )
+
+
+def _weight_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of a model's weights and rotary tables in `dtype` (norms and biases aside)."""
+    hidden, head_dim = config.hidden_size, config.kv_head_dim
+    attention = 2 * hidden * head_dim * (config.num_attention_heads + config.num_key_value_heads)
+    per_layer = attention + 3 * hidden * config.intermediate_size
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    rotary = 2 * config.max_position_embeddings * head_dim
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return (config.num_hidden_layers * per_layer + embeddings + rotary) * itemsize
 
 
 class _RMSNorm(nn.Module):
@@ -191,6 +228,17 @@ class LlamaForCausalLM(nn.Module):
     rope_sin: torch.Tensor
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        # A config's sizes are checked against the machine before a byte is allocated: an
+        # absurd one is refused in one line rather than by the allocator (or the OOM killer).
+        _check_fits_memory(
+            _weight_bytes(config, dtype),
+            f"a model of this shape (vocab_size {config.vocab_size}, hidden_size "
+            f"{config.hidden_size}, intermediate_size {config.intermediate_size}, "
+            f"num_hidden_layers {config.num_hidden_layers}, head_dim {config.head_dim}, "
+            f"max_position_embeddings {config.max_position_embeddings}) in {dtype}",
+            torch.device("cpu"),  # built here, then moved
+            "check config.json's sizes, or serve the model on a machine with more memory",
+        )
         super().__init__()
         self.config = config
         self.model = _LlamaModel(config)

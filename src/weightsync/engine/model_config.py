@@ -21,6 +21,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 _ROPE_TYPES = ("default", "linear", "llama3")
+# The largest value of each size that a model of the family has, with room to spare (Llama 3.1
+# 405B: hidden 16384, MLP 53248, 126 layers, 128 heads; vocabularies up to 256K; 128K positions).
+# A config.json past them is damaged or hostile; refused before anything is allocated.
+_MAXIMA = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 20,
+           "num_hidden_layers": 1 << 10, "num_attention_heads": 1 << 10,
+           "num_key_value_heads": 1 << 10, "max_position_embeddings": 1 << 24,
+           "head_dim": 1 << 12}  # fmt: skip
 # The keys of config.json without which the model's shape is unknown.
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")  # fmt: skip
@@ -90,7 +97,8 @@ class LlamaConfig:
         rope_scaling: How the rotary embedding is stretched; None for none.
 
     Raises:
-        EngineConfigError: Inconsistent or out-of-range values; the message names the field.
+        EngineConfigError: Inconsistent or out-of-range values (each size has a maximum no model
+            of the family reaches, `_MAXIMA`); the message names the field.
     """
 
     vocab_size: int = 259
@@ -116,6 +124,7 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise EngineConfigError(f"LlamaConfig.{name} must be an int >= 1, got {value!r}")
+            _check_maximum(name, value)
         if self.num_attention_heads % self.num_key_value_heads:
             raise EngineConfigError(
                 f"LlamaConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
@@ -128,10 +137,16 @@ class LlamaConfig:
                     f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+        if (
+            not isinstance(self.head_dim, int)
+            or isinstance(self.head_dim, bool)
+            or self.head_dim < 2
+            or self.head_dim % 2
+        ):
             raise EngineConfigError(
                 f"LlamaConfig.head_dim must be an even int >= 2, got {self.head_dim!r}"
             )
+        _check_maximum("head_dim", self.head_dim)
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise EngineConfigError(
                 f"LlamaConfig.model_type must be one of {list(SUPPORTED_MODEL_TYPES)}, got "
@@ -294,6 +309,14 @@ class LlamaConfig:
         if self.model_type != "qwen2":
             data["attention_bias"] = self.attention_bias
         return data
+
+
+def _check_maximum(name: str, value: int) -> None:
+    if value > _MAXIMA[name]:
+        raise EngineConfigError(
+            f"LlamaConfig.{name} is {value}, more than the {_MAXIMA[name]} that any model of the "
+            "family has: the file is damaged, or not a model of a supported family"
+        )
 
 
 def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling | None:

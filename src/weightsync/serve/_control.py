@@ -323,11 +323,12 @@ class EngineControl:
         return {"success": await self.engine.reset_prefix_cache()}
 
     async def engine_stats(self) -> Body:
-        """Steps run, requests in flight, pause, sleep, version, update in progress, last pause."""
+        """Requests in flight and rendering, pause, sleep, version, update, last pause."""
         last = self.last_pause
         return {
             "num_steps": self.engine.num_steps,
             "num_unfinished": self.engine.num_unfinished_requests(),
+            "num_rendering": self.engine.num_rendering,
             "is_paused": await self.engine.is_paused(),
             "is_sleeping": await self.engine.is_sleeping(),
             "weight_version": self.engine.weight_version,

@@ -322,6 +322,7 @@ class FleetControl:
         return {
             "num_steps": sum(a["num_steps"] for a in answers),
             "num_unfinished": sum(a["num_unfinished"] for a in answers),
+            "num_rendering": sum(a["num_rendering"] for a in answers),
             "is_paused": all(a["is_paused"] for a in answers),
             "is_sleeping": any(a["is_sleeping"] for a in answers),
             "weight_version": answers[0]["weight_version"],

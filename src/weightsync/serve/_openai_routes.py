@@ -337,7 +337,7 @@ async def _create_chat_completion(
     _check_supported(body)
     messages = [m.template_fields() for m in body.messages]
     try:  # the model's own template, or the documented default
-        prompt = state.engine.apply_chat_template(messages, **body.template_options())
+        prompt = await state.engine.apply_chat_template(messages, **body.template_options())
     except InvalidRequestError as exc:
         raise RequestRefused(400, str(exc), param=exc.param or "messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")

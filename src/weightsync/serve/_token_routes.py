@@ -197,7 +197,8 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         if isinstance(body, TokenizeChatRequest):
             _refuse_chat_fields(body)
             messages = [m.template_fields() for m in body.messages]
-            tokens = llm.input_processor.apply_chat_template(
+            # Off the event loop and bounded, as on the chat route: a template is the publisher's code.
+            tokens = await state.engine.apply_chat_template(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,

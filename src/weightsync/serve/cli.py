@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import json
 import logging
 import os
 import socket
@@ -41,6 +40,7 @@ from weightsync import (
     parse_weight_transfer_config,
 )
 from weightsync.engine.hf_tokenizer import load_tokenizer
+from weightsync.engine.loader import _read_json
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.serve._parser import ADMIN_API_KEY_ENV
 from weightsync.serve._parser import build_parser as _build_parser
@@ -63,7 +63,7 @@ def _zero_model(name: str, dtype: torch.dtype) -> LlamaForCausalLM:
     """A model of a preset's or a directory's `config.json` shapes, every weight zero."""
     path = Path(name) / "config.json"
     config = (
-        LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+        LlamaConfig.from_hf_dict(_read_json(path), source=str(path))
         if path.is_file()
         else LlamaConfig.preset(name)
     )

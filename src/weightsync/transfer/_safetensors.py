@@ -108,6 +108,9 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     where = f"{path}: tensor {name[:200]!r}"
     if not isinstance(value, dict):
         raise WeightValidationError(f"{where}: entry must be a JSON object, got {value!r:.80}")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in value]
+    if missing:
+        raise WeightValidationError(f"{where} has no {missing[0]!r} (an entry needs all three)")
     dtype = _DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise WeightValidationError(

@@ -8,12 +8,14 @@ import re
 import shutil
 
 import jinja2
+import jinja2.sandbox
 import pytest
 from engine_helpers import small_config
 
 from model_dirs import FAMILIES
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.errors import EngineConfigError, InvalidRequestError
 
 transformers = pytest.importorskip("transformers")
@@ -134,3 +136,122 @@ def test_a_template_that_is_not_jinja_is_refused_at_load():
         EngineConfigError, match=r"my\.jinja is not a valid Jinja template: .* \(line 2\)"
     ):
         ChatTemplate("ok\n{% if %}", origin="my.jinja")
+
+
+class _RecordingTokenizer(ByteTokenizer):
+    """The byte tokenizer with a chat template of the test's, recording each text it encodes."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        self.chat_template = ChatTemplate(template, origin="chat_template.jinja")
+        self.encoded: list[int] = []
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.encoded.append(len(text))
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_template_that_loops_past_its_deadline_is_refused_naming_the_limit():
+    # Two nested loops that the sandbox's cap on one range lets through: 10^10 iterations.
+    template = ChatTemplate(NESTED_LOOPS + "{{ messages[0].content }}", origin="t.jinja")
+    with pytest.raises(InvalidRequestError) as caught:
+        template.render([{"role": "user", "content": "x"}], timeout_s=0.2)
+    assert str(caught.value).startswith(
+        "t.jinja passed its time bound on these messages: rendering took longer than its limit "
+        "of 0.2 s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("{{ messages[0].content * 20000000 }}", "str * 20000000 reaches 40000000"),
+        ("{% for i in range(100000) %}{{ messages[0].content * 64 }}{% endfor %}",
+         "the rendered prompt reaches 16512"),
+        ("{% set ns = namespace(s=messages[0].content) %}{% for i in range(64) %}"
+         "{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "a concatenated text reaches 32768"),
+        ("{% set ns = namespace(s=messages[0].content) %}{% for i in range(64) %}"
+         "{% set ns.s = ns.s + ns.s %}{% endfor %}", "a sum of texts or lists reaches 32768"),
+        ("{{ [messages] * 10**6 }}", "list * 1000000 reaches 1000000"),
+        ("{{ '%999999999s' % 1 }}", "a format width reaches 999999999"),
+        ("{{ '{:>999999999}'.format(1) }}", "a format width reaches 999999999"),
+        ("{{ ('{0}' * 5000).format(messages[0].content * 4) }}", "a formatted text reaches"),
+        ("{{ messages[0].content.ljust(10**9) }}", "an integer argument (a width, a count) "
+         "reaches 1000000000"),
+        ("{{ (messages[0].content * 4000).replace('', messages[0].content * 4000) }}",
+         "a replaced text reaches 64016000"),
+        ("{{ range(100000) | join(messages[0].content * 1000) }}", "a joined text reaches"),
+        ("{{ ((messages[0].content ~ '\\n') * 3000) | indent(1000) }}",
+         "an indented text reaches 3010000"),
+    ],
+    ids=["repeat-20000000", "output", "double-by-concat", "double-by-plus", "list-repeat",
+         "percent-width", "format-width", "format-fields", "ljust", "replace", "join", "indent"],
+)  # fmt: skip
+def test_a_template_that_passes_the_size_bound_is_refused_before_encoding(source, what):
+    tokenizer = _RecordingTokenizer(source)
+    engine = LLMEngine("debug", engine_config=small_config(), tokenizer=tokenizer)
+    limit = engine.max_model_len * 32
+    with pytest.raises(InvalidRequestError) as caught:
+        engine.apply_chat_template([{"role": "user", "content": "ab"}])
+    message = str(caught.value)
+    assert message.startswith("chat_template.jinja passed its size bound on these messages: ")
+    assert what in message
+    assert f"past the size limit of {limit} characters" in message
+    assert tokenizer.encoded == []  # nothing reached the tokenizer
+
+
+def test_a_template_that_computes_a_huge_integer_is_refused_before_computing_it():
+    template = ChatTemplate("{{ 10 ** (10 ** 8) }}", origin="t.jinja")
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"^t\.jinja passed its size bound on these messages: an integer of about "
+        r"400000000 bits would pass the limit of 4096 bits",
+    ):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_a_template_within_its_bounds_renders_what_an_unbounded_sandbox_renders():
+    source = (
+        "{% for message in messages %}{% for i in range(3) %}{{ message.content * 2 ~ i }}"
+        "{% endfor %}{{ '%s|%5s' % (message.role, 'x') }}{{ [message.content] | join(',') }}"
+        "{{ 'a-b'.replace('-', '+') }}{{ '{:>4}'.format(loop.index) }}{{ message | tojson }}"
+        "{% endfor %}"
+    )
+    plain = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    plain.filters["tojson"] = json.dumps
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rendered = ChatTemplate(source).render(messages)
+    assert rendered == plain.from_string(source).render(messages=messages)
+    assert rendered.startswith('hihi0hihi1hihi2user|    xhia+b   1{"role": "user"')
+
+
+def test_a_text_longer_than_can_be_served_is_refused_before_encoding():
+    tokenizer = _RecordingTokenizer("{{ messages[0].content }}")
+    engine = LLMEngine("debug", engine_config=small_config(), tokenizer=tokenizer)
+    limit = engine.max_model_len * 32
+    with pytest.raises(
+        InvalidRequestError,
+        match=rf"prompt has {limit + 1} characters, more than the limit of {limit} "
+        rf"\(max_model_len {engine.max_model_len} x 32\)",
+    ):
+        engine.tokenize("x" * (limit + 1))
+    # A conversation's text is bounded while it renders, with the same limit.
+    with pytest.raises(
+        InvalidRequestError, match=rf"the rendered prompt reaches {limit + 1}, past the size limit"
+    ):
+        engine.apply_chat_template([{"role": "user", "content": "x" * (limit + 1)}])
+    assert tokenizer.encoded == []
+    with pytest.raises(InvalidRequestError, match="prompt has 16385 tokens but max_model_len"):
+        engine.tokenize("x" * limit)  # at the limit: encoded, then refused by its tokens
+    assert tokenizer.encoded == [limit]
+
+
+def test_a_directorys_template_has_the_same_bounds(family_dir, tmp_path):
+    path = shutil.copytree(family_dir("qwen2"), tmp_path / "qwen2")
+    (path / "chat_template.jinja").write_text("{{ messages[0].content * 20000000 }}")
+    engine = LLMEngine(str(path), engine_config=small_config())
+    with pytest.raises(InvalidRequestError, match=r"chat_template\.jinja passed its size bound"):
+        engine.apply_chat_template([{"role": "user", "content": "ab"}])
