@@ -126,7 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from weightsync.conformance._command import run_command
 
         return run_command(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from weightsync.serve._logging import configure_logging
+
+    configure_logging(args.log_level)
     if not args.admin_api_key and not _is_loopback(args.host):
         return _fail(
             f"refusing to serve on {args.host}, which is not a loopback address, without an admin "
