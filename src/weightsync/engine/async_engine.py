@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
-__all__ = ["AsyncEngine"]
+__all__ = ["TRANSFER_THREAD_NAME", "AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,48 @@ class _Closed(Exception):
     """Queued to open streams by `shutdown`: the stream ends with an `EngineStateError`."""
 
 
+TRANSFER_THREAD_NAME = "weightsync-transfer"
+"""The name of the thread each transfer-engine call of an `AsyncEngine` runs on.
+
+Such a call waits in torch (a rendezvous, a broadcast) up to its `timeout_s` and cannot be
+interrupted. It runs on a daemon thread of its own rather than on asyncio's executor, whose
+threads the event loop's close and the interpreter's exit both wait for: a process that is
+stopping can exit while one still waits (`weightsync serve` does, on SIGINT or SIGTERM)."""
+
+
+async def _on_transfer_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs `fn(*args)` on a daemon thread named `TRANSFER_THREAD_NAME`; returns its result."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task, raised there
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one awaits it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=TRANSFER_THREAD_NAME, daemon=True).start()
+    return await done
+
+
 async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs `fn` on a thread; if the caller is cancelled, still waits for `fn` to end.
+    """Runs `fn` on a transfer thread; if the caller is cancelled, still waits for `fn` to end.
 
     A transfer cannot be interrupted halfway, so the locks its caller holds must stay held until
     it ends: otherwise a step could run on half-written weights.
     """
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    work = asyncio.ensure_future(_on_transfer_thread(fn, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
@@ -477,7 +513,9 @@ class AsyncEngine:
         self._step_done.set()  # a draining `wait` pause waits on it: it now fails instead
         self._settle_idle_waiters(EngineStateError("the engine was shut down"))
         await asyncio.to_thread(self._executor.shutdown, wait=True)
-        self.engine.shutdown()
+        # A transfer call still waiting in torch holds the transfer engine until its timeout_s;
+        # shutting it down waits for that, off the event loop (a caller may bound it).
+        await _on_transfer_thread(self.engine.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

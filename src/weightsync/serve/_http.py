@@ -95,6 +95,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.serve = surface
+    app.state.stopping = asyncio.Event()  # set by the server at SIGINT/SIGTERM
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=surface.config.max_request_bytes)
     app.include_router(_server_router)

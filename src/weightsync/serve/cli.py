@@ -249,7 +249,10 @@ def _serve_data_parallel(
         sock.close()
         return _fail(str(exc), status=2)
     try:
-        return serve_forever(create_fleet_app(fleet, config), sock, log_level=args.log_level)
+        # The replicas stop alongside the front, from its signal on: each one's shutdown is
+        # bounded as the front's is, and the front then waits for them.
+        app = create_fleet_app(fleet, config)
+        return serve_forever(app, sock, log_level=args.log_level, on_signal=fleet.terminate)
     finally:
         for replica in fleet.replicas:  # already stopped by the app's shutdown, unless it failed
             replica.stop()
