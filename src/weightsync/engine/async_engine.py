@@ -131,6 +131,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._updating = False  # an update_weights holds the engine (no step runs)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -256,6 +257,19 @@ class AsyncEngine:
         """Aborts a request; its stream ends with `finish_reason="abort"`."""
         self.engine.abort_request(request_id)
         self._wake.set()
+
+    def close_streams_held_by_update(self) -> int:
+        """Ends every open stream now, if an `update_weights` holds the engine; returns how many.
+
+        An aborted request's stream ends at the next step, and no step runs until the update
+        ends (up to its `timeout_s`). A server that stops cannot wait for that: each stream ends
+        now with an `EngineStateError`, as at `shutdown`.
+        """
+        if not self._updating:
+            return 0
+        for queue in self._streams.values():
+            queue.put_nowait(_Closed())
+        return len(self._streams)
 
     # --- pause / resume -----------------------------------------------------------------------
 
@@ -442,7 +456,11 @@ class AsyncEngine:
         self._start()
         try:
             async with self._transfer_lock, self._lock:
-                return await _to_thread_uninterrupted(self.engine.update_weights, request)
+                self._updating = True
+                try:
+                    return await _to_thread_uninterrupted(self.engine.update_weights, request)
+                finally:
+                    self._updating = False
         finally:
             self._wake.set()  # a bare update that ended resumes the engine it paused
 
