@@ -43,13 +43,14 @@ TRANSFER_THREAD_NAME = "weightsync-transfer"
 """The name of the thread each transfer-engine call of an `AsyncEngine` runs on.
 
 Such a call waits in torch (a rendezvous, a broadcast) up to its `timeout_s` and cannot be
-interrupted. It runs on a daemon thread of its own rather than on asyncio's executor, whose
-threads the event loop's close and the interpreter's exit both wait for: a process that is
-stopping can exit while one still waits (`weightsync serve` does, on SIGINT or SIGTERM)."""
+interrupted. It runs on a thread of its own rather than on asyncio's executor, whose threads the
+event loop's close waits for: a process that is stopping may then exit without waiting for it
+with `os._exit` (`weightsync serve` does, on SIGINT or SIGTERM). The interpreter's own exit
+still waits for it, as for any thread: torch must not be torn down under a call in progress."""
 
 
 async def _on_transfer_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs `fn(*args)` on a daemon thread named `TRANSFER_THREAD_NAME`; returns its result."""
+    """Runs `fn(*args)` on a thread named `TRANSFER_THREAD_NAME`; returns its result."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[_T] = loop.create_future()
 
@@ -70,7 +71,7 @@ async def _on_transfer_thread(fn: Callable[..., _T], *args: Any) -> _T:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one awaits it
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name=TRANSFER_THREAD_NAME, daemon=True).start()
+    threading.Thread(target=run, name=TRANSFER_THREAD_NAME).start()
     return await done
 
 
