@@ -2,8 +2,9 @@
 
 Each case brings a server (one engine, or a data-parallel front over two replicas) to a state,
 signals it, and checks: the process exits within `EXIT_BOUND_S`, with status 0; a stream open at
-the signal got its final event; the port can be bound again; and (`no_leftovers`) no process,
-thread, port, fd or shared-memory segment of the case is left, the front's replicas included.
+the signal got its final event; a control call waiting at the signal was answered 503; the port
+can be bound again; and (`no_leftovers`) no process, thread, port, fd or shared-memory segment
+of the case is left, the front's replicas included.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Case:
         self.threads: list[threading.Thread] = []
         self.stream_lines: list[str] = []
         self.group: Any = None
+        self.waiting: list[httpx.Response] = []  # the answer of a control call open at the signal
+        self.calls_waiting = 0  # how many control calls the state left waiting
         self.release = threading.Event()  # lets a stalled trainer go on, once the server is gone
 
     def in_thread(self, call: Callable[[], Any]) -> None:
@@ -114,7 +117,10 @@ def init_waiting(case: Case) -> None:
     case.open_frozen_stream()
     group = case.trainer(timeout_s=WAIT_S)
     body = {"init_info": group.init_info}
-    case.in_thread(lambda: case.http.post("/init_weight_transfer_engine", json=body))
+    case.in_thread(
+        lambda: case.waiting.append(case.http.post("/init_weight_transfer_engine", json=body))
+    )
+    case.calls_waiting = 1
     deadline = time.monotonic() + WAIT_S  # every engine connects to the trainer's store
     while established_to(case.server.proc.pid, group.init_info["master_port"]) < case.replicas:
         assert time.monotonic() < deadline, "the server never reached the trainer's store"
@@ -132,7 +138,8 @@ def mid_broadcast(case: Case) -> None:
     pairs = list(LlamaForCausalLM.from_preset("debug", seed=3).named_weights())
     update_info = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version="stalled")
     update = {"update_info": update_info.to_dict()}
-    case.in_thread(lambda: case.http.post("/update_weights", json=update))
+    case.in_thread(lambda: case.waiting.append(case.http.post("/update_weights", json=update)))
+    case.calls_waiting = 1
     stalled, taken = threading.Event(), 0
 
     def take(pair: tuple[str, Any]) -> Any:
@@ -177,6 +184,9 @@ def test_a_signal_stops_the_server_within_seconds(
         case.close()
     assert status == 0, case.server.output
     assert case.stream_lines[-1:] == ["data: [DONE]"], case.stream_lines[-3:]
+    assert len(case.waiting) == case.calls_waiting  # answered at the signal, not cut off
+    for answer in case.waiting:
+        assert answer.status_code == 503 and "shutting down" in answer.text, answer.text
     with socket.socket() as probe:  # as a restarted server binds it
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind(("127.0.0.1", port))
