@@ -144,8 +144,9 @@ class _Server(uvicorn.Server):
 
     uvicorn waits for open responses before it stops; an open stream (one frozen by a `keep`
     pause, say) would hold it up. Aborting them ends each stream with `finish_reason="abort"`
-    and `[DONE]`, then the server stops and the app shuts the engine down. `on_signal` runs at
-    the first signal too (a front signals its replicas, which then stop alongside it).
+    and `[DONE]`, and a control call still waiting on a trainer is answered 503 (see
+    `StopAnsweredRoute`); then the server stops and the app shuts the engine down. `on_signal`
+    runs at the first signal too (a front signals its replicas, which then stop alongside it).
     """
 
     def __init__(
