@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from weightsync.engine._transfer_calls import (
+    TRANSFER_THREAD_NAME,
+    on_transfer_thread,
+    to_thread_uninterrupted,
+)
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
@@ -37,57 +41,6 @@ _T = TypeVar("_T")
 
 class _Closed(Exception):
     """Queued to open streams by `shutdown`: the stream ends with an `EngineStateError`."""
-
-
-TRANSFER_THREAD_NAME = "weightsync-transfer"
-"""The name of the thread each transfer-engine call of an `AsyncEngine` runs on.
-
-Such a call waits in torch (a rendezvous, a broadcast) up to its `timeout_s` and cannot be
-interrupted. It runs on a thread of its own rather than on asyncio's executor, whose threads the
-event loop's close waits for: a process that is stopping may then exit without waiting for it
-with `os._exit` (`weightsync serve` does, on SIGINT or SIGTERM). The interpreter's own exit
-still waits for it, as for any thread: torch must not be torn down under a call in progress."""
-
-
-async def _on_transfer_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs `fn(*args)` on a thread named `TRANSFER_THREAD_NAME`; returns its result."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if done.cancelled():
-            return
-        if error is None:
-            done.set_result(result)
-        else:
-            done.set_exception(error)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the awaiting task, raised there
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one awaits it
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=TRANSFER_THREAD_NAME).start()
-    return await done
-
-
-async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs `fn` on a transfer thread; if the caller is cancelled, still waits for `fn` to end.
-
-    A transfer cannot be interrupted halfway, so the locks its caller holds must stay held until
-    it ends: otherwise a step could run on half-written weights.
-    """
-    work = asyncio.ensure_future(_on_transfer_thread(fn, *args))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        logger.info("cancelled during %s: waiting for it to end first", fn.__name__)
-        await asyncio.wait([work])
-        raise
 
 
 class AsyncEngine:
@@ -440,7 +393,7 @@ class AsyncEngine:
         """
         self._start()
         async with self._transfer_lock:
-            await _to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
+            await to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
 
     async def start_weight_update(self) -> None:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
@@ -459,7 +412,7 @@ class AsyncEngine:
             async with self._transfer_lock, self._lock:
                 self._updating = True
                 try:
-                    return await _to_thread_uninterrupted(self.engine.update_weights, request)
+                    return await to_thread_uninterrupted(self.engine.update_weights, request)
                 finally:
                     self._updating = False
         finally:
@@ -534,7 +487,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._executor.shutdown, wait=True)
         # A transfer call still waiting in torch holds the transfer engine until its timeout_s;
         # shutting it down waits for that, off the event loop (a caller may bound it).
-        await _on_transfer_thread(self.engine.shutdown)
+        await on_transfer_thread(self.engine.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return self
