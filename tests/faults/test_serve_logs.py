@@ -16,6 +16,7 @@ pytestmark = pytest.mark.reliability("fault")
 WAIT_S = 30.0
 GONE = "rank 1: the trainer"  # the line that says the trainer went
 CPP_FRAMES = ("frame #", "c10::")
+JOINED = "joined a gloo group"
 
 
 def joined_then_closed(server: Server) -> int:
@@ -31,15 +32,22 @@ def joined_then_closed(server: Server) -> int:
     try:
         group.connect()
         joining.join(WAIT_S)
-    finally:
+        # The join's own line, which the answer may overtake on its way here, comes first.
+        wait_for_line(server, JOINED, 0)
         mark = len(server.lines)
+    finally:
         group.close()
     assert answers and answers[0].status_code == 200, answers
-    deadline = time.monotonic() + WAIT_S  # the server's watch notices within about a second
-    while not any(GONE in line for line in server.lines[mark:]):
-        assert time.monotonic() < deadline, f"the server never said so:\n{server.output}"
-        time.sleep(0.05)  # a line printed by another process: nothing to await
+    wait_for_line(server, GONE, mark)  # the server's watch notices within about a second
     return mark
+
+
+def wait_for_line(server: Server, text: str, start: int) -> None:
+    """Waits until a line the server printed from line `start` on holds `text`."""
+    deadline = time.monotonic() + WAIT_S
+    while not any(text in line for line in server.lines[start:]):
+        assert time.monotonic() < deadline, f"the server never said {text!r}:\n{server.output}"
+        time.sleep(0.05)  # a line printed by another process: nothing to await
 
 
 def test_a_trainer_that_closes_its_group_is_one_line_in_the_servers_log(record_property):
