@@ -35,6 +35,8 @@ SURFACES = {
     "tests/integration/test_serve_chat_template.py": "a hostile chat template, through the server",
     "tests/integration/test_serve_schema.py": "OpenAPI schema, generated requests",
     "tests/faults/test_serve_faults.py": "faults through the server",
+    "tests/faults/test_serve_signals.py": "signals to a server and to a replica front",
+    "tests/faults/test_serve_logs.py": "the server's log of an expected failure",
     "tests/integration/test_soak.py": "soak, short",
     "tests/integration/test_serve_rl.py": "the RL routes' keys, through the real command",
     "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",

@@ -132,3 +132,21 @@ def mapped_segment_bytes(pid: int) -> int:
                 start, end = line.split()[0].split("-")
                 total += int(end, 16) - int(start, 16)
     return total
+
+
+def established_to(pid: int, port: int) -> int:
+    """How many TCP connections process `pid` and its descendants hold to port `port`."""
+    inodes = set().union(*(_socket_inodes(p) for p in {pid} | _children(pid)))
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if fields[3] == "01" and remote_port == port and fields[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count

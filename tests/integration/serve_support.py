@@ -22,7 +22,9 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 class Server:
     """A `weightsync serve` process: its base URL and everything it printed so far."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, log_level: str = "warning"
+    ) -> None:
         environ = {**os.environ, **(env or {})}
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
@@ -33,7 +35,7 @@ class Server:
                 "serve",
                 *args,
                 "--log-level",
-                "warning",
+                log_level,
             ],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,

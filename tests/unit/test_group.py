@@ -101,6 +101,15 @@ def test_torch_failures_become_weightsync_errors():
     assert "a peer process died or closed the group" in str(failed)
 
 
+def test_a_torch_failure_keeps_its_first_line_and_leaves_its_cpp_frames_to_the_cause():
+    torch_text = ("Failed to recv, got 0 bytes.\nException raised from recvBytes at Utils.hpp:787 "
+                  "(most recent call first):\nframe #0: c10::Error::Error(...) + 0x9d")  # fmt: skip
+    for cause in (RuntimeError(torch_text), RuntimeError("Socket Timeout\n" + torch_text)):
+        error = translate("reading 'latest'", cause, 3.0)
+        assert "\n" not in str(error) and "frame #" not in str(error)
+        assert str(cause).splitlines()[0] in str(error)
+
+
 @pytest.mark.parametrize(
     ("wire", "message"),
     [

@@ -17,11 +17,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from weightsync.engine._stats import ServingStats
+from weightsync.engine._transfer_calls import (
+    TRANSFER_THREAD_NAME,
+    on_transfer_thread,
+    to_thread_uninterrupted,
+)
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
@@ -31,7 +36,7 @@ from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
-__all__ = ["AsyncEngine"]
+__all__ = ["TRANSFER_THREAD_NAME", "AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +46,6 @@ _T = TypeVar("_T")
 
 class _Closed(Exception):
     """Queued to open streams by `shutdown`: the stream ends with an `EngineStateError`."""
-
-
-async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs `fn` on a thread; if the caller is cancelled, still waits for `fn` to end.
-
-    A transfer cannot be interrupted halfway, so the locks its caller holds must stay held until
-    it ends: otherwise a step could run on half-written weights.
-    """
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        logger.info("cancelled during %s: waiting for it to end first", fn.__name__)
-        await asyncio.wait([work])
-        raise
 
 
 class AsyncEngine:
@@ -102,6 +92,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._closed = False
         self.num_rendering = 0  # chat templates rendering now (see apply_chat_template)
+        self._updating = False  # an update_weights holds the engine (no step runs)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -248,6 +239,19 @@ class AsyncEngine:
         """Aborts a request; its stream ends with `finish_reason="abort"`."""
         self.engine.abort_request(request_id)
         self._wake.set()
+
+    def close_streams_held_by_update(self) -> int:
+        """Ends every open stream now, if an `update_weights` holds the engine; returns how many.
+
+        An aborted request's stream ends at the next step, and no step runs until the update
+        ends (up to its `timeout_s`). A server that stops cannot wait for that: each stream ends
+        now with an `EngineStateError`, as at `shutdown`.
+        """
+        if not self._updating:
+            return 0
+        for queue in self._streams.values():
+            queue.put_nowait(_Closed())
+        return len(self._streams)
 
     # --- pause / resume -----------------------------------------------------------------------
 
@@ -431,7 +435,7 @@ class AsyncEngine:
         """
         self._start()
         async with self._transfer_lock:
-            await _to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
+            await to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
 
     async def start_weight_update(self) -> None:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
@@ -450,8 +454,12 @@ class AsyncEngine:
         try:
             async with self._transfer_lock, self._lock:
                 bare = self.engine.weight_update is None
-                with self.stats.counting_update_failures():
-                    stats = await _to_thread_uninterrupted(self.engine.update_weights, request)
+                self._updating = True
+                try:
+                    with self.stats.counting_update_failures():
+                        stats = await to_thread_uninterrupted(self.engine.update_weights, request)
+                finally:
+                    self._updating = False
                 self.stats.record_update_message(stats.num_bytes, stats.seconds)
                 if bare and self.engine.weight_update is None:  # a whole update, finished
                     self.stats.weight_updates += 1
@@ -536,7 +544,9 @@ class AsyncEngine:
         self._step_done.set()  # a draining `wait` pause waits on it: it now fails instead
         self._settle_idle_waiters(EngineStateError("the engine was shut down"))
         await asyncio.to_thread(self._executor.shutdown, wait=True)
-        self.engine.shutdown()
+        # A transfer call still waiting in torch holds the transfer engine until its timeout_s;
+        # shutting it down waits for that, off the event loop (a caller may bound it).
+        await on_transfer_thread(self.engine.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

@@ -212,6 +212,7 @@ class EngineControl:
         running = len(self.live)
         for request_id in [rid for rids in self.live.values() for rid in rids]:
             await self.engine.abort(request_id)
+        self.engine.close_streams_held_by_update()  # no step ends them until the update does
         return running
 
     async def abort_requests(self, completion_ids: list[str] | None) -> Body:

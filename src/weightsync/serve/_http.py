@@ -98,6 +98,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.serve = surface
+    app.state.stopping = asyncio.Event()  # set by the server at SIGINT/SIGTERM
     install_error_handlers(app)
     app.add_middleware(RequestFields, strict=surface.config.strict_request_fields)
     app.add_middleware(_BodyLimit, max_bytes=surface.config.max_request_bytes)

@@ -12,21 +12,59 @@ waits for its trainer. IPC handles arrive as JSON records: nothing is unpickled.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import Field, StrictInt, StrictStr
 
 from weightsync.engine.pause import PauseMode
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._control import Body as Answer
 from weightsync.serve._control import ControlSurface
-from weightsync.serve._errors import RequestRefused
+from weightsync.serve._errors import RequestRefused, error_body
 from weightsync.serve._fields import RequestBody
 
-router = APIRouter(tags=["rl"], dependencies=[Depends(require_admin_key)])
+
+class StopAnsweredRoute(APIRoute):
+    """A control route that answers 503 at once when the server starts stopping.
+
+    A control call may wait long on a trainer (an init waiting for its group, an update mid
+    broadcast, a front's call to its replicas) and nothing can interrupt torch's wait. At a
+    shutdown (the app's `state.stopping` set) the client gets its answer now, a 503 that says
+    the server stops; the call's work is cancelled and keeps the engine's locks until it ends,
+    if ever: the process exits without it. An answer begun before stays as it is.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            stopping: asyncio.Event = request.app.state.stopping
+            work = asyncio.ensure_future(handle(request))
+            stop = asyncio.ensure_future(stopping.wait())
+            try:
+                await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if work.done():
+                return work.result()
+            work.cancel()  # not awaited: it may wait for torch until its timeout_s
+            message = (f"{request.url.path} did not complete: the server is shutting down "
+                       "(SIGINT or SIGTERM); start it again, then repeat the call")  # fmt: skip
+            return JSONResponse(error_body(503, "EngineStateError", message), status_code=503)
+
+        return answer
+
+
+router = APIRouter(
+    tags=["rl"], dependencies=[Depends(require_admin_key)], route_class=StopAnsweredRoute
+)
 """The RL routes; each needs the admin key when the server has one."""
 
 _PAUSE_MODES = ("abort", "wait", "keep")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -13,12 +18,21 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from weightsync.engine.async_engine import TRANSFER_THREAD_NAME
 from weightsync.serve._control import ControlSurface
 
 logger = logging.getLogger("weightsync.serve")
 
-# How long a shutdown waits for open responses (a transfer in flight) before closing them.
-_GRACEFUL_SHUTDOWN_S = 30
+SHUTDOWN_GRACE_S = 2
+"""How long, in seconds, a shutdown (SIGINT, SIGTERM) waits for open responses before it cancels
+them. Streams were aborted at the signal and end at once; what may stay open is a control call
+waiting on a trainer (an init waiting for its group, an update mid-broadcast), whose trainer's
+side fails within its own `timeout_s` once the server is gone."""
+
+ENGINE_SHUTDOWN_TIMEOUT_S = 2.0
+"""How long, in seconds, a server's shutdown waits for its engine's: a transfer call that still
+waits in torch holds the transfer engine until its `timeout_s`, and the server does not wait
+for that (see `serve_forever`)."""
 
 HEADER_TIMEOUT_S = 10.0
 """How long, in seconds, a connection may take to send a request's headers, counted from its
@@ -120,7 +134,7 @@ def server_config(
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=keep_alive_timeout_s,
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         lifespan="on",
     )
 
@@ -130,12 +144,18 @@ class _Server(uvicorn.Server):
 
     uvicorn waits for open responses before it stops; an open stream (one frozen by a `keep`
     pause, say) would hold it up. Aborting them ends each stream with `finish_reason="abort"`
-    and `[DONE]`, then the server stops and the app shuts the engine down.
+    and `[DONE]`, and a control call still waiting on a trainer is answered 503 (see
+    `StopAnsweredRoute`); then the server stops and the app shuts the engine down. `on_signal`
+    runs at the first signal too (a front signals its replicas, which then stop alongside it).
     """
 
-    def __init__(self, config: uvicorn.Config, state: ControlSurface) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, on_signal: Callable[[], None] | None
+    ) -> None:
         super().__init__(config)
-        self._state = state
+        self._state: ControlSurface = app.state.serve
+        self._stopping: asyncio.Event = app.state.stopping
+        self._on_signal = on_signal
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -145,20 +165,71 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self._loop is not None:
             logger.info("shutting down: aborting %d running requests", len(self._state.live))
+            if self._on_signal is not None:
+                self._on_signal()
+            self._loop.call_soon_threadsafe(self._stopping.set)  # control calls answer 503
             self._loop.call_soon_threadsafe(
                 lambda: self._loop.create_task(self._state.abort_all())  # type: ignore[union-attr]
             )
         super().handle_exit(sig, frame)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM stop the server while it serves; the previous handlers come back.
 
-def serve_forever(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> int:
-    """Serves `app` on `sock` until SIGINT or SIGTERM; returns the exit status."""
-    server = _Server(server_config(app, log_level=log_level), app.state.serve)
+        uvicorn's own raises the signal again once the server stopped, to end the process with
+        it: `serve_forever` ends the process itself, with status 0.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def serve_forever(
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    log_level: str = "info",
+    on_signal: Callable[[], None] | None = None,
+) -> int:
+    """Serves `app` on `sock` until SIGINT or SIGTERM; returns the exit status.
+
+    The process stops within seconds of the signal, whatever it was doing: open responses get
+    `SHUTDOWN_GRACE_S`, the app's shutdown bounds its own steps, and a transfer call still
+    waiting in torch (which nothing can interrupt) is left behind: the process then exits
+    without waiting for it (`os._exit`, after the app's shutdown released what it could).
+
+    Args:
+        app: The app to serve.
+        sock: A bound, listening socket (see `bind`).
+        log_level: uvicorn's log level.
+        on_signal: Run at the first signal, before the server starts stopping.
+    """
+    server = _Server(server_config(app, log_level=log_level), app, on_signal)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)  # this process only serves: see above
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     # Tests and scripts wait for this line; with --port 0 it is where the port is announced.
     print(f"weightsync serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
-    sock.close()
-    return 0 if server.started else 1
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    status = 0 if server.started else 1
+    waiting = [t for t in threading.enumerate() if t.name == TRANSFER_THREAD_NAME and t.is_alive()]
+    if waiting:
+        logger.warning("exiting while %d transfer call(s) still wait in torch (each would end "
+                       "within its timeout_s); its trainer sees the server gone", len(waiting))  # fmt: skip
+        logging.shutdown()  # flushes the log: os._exit skips the interpreter's clean-up
+        sys.stderr.flush()
+        os._exit(status)
+    return status

@@ -11,6 +11,7 @@ state conflict, 413 too large, 502 transfer failed, 503 a replica is gone, 504 t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.serve._control import EngineControl
 from weightsync.serve._http import build_app
+from weightsync.serve._server import ENGINE_SHUTDOWN_TIMEOUT_S
 from weightsync.serve.config import ServerConfig
 
 __all__ = ["create_app"]
@@ -47,8 +49,14 @@ def create_app(
     from weightsync.serve._token_routes import router as tokens
 
     async def close() -> None:
-        if own_engine:
-            await engine.shutdown()
+        if not own_engine:
+            return
+        try:
+            await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("the engine's shutdown waits for a transfer call still waiting in "
+                           "torch; the server stops without it")  # fmt: skip
+            return
         logger.info("engine shut down")
 
     control = EngineControl(engine, config or ServerConfig())

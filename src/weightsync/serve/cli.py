@@ -126,7 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from weightsync.conformance._command import run_command
 
         return run_command(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from weightsync.serve._logging import configure_logging
+
+    configure_logging(args.log_level)
     if not args.admin_api_key and not _is_loopback(args.host):
         return _fail(
             f"refusing to serve on {args.host}, which is not a loopback address, without an admin "
@@ -251,7 +253,10 @@ def _serve_data_parallel(
         sock.close()
         return _fail(str(exc), status=2)
     try:
-        return serve_forever(create_fleet_app(fleet, config), sock, log_level=args.log_level)
+        # The replicas stop alongside the front, from its signal on: each one's shutdown is
+        # bounded as the front's is, and the front then waits for them.
+        app = create_fleet_app(fleet, config)
+        return serve_forever(app, sock, log_level=args.log_level, on_signal=fleet.terminate)
     finally:
         for replica in fleet.replicas:  # already stopped by the app's shutdown, unless it failed
             replica.stop()

@@ -124,11 +124,16 @@ class ServeProcess:
         """The last lines the child printed, as a list."""
         return list(self._lines)
 
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
+    def terminate(self) -> None:
+        """Sends SIGTERM (the server's shutdown) and returns; `stop` then waits. Safe twice."""
         self._stopping = True
         if self._process.poll() is None:
             self._process.terminate()
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
+        self.terminate()
+        if self._process.poll() is None:
             try:
                 self._process.wait(timeout_s)
             except subprocess.TimeoutExpired:

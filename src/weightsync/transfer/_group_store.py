@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 
-__all__ = ["GroupStore", "translate"]
+__all__ = ["GroupStore", "torch_message", "translate"]
 
 _T = TypeVar("_T")
 # A store read gets its own limit plus this, so that torch's own timeout, when it has one, and
@@ -37,16 +37,25 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
+def torch_message(exc: BaseException) -> str:
+    """The first line of a torch failure's message: what torch appends below it is C++ frames.
+
+    The exception itself (chained as the cause of weightsync's error) keeps them, for a debug log.
+    """
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
-    """Maps a torch.distributed failure onto weightsync's error classes."""
+    """Maps a torch.distributed failure onto weightsync's error classes (one line, no C++ frames)."""
     if _is_timeout(exc):
         return WeightTransferTimeout(
             f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
-            f"was never told to take part; {type(exc).__name__}: {exc}"
+            f"was never told to take part; {type(exc).__name__}: {torch_message(exc)}"
         )
     return WeightTransferError(
         f"{what} failed, most likely because a peer process died or closed the group; "
-        f"{type(exc).__name__}: {exc}"
+        f"{type(exc).__name__}: {torch_message(exc)}"
     )
 
 

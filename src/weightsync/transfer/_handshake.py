@@ -305,8 +305,14 @@ class WorkerHandshake:
         try:
             self._group.lookup(LATEST)
         except WeightTransferError as exc:
-            logger.info("rank %d: the trainer's group is gone (%s)", self._group.rank,
-                        str(exc).splitlines()[0][:300])  # fmt: skip  # torch appends its C++ stack
+            # Expected (a trainer closes its group when it is done): one line; torch's own
+            # failure, with its C++ frames, is the cause, for a debug log.
+            logger.info("rank %d: the trainer closed its group or stopped (%s); its connections "
+                        "are released, and the next trainer joins with "
+                        "init_weight_transfer_engine", self._group.rank,
+                        str(exc)[:300])  # fmt: skip
+            logger.debug("rank %d: how the trainer's store failed", self._group.rank,
+                         exc_info=exc)  # fmt: skip
             return True
         return False
 
