@@ -229,8 +229,9 @@ class GroupStore:
         )
         if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
             raise WeightValidationError(
-                f"rank {self.rank} was claimed by another process already: each worker needs a "
-                "distinct worker_index (rank = rank_offset + worker_index)"
+                f"rank {self.rank} was claimed by another process already ({key!r} in "
+                f"{self.where}): each worker needs a distinct worker_index (rank = rank_offset + "
+                "worker_index)"
             )
 
     def append(self, key: str, value: Any) -> None:
