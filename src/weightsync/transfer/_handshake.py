@@ -52,6 +52,7 @@ class StoreGroup(Protocol):
     timeout_s: float
 
     def set(self, key: str, value: Any) -> None: ...
+    def has(self, keys: list[str]) -> bool: ...
     def lookup(self, key: str) -> Any: ...
     def get(self, key: str, timeout_s: float | None = None) -> Any: ...
     def set_once(self, key: str, value: Any) -> Any: ...
@@ -337,7 +338,7 @@ class WorkerHandshake:
     def trainer_is_gone(self) -> bool:
         """Whether the trainer's store stopped answering (the trainer closed its group or died)."""
         try:
-            self._group.lookup(LATEST)
+            self._group.has([LATEST])  # reaches the store without reading what another wrote
         except WeightTransferError as exc:
             logger.info("rank %d: the trainer's group is gone (%s)", self._group.rank,
                         str(exc).splitlines()[0][:300])  # fmt: skip  # torch appends its C++ stack
