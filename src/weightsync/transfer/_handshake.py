@@ -221,8 +221,8 @@ def _collect(
             if value is None:
                 early = _early_refusal(group, rank, n, send, digest)
                 failed = _failed_call(receiving, rank - rank_offset)
-                if early is not None:  # "kept": the refusal came before the update
-                    value = group.set_once(key, {"refused": _bounded(early), "kept": True})
+                if early is not None:
+                    value = group.set_once(key, {"refused": _bounded(early)})
                 elif failed is not None:  # the worker never saw the message: "unseen"
                     value = group.set_once(key, {"refused": _bounded(failed), "unseen": True})
             if value is not None:
@@ -435,12 +435,11 @@ def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
     """Raises when a message of update `n`'s send comes after `n` was decided without it.
 
     That is when this worker never answered `n`, or only the trainer did for it (the call that
-    was to bring the message failed, or the trainer took a refusal kept from before `n`): the
-    message is late, and `n`'s refusal is its answer. Returns when this worker answered `n`
-    itself, ready or refusing a message of it: the message is then for a later update of the
-    same send (a retry, say).
+    was to bring the message failed): the message is late, and `n`'s refusal is its answer.
+    Returns when this worker took part in `n`, ready or refusing a message of it: the message
+    is then for a later update of the same send (a retry, say).
     """
-    if mine is not None and not mine.get("unseen") and not mine.get("kept"):
+    if mine is not None and not mine.get("unseen"):
         return
     reason: object = mine["refused"] if mine is not None else None
     if isinstance(decided, dict):
