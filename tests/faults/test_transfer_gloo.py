@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 from multiprocessing import resource_tracker
 
 import pytest
@@ -14,8 +15,10 @@ import torch
 
 from process_rigs import ReceiverProcess, TrainerProcess, WorkerProcessError, fill_tensors
 from weightsync import weight_checksums
-from weightsync.errors import WeightTransferError
+from weightsync.errors import WeightTransferError, WeightTransferTimeout
+from weightsync.transfer import _handshake
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.nccl import GlooWeightTransferEngine
 from weightsync.transfer.nccl_trainer import trainer_init
 
 TIMEOUT_S = 3.0  # the transfer's limit in every case
@@ -150,6 +153,49 @@ def test_trainer_stopped_mid_transfer(rig, no_leftovers):
     finally:
         doomed.close()
     assert_next_update_lands(rig, seed=7)
+
+
+def test_trainer_stopped_while_a_receiver_waits_for_its_decision(rig, no_leftovers, monkeypatch):
+    """The trainer stops (SIGSTOP) right after a receiver answered the handshake: the receiver's
+    wait for the decision, and every store call after it (the note of why it gives up), end
+    within the timeout, although the stopped host keeps the store's socket open."""
+    doomed = TrainerProcess(update_info=INFO, timeout_s=REPLY_S)
+    engine = GlooWeightTransferEngine(expected_specs={s.name: s for s in SPECS})
+    outcome: dict[
+        str, object
+    ] = {}  # what the receive raised: not the error, whose frames hold the group
+    try:
+        info = doomed.call("init", world_size=2, **WIRE)["init_info"]
+        joining = threading.Thread(target=engine.init_transfer_engine, args=(info,))
+        joining.start()
+        doomed.call("connect")
+        joining.join(REPLY_S)
+        assert engine.is_initialized
+        # Where the interleaving happens: the answer is in the store, the decision is not read.
+        monkeypatch.setattr(
+            _handshake, "answered_hook", lambda n: os.kill(doomed.pid, signal.SIGSTOP)
+        )
+        doomed.start("send", seed=12)
+
+        def receive() -> None:
+            try:
+                engine.receive_weights(INFO, lambda pairs: None)
+            except WeightTransferError as exc:
+                outcome.update(type=type(exc), message=str(exc), torn=exc.partially_applied)
+
+        receiving = threading.Thread(target=receive, daemon=True)
+        receiving.start()
+        receiving.join(REPLY_S)  # the rigs' limit, far above the transfer's: a hang fails here
+        assert not receiving.is_alive(), "the receiver still waits on the stopped trainer's store"
+        assert outcome.get("type") is WeightTransferTimeout, outcome
+        assert f"timed out after {TIMEOUT_S:g} s (timeout_s)" in str(outcome["message"])
+        assert outcome["torn"] is False  # nothing moved
+    finally:
+        os.kill(doomed.pid, signal.SIGCONT)
+        doomed.kill()
+        doomed.close()
+        engine.shutdown()
+    assert_next_update_lands(rig, seed=13)
 
 
 def test_a_receiver_killed_mid_update(rig, no_leftovers):

@@ -23,6 +23,7 @@ from serve_support import Server, run_cli
 from weightsync import (
     LlamaForCausalLM,
     NCCLTrainerSendWeightsArgs,
+    WeightSyncError,
     WeightTransferUpdateInfo,
     trainer_init,
     trainer_send_weights,
@@ -322,6 +323,49 @@ def test_a_malformed_update_with_no_trainer_broadcasting_is_refused_at_once(
     record_property("status", answer.status_code)
     record_property("message", error["message"][:160])
     record_property("seconds_to_error", round(elapsed, 2))
+
+
+def test_a_refused_copy_of_the_trainers_next_message_does_not_refuse_that_update(
+    gloo_server, record_property
+):
+    """A copy of the trainer's next update info with one shape changed (its send_id kept) is
+    refused at once while no trainer broadcasts; the trainer's update of that send, on the line
+    before its own message gets here, then lands in the same group."""
+    server, group = gloo_server
+    pairs = list(LlamaForCausalLM.from_preset("debug", seed=21).named_weights())
+    label = "after-a-mangled-copy"
+    info = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=label).to_dict()
+    shapes = [list(shape) for shape in info["shapes"]]
+    shapes[0][0] += 1
+    mangled = {**info, "shapes": shapes}
+    with httpx.Client(base_url=server.base_url, timeout=AT_ONCE_S) as client:
+        checksum = {"action": "checksum"}
+        before = client.post("/weight_checker", json=checksum).json()["checksums"]
+        refused = client.post("/update_weights", json={"update_info": mangled})
+        assert refused.status_code == 400, refused.text
+        assert "do not match the model" in refused.json()["error"]["message"]
+        announced = (group._group.lookup(LATEST) or 0) + 1
+        sent: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                sent["stats"] = trainer_send_weights(pairs, NCCLTrainerSendWeightsArgs(group, info))
+            except WeightSyncError as exc:
+                sent["error"] = f"{type(exc).__name__}: {exc}"
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        while group._group.lookup(LATEST) != announced and sending.is_alive():
+            time.sleep(0.01)  # the trainer's announcement is local: it comes in milliseconds
+        landed = client.post("/update_weights", json={"update_info": info})
+        sending.join(AT_ONCE_S)
+        assert landed.status_code == 200, landed.text
+        assert "stats" in sent, sent
+        assert client.get("/weight_info").json()["weight_version"] == label
+        after = client.post("/weight_checker", json=checksum).json()["checksums"]
+        assert after != before
+    record_property("status", refused.status_code)
+    record_property("message", "refused copy: 400; the update of its send: 200, weights changed")
 
 
 def test_connections_that_never_finish_their_headers_are_closed_in_time(server, record_property):

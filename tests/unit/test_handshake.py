@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from weightsync.errors import WeightTransferTimeout, WeightValidationError
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer._handshake import LATEST, WorkerHandshake, open_update
 from weightsync.transfer._identity import metadata_digest, send_identity
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
@@ -24,6 +24,7 @@ TIMEOUT_S = 30.0  # the handshake's limit: nothing here may come near it
 AT_ONCE_S = 5.0  # what "at once" may take on a loaded machine
 A, B = "send-a", "send-b"  # two sends (what send_identity gives their messages)
 REFUSAL = "WeightValidationError: unknown name 'x'"
+DIGEST = metadata_digest(SPECS)  # of a refused message that lists the tensors the trainer sends
 BAD_INPUT = pytest.mark.reliability("bad-input")
 
 
@@ -75,6 +76,11 @@ class Group:
     def delete(self, key):
         self.store.values.pop(key, None)
 
+    def malformed(self, key, detail):
+        return WeightTransferError(
+            f"the test store holds a malformed value under {key!r} ({detail})"
+        )
+
 
 class Side(threading.Thread):
     """Runs one side's call on a thread; `outcome()` is its result or the error it raised."""
@@ -119,7 +125,7 @@ def test_a_refusal_while_the_trainer_waits_reaches_it_at_once():
     store, trainer, (worker,) = groups()
     sending = trainer_side(trainer, 1, A)
     announced(store, 1)
-    WorkerHandshake(worker).refuse(A, REFUSAL)
+    WorkerHandshake(worker).refuse(A, REFUSAL, DIGEST)
     error = sending.outcome()
     assert isinstance(error, WeightValidationError)
     assert f"update rejected before any byte moved by rank 1: {REFUSAL}" in str(error)
@@ -130,7 +136,7 @@ def test_a_refusal_while_the_trainer_waits_reaches_it_at_once():
 def test_a_refusal_before_the_trainer_comes_is_paired_with_its_send():
     """The message refused before the trainer starts its update: the trainer learns at once."""
     _, trainer, (worker,) = groups()
-    WorkerHandshake(worker).refuse(A, REFUSAL)  # returns: nothing was on the line
+    WorkerHandshake(worker).refuse(A, REFUSAL, DIGEST)  # returns: nothing was on the line
     error = trainer_side(trainer, 1, A).outcome()
     assert isinstance(error, WeightValidationError) and f"rank 1: {REFUSAL}" in str(error)
 
@@ -144,7 +150,7 @@ def test_a_refusal_while_the_trainer_announces_is_paired_with_its_send():
     def refuse_mid_announcement(key):
         if key == "update/1":  # written, but `update/latest` does not say 1 yet
             store.after_set = lambda key: None
-            handshake.refuse(A, REFUSAL)
+            handshake.refuse(A, REFUSAL, DIGEST)
 
     store.after_set = refuse_mid_announcement
     error = trainer_side(trainer, 1, A).outcome()
@@ -157,7 +163,7 @@ def test_a_stray_refusal_never_fails_the_next_update_of_another_send():
     on the line before its own message reaches the worker."""
     store, trainer, (worker,) = groups()
     handshake = WorkerHandshake(worker)
-    handshake.refuse(B, REFUSAL)
+    handshake.refuse(B, REFUSAL, DIGEST)
     sending = trainer_side(trainer, 1, A)
     announced(store, 1)
     receiving = Side(lambda: handshake.join(A, SPECS))
@@ -166,11 +172,65 @@ def test_a_stray_refusal_never_fails_the_next_update_of_another_send():
 
 
 @BAD_INPUT
+@pytest.mark.parametrize("first", ["worker", "trainer"])
+def test_a_stray_refused_copy_of_a_send_never_fails_that_sends_update(first):
+    """A copy of the trainer's next message, mangled (other tensors, same send), refused with no
+    trainer on the line: the trainer's update of that send waits for the worker's own answer
+    and goes, whichever side comes first."""
+    store, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    handshake.refuse(A, REFUSAL, metadata_digest(SPECS[:1]))
+    if first == "worker":
+        receiving = Side(lambda: handshake.join(A, SPECS))
+        sending = trainer_side(trainer, 1, A)
+    else:
+        sending = trainer_side(trainer, 1, A)
+        announced(store, 1)
+        receiving = Side(lambda: handshake.join(A, SPECS))
+    assert receiving.outcome() is None and sending.outcome() is None
+    assert store.values["update/1/decision"] == {"go": True}
+
+
+@BAD_INPUT
+def test_an_accepted_message_withdraws_the_refusal_kept_for_its_send():
+    """The same message refused (a busy engine), then sent again and accepted before the
+    trainer comes: the trainer's update takes the worker's ready answer, not the old refusal."""
+    store, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    handshake.refuse(A, "EngineBusyError: requests are in flight", DIGEST)
+    receiving = Side(lambda: handshake.join(A, SPECS))
+    with store.changed:  # the withdrawal is written before the worker waits for the update
+        assert store.changed.wait_for(lambda: store.values.get("update/early/1") == [], AT_ONCE_S)
+    sending = trainer_side(trainer, 1, A)
+    assert receiving.outcome() is None and sending.outcome() is None
+
+
+@BAD_INPUT
+@pytest.mark.parametrize("first", ["worker", "trainer"])
+def test_a_message_sent_again_after_its_update_took_the_kept_refusal_goes_with_the_next(first):
+    """The trainer's update took the refusal kept from before it (a busy engine); the message
+    sent again waits for the update sent again and goes, whichever side comes first."""
+    store, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    handshake.refuse(A, "EngineBusyError: requests are in flight", DIGEST)
+    refused = trainer_side(trainer, 1, A).outcome()
+    assert isinstance(refused, WeightValidationError) and "EngineBusyError" in str(refused)
+    if first == "worker":
+        receiving = Side(lambda: handshake.join(A, SPECS))
+        sending = trainer_side(trainer, 2, A)
+    else:
+        sending = trainer_side(trainer, 2, A)
+        announced(store, 2)
+        receiving = Side(lambda: handshake.join(A, SPECS))
+    assert receiving.outcome() is None and sending.outcome() is None
+
+
+@BAD_INPUT
 def test_a_refusal_is_kept_for_the_next_update_only():
     """A refusal of a send not on the line waits for the next update alone, not a later one."""
     _, trainer, (worker,) = groups()
     handshake = WorkerHandshake(worker)
-    handshake.refuse(A, REFUSAL)  # kept for update 1
+    handshake.refuse(A, REFUSAL, DIGEST)  # kept for update 1
     first = trainer_side(trainer, 1, B)
     assert Side(lambda: handshake.join(B, SPECS)).outcome() is None
     assert first.outcome() is None
@@ -187,7 +247,7 @@ def test_the_same_update_sent_again_after_a_refusal_goes(first):
     handshake = WorkerHandshake(worker)
     sending = trainer_side(trainer, 1, A)
     announced(store, 1)
-    handshake.refuse(A, "EngineBusyError: requests are in flight")
+    handshake.refuse(A, "EngineBusyError: requests are in flight", DIGEST)
     assert isinstance(sending.outcome(), WeightValidationError)
     if first == "worker":  # the retried message comes before the trainer's next update
         receiving = Side(lambda: handshake.join(A, SPECS))
@@ -204,7 +264,7 @@ def test_a_message_that_comes_after_its_update_was_refused_is_answered_at_once()
     """One worker refuses, the other's call failed before it got the message; when the message
     then arrives it is answered at once with the update's refusal."""
     _, trainer, (first, second) = groups(world_size=3)
-    WorkerHandshake(first).refuse(A, REFUSAL)
+    WorkerHandshake(first).refuse(A, REFUSAL, DIGEST)
     failed = Future()
     failed.set_exception(ConnectionError("the server did not answer"))
     error = trainer_side(trainer, 1, A, receiving=[Future(), failed]).outcome()

@@ -230,7 +230,7 @@ def test_the_store_holds_what_the_page_says_after_real_updates():
     assert json.loads(held["update/3/decision"]) == {"go": True}
     assert json.loads(held["update/4/decision"])["refused"].startswith("rank 1: ")
     [early] = json.loads(held["update/early/1"])
-    assert set(early) == {"update", "send", "refused"} and early["update"] == 4
+    assert set(early) == {"update", "send", "digest", "refused"} and early["update"] == 4
     for rank in ("rank/0", "rank/1"):
         assert re.fullmatch(r"[0-9a-f]{32}", held[rank].decode())  # plain text, not JSON
 

@@ -28,6 +28,8 @@ from weightsync.transfer.wire import WireParams
 
 __all__ = ["InFlight", "abort", "peer_reasons", "plan", "transfer_failed"]
 
+_REASON_CHARS = 1000  # of a peer's reason, in an error message
+
 
 @dataclass
 class InFlight:
@@ -73,8 +75,8 @@ def peer_reasons(group: BroadcastGroup) -> str:
     for rank in range(group.world_size):
         if rank != group.rank:
             reason = group.try_get(f"abort/{rank}")
-            if reason is not None:
-                found.append(f"rank {rank} aborted: {reason}")
+            if reason is not None:  # a value from the store: cut, whoever wrote it
+                found.append(f"rank {rank} aborted: {str(reason)[:_REASON_CHARS]}")
     return "; ".join(found)
 
 

@@ -208,6 +208,7 @@ class BroadcastGroup(GroupStore):
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: Any = None
         self._store_stuck = False
+        self.where = f"the transfer store at {master_address}:{master_port}"
         if rank == 0:
             self._store = self._host_store(master_address, master_port)
         else:
@@ -218,6 +219,7 @@ class BroadcastGroup(GroupStore):
                 ),
             )
         self.port: int = self._store.port
+        self.where = f"the transfer store at {master_address}:{self.port}"
 
     def _host_store(self, address: str, port: int) -> Any:
         """The trainer's store, listening on `address` only (torch alone takes every interface)."""

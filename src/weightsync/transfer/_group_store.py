@@ -1,9 +1,12 @@
-"""The store of a weight-transfer group, as its ranks use it: JSON values, every read bounded.
+"""The store of a weight-transfer group, as its ranks use it: JSON values, every call bounded.
 
 The trainer hosts a `TCPStore` beside its group; every rank sends small control messages through
 it (the wire parameters, rank claims, the update handshake, the reasons a rank gave up).
-`GroupStore` is that conversation: a read waits `timeout_s` at most, even when the store's
-host is stopped with its socket open, and torch's failures come out as weightsync's errors.
+`GroupStore` is that conversation: every call, a write as much as a read, returns within
+`timeout_s` even when the store's host is stopped with its socket open; every value read is
+checked (its size, then its JSON) before anyone uses it, since any process that reaches the
+store's port can write into it; and torch's failures come out as weightsync's errors, naming
+the store and the key.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ import datetime
 import json
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
@@ -22,9 +23,18 @@ from weightsync.errors import WeightTransferError, WeightTransferTimeout, Weight
 __all__ = ["GroupStore", "torch_message", "translate"]
 
 _T = TypeVar("_T")
-# A store read gets its own limit plus this, so that torch's own timeout, when it has one, and
+# A store call gets its own limit plus this, so that torch's own timeout, when it has one, and
 # its clearer message come first.
 _STORE_GRACE_S = 1.0
+
+MAX_VALUE_BYTES = 1 << 20
+"""The largest value a rank takes from the store (1 MiB); a larger one is malformed.
+
+The largest a weightsync rank writes is a few refusals of `REASON_CHARS` each (a worker's
+kept refusals); a value beyond this was written by something else and is never parsed.
+"""
+MAX_LIST_BYTES = 4 << 20
+"""The largest appended list read (`read_list`); what lies beyond it is not read."""
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -69,6 +79,8 @@ class GroupStore:
 
     rank: int
     timeout_s: float
+    where: str
+    """The store, for messages: `"the transfer store at HOST:PORT"`."""
     _store: Any
     _store_stuck: bool
 
@@ -82,40 +94,77 @@ class GroupStore:
 
     def set(self, key: str, value: Any) -> None:
         """Publishes a JSON-safe value under `key` in the group's store."""
-        self._call(
-            f"writing {key!r} to the transfer store",
-            lambda: self._store.set(key, json.dumps(value)),
+        text = json.dumps(value)
+        self._bounded(
+            f"writing {key!r} to {self.where}", lambda: self._store.set(key, text), self.timeout_s
         )
 
-    def _read(self, what: str, fn: Callable[[], _T], limit_s: float) -> _T:
-        """Runs a store read on a daemon thread, `limit_s` at most.
+    def _bounded(self, what: str, fn: Callable[[], _T], limit_s: float) -> _T:
+        """Runs a store call on a daemon thread, `limit_s` at most.
 
-        torch's store client waits for an answer without a bound: a trainer that is stopped
-        (SIGSTOP, a debugger) but whose socket is open would hang it forever. A read that timed
-        out leaves the client mid-conversation, so the store is not read again.
+        torch's store client waits for its host without a bound, in a write as in a read, and a
+        call waits for the one before it on the same connection: a trainer that is stopped
+        (SIGSTOP, a debugger) but whose socket is open would hang it forever. A call that timed
+        out leaves the client mid-conversation, so the store is not called again: every later
+        call fails at once.
         """
         if self._store_stuck:
             raise WeightTransferTimeout(
-                f"{what}: the transfer store stopped answering earlier (timeout_s): its host is "
-                "stopped or stuck"
+                f"{what}: {self.where} stopped answering earlier (timeout_s): its host (the "
+                "trainer) is stopped or stuck"
             )
-        result: Future[_T] = Future()
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
 
         def run() -> None:
             try:
-                result.set_result(self._call(what, fn))
+                box.append((True, self._call(what, fn)))
+            except WeightTransferError as exc:
+                # Handed over as a fresh error: this one's chain holds torch's, whose frames
+                # hold this thread's and the group, which a caller keeping the error (or a
+                # cycle through it) would keep, with the store's socket.
+                box.append((False, type(exc)(str(exc))))
             except BaseException as exc:  # handed to the waiting thread
-                result.set_exception(exc)
+                box.append((False, exc.with_traceback(None)))
+            done.set()
 
         threading.Thread(target=run, name="weightsync-store", daemon=True).start()
-        try:
-            return result.result(limit_s + _STORE_GRACE_S)
-        except FutureTimeout:
+        if not done.wait(limit_s + _STORE_GRACE_S):
             self._store_stuck = True
             raise WeightTransferTimeout(
                 f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
                 "trainer) does not answer: stopped, stuck or unreachable"
-            ) from None
+            )
+        ok, value = box.pop()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value  # this frame is in the error's traceback: no cycle through it
+
+    def _value(self, key: str, raw: object) -> Any:
+        """The JSON value stored under `key`, checked before use.
+
+        Raises:
+            WeightTransferError: The value is larger than `MAX_VALUE_BYTES`, or not JSON (not
+                UTF-8, not parseable, nested too deep); the message names the store and the key.
+        """
+        data = bytes(raw)  # type: ignore[call-overload]
+        if len(data) > MAX_VALUE_BYTES:
+            raise self.malformed(key, f"{len(data)} bytes, more than {MAX_VALUE_BYTES}")
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise self.malformed(key, f"not JSON: {type(exc).__name__}: {str(exc)[:100]}") from None
+
+    def malformed(self, key: str, detail: str) -> WeightTransferError:
+        """The error for a value under `key` that no weightsync rank wrote."""
+        return WeightTransferError(
+            f"{self.where} holds a malformed value under {key!r} ({detail}): it was not written "
+            "by a weightsync rank of this group; another process writes into the store, so "
+            "keep its port reachable by the group's ranks only"
+        )
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
@@ -123,9 +172,10 @@ class GroupStore:
 
         def read() -> Any:
             self._store.wait([key], datetime.timedelta(seconds=limit))
-            return json.loads(self._store.get(key))
+            return self._store.get(key)
 
-        return self._read(f"reading {key!r} from the transfer store", read, limit)
+        raw = self._bounded(f"reading {key!r} from {self.where}", read, limit)
+        return self._value(key, raw)
 
     def lookup(self, key: str) -> Any:
         """Returns the value under `key`, or None when there is none yet; never waits for one.
@@ -136,11 +186,10 @@ class GroupStore:
         """
 
         def read() -> Any:
-            if not self._store.check([key]):
-                return None
-            return json.loads(self._store.get(key))
+            return self._store.get(key) if self._store.check([key]) else None
 
-        return self._read(f"reading {key!r} from the transfer store", read, self.timeout_s)
+        raw = self._bounded(f"reading {key!r} from {self.where}", read, self.timeout_s)
+        return None if raw is None else self._value(key, raw)
 
     def try_get(self, key: str) -> Any:
         """Returns the value under `key` if present and the store answers in time, else None."""
@@ -157,17 +206,24 @@ class GroupStore:
         text = json.dumps(value)
 
         def swap() -> Any:
-            return json.loads(self._store.compare_set(key, "", text))
+            return self._store.compare_set(key, "", text)
 
-        return self._read(f"writing {key!r} to the transfer store", swap, self.timeout_s)
+        raw = self._bounded(f"writing {key!r} to {self.where}", swap, self.timeout_s)
+        return self._value(key, raw)
 
     def delete(self, key: str) -> None:
         """Removes `key` from the store (nothing happens when it is not there)."""
-        self._call(f"deleting {key!r} from the transfer store", lambda: self._store.delete_key(key))
+        self._bounded(
+            f"deleting {key!r} from {self.where}",
+            lambda: self._store.delete_key(key),
+            self.timeout_s,
+        )
 
     def has(self, keys: list[str]) -> bool:
-        """Whether every key is in the store (the trainer's: it hosts the store, so this is local)."""
-        return bool(self._call("checking the transfer store", lambda: self._store.check(keys)))
+        """Whether every key is in the store."""
+        return bool(
+            self._bounded(f"checking {self.where}", lambda: self._store.check(keys), self.timeout_s)
+        )
 
     def claim_rank(self, claimant: str) -> None:
         """Registers this rank in the store for `claimant`; another claimant is refused.
@@ -175,20 +231,25 @@ class GroupStore:
         The same claimant (an engine retrying its own join after a timeout) may claim again.
         """
         key = f"rank/{self.rank}"
-        owner = self._read(
-            "claiming a rank", lambda: self._store.compare_set(key, "", claimant), self.timeout_s
+        owner = self._bounded(
+            f"claiming {key!r} in {self.where}",
+            lambda: self._store.compare_set(key, "", claimant),
+            self.timeout_s,
         )
-        if owner.decode() != claimant:
+        if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
             raise WeightValidationError(
-                f"rank {self.rank} was claimed by another process already: each worker needs a "
-                "distinct worker_index (rank = rank_offset + worker_index)"
+                f"rank {self.rank} was claimed by another process already ({key!r} in "
+                f"{self.where}): each worker needs a distinct worker_index (rank = rank_offset + "
+                "worker_index)"
             )
 
     def append(self, key: str, value: Any) -> None:
         """Appends a JSON-safe value to the list under `key` (one store call, however many)."""
         line = json.dumps(value) + "\n"
-        self._call(
-            f"appending to {key!r} in the transfer store", lambda: self._store.append(key, line)
+        self._bounded(
+            f"appending to {key!r} in {self.where}",
+            lambda: self._store.append(key, line),
+            self.timeout_s,
         )
 
     def read_list(self, key: str, limit_s: float) -> list[Any]:
@@ -197,14 +258,15 @@ class GroupStore:
         def read() -> list[Any]:
             if not self._store.check([key]):
                 return []
-            text = bytes(self._store.get(key)).decode("utf-8", "replace")
+            # Bounded before parsing: only what fits in MAX_LIST_BYTES is read, line by line.
+            text = bytes(self._store.get(key))[:MAX_LIST_BYTES].decode("utf-8", "replace")
             values = []
             for line in text.splitlines():
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, RecursionError):
                     values.append(json.loads(line))
             return values
 
         try:
-            return self._read(f"reading {key!r}", read, limit_s)
+            return self._bounded(f"reading {key!r} from {self.where}", read, limit_s)
         except Exception:  # a dead or stopped store: nothing to read
             return []

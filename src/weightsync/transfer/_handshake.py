@@ -4,11 +4,14 @@ Before any tensor byte moves, the trainer announces its update `n`, every worker
 (ready, or refused and why), and the trainer publishes its decision; only a decision to go lets
 the ranks into the collectives. The round lives in the store, not in a collective, so a worker
 that refuses a message never waits for the trainer. A refusal reaches the trainer's update of
-the same send (`_identity.send_identity`) and no other; docs/transfer/broadcast.md gives the rules and
-every interleaving. Keys, JSON values (`n` counts the trainer's updates from 1):
-`update/latest`; `update/{n}` (the announcement); `update/{n}/answer/{rank}`, written once;
-`update/{n}/decision`; `update/early/{rank}` (refusals that found no update of theirs on the
-line, kept for the next one).
+the same send (`_identity.send_identity`) and no other; a refusal kept from before its update
+was on the line is taken only by an update announcing the very tensors the refused message
+listed, and a later message of the same send that the worker accepts withdraws it.
+docs/transfer/broadcast.md gives the rules and every interleaving. Keys, JSON values (`n` counts
+the trainer's updates from 1): `update/latest`; `update/{n}` (the announcement);
+`update/{n}/answer/{rank}`, written once; `update/{n}/decision`; `update/early/{rank}`
+(refusals that found no update of theirs on the line, kept for the next one). Every value read
+is checked for its form before use: any process that reaches the store can write into it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Protocol
 
@@ -35,6 +38,11 @@ _EARLY_KEPT = 8
 # The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 
+answered_hook: Callable[[int], None] | None = None
+"""Test hook: called on a worker with `n` once it answered update `n` ready, before it waits
+for the trainer's decision. Fault tests stop the trainer there, to play that interleaving on
+purpose. Unset, it does nothing."""
+
 
 class StoreGroup(Protocol):
     """What the round needs of a group: its rank, world, timeout and store."""
@@ -49,6 +57,7 @@ class StoreGroup(Protocol):
     def get(self, key: str, timeout_s: float | None = None) -> Any: ...
     def set_once(self, key: str, value: Any) -> Any: ...
     def delete(self, key: str) -> None: ...
+    def malformed(self, key: str, detail: str) -> WeightTransferError: ...
 
 
 def _update_key(n: int) -> str:
@@ -75,19 +84,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _malformed(key: str, value: object) -> WeightTransferError:
-    return WeightTransferError(
-        f"the transfer store holds a malformed value under {key!r} ({str(value)[:100]}): it is "
-        "not a weightsync trainer's, or another process writes into it"
-    )
+def _malformed(group: StoreGroup, key: str, value: object) -> WeightTransferError:
+    return group.malformed(key, f"{value!r:.100}")
 
 
 def _announcement(group: StoreGroup, n: int) -> dict[str, Any] | None:
     """The trainer's announcement of update `n`, checked (None if there is none)."""
-    return _checked_announcement(n, group.lookup(_update_key(n)))
+    return _checked_announcement(group, n, group.lookup(_update_key(n)))
 
 
-def _checked_announcement(n: int, value: object) -> dict[str, Any] | None:
+def _checked_announcement(group: StoreGroup, n: int, value: object) -> dict[str, Any] | None:
     """An announcement as read from the store, after checking its form."""
     if value is None:
         return None
@@ -96,7 +102,7 @@ def _checked_announcement(n: int, value: object) -> dict[str, Any] | None:
             return value
         if _is_int(value.get("tensors")) and _is_int(value.get("digest")):
             return value
-    raise _malformed(_update_key(n), value)
+    raise _malformed(group, _update_key(n), value)
 
 
 def _checked_answer(value: object) -> dict[str, Any] | None:
@@ -106,6 +112,19 @@ def _checked_answer(value: object) -> dict[str, Any] | None:
     ):
         return value
     return None
+
+
+def _checked_decision(group: StoreGroup, n: int, value: object) -> dict[str, Any] | None:
+    """A decision as read from the store, after checking its form (None if there is none)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and (
+        value.get("go") is True
+        or isinstance(value.get("refused"), str)
+        or isinstance(value.get("timeout"), str)
+    ):
+        return value
+    raise _malformed(group, _decision_key(n), value)
 
 
 def _rejected(reasons: str) -> WeightValidationError:
@@ -153,9 +172,11 @@ def open_update(
     group.set(_update_key(n), {"send": send, "tensors": len(specs), "digest": digest})
     group.set(LATEST, n)
     deadline = time.monotonic() + group.timeout_s
-    answers = _collect(group, n, send, receiving, rank_offset, deadline)
+    answers = _collect(group, n, send, digest, receiving, rank_offset, deadline)
     silent = [rank for rank in range(1, group.world_size) if rank not in answers]
-    refusals = [f"rank {r}: {a['refused']}" for r, a in sorted(answers.items()) if "refused" in a]
+    refusals = [
+        f"rank {r}: {_bounded(a['refused'])}" for r, a in sorted(answers.items()) if "refused" in a
+    ]
     if refusals:
         if silent:
             refusals.append(f"ranks {silent} did not answer within {group.timeout_s:g} s")
@@ -183,6 +204,7 @@ def _collect(
     group: StoreGroup,
     n: int,
     send: str,
+    digest: int,
     receiving: Sequence[Future[Any]],
     rank_offset: int,
     deadline: float,
@@ -195,17 +217,19 @@ def _collect(
             if rank in answers:
                 continue
             key = _answer_key(n, rank)
-            value = group.lookup(key) if group.has([key]) else None  # `has` is local: cheap
+            value = group.lookup(key)
             if value is None:
-                early = _early_refusal(group, rank, n, send)
+                early = _early_refusal(group, rank, n, send, digest)
                 failed = _failed_call(receiving, rank - rank_offset)
                 if early is not None:
                     value = group.set_once(key, {"refused": _bounded(early)})
                 elif failed is not None:  # the worker never saw the message: "unseen"
                     value = group.set_once(key, {"refused": _bounded(failed), "unseen": True})
             if value is not None:
-                malformed = {"refused": f"a malformed answer {value!r:.100}"}
-                answers[rank] = _checked_answer(value) or malformed
+                answer = _checked_answer(value)
+                if answer is None:  # no weightsync worker wrote it: the store is not to trust
+                    raise _malformed(group, key, value)
+                answers[rank] = answer
         now = time.monotonic()
         if len(answers) == group.world_size - 1 or now >= deadline:
             return answers
@@ -218,15 +242,24 @@ def _collect(
             pause = min(2 * pause, _LONGEST_PAUSE_S)
 
 
-def _early_refusal(group: StoreGroup, rank: int, n: int, send: str) -> str | None:
-    """A refusal `rank` made before update `n` was on the line, if it refused this very send."""
+def _early_refusal(group: StoreGroup, rank: int, n: int, send: str, digest: int) -> str | None:
+    """A refusal `rank` made before update `n` was on the line, if it refused this very update.
+
+    That is a message of the same send that listed the very tensors update `n` announces: a
+    refused message of the send listing other tensors (a stray or mangled copy) is no answer
+    to this update, which waits for the worker's own.
+    """
     key = _early_key(rank)
-    kept = group.lookup(key) if group.has([key]) else None
-    for entry in kept if isinstance(kept, list) else ():
+    kept = group.lookup(key)
+    if kept is not None and not isinstance(kept, list):
+        raise _malformed(group, key, kept)
+    for entry in kept or ():
         if (
             isinstance(entry, dict)
             and entry.get("update") == n
             and entry.get("send") == send
+            and _is_int(entry.get("digest"))
+            and entry.get("digest") == digest
             and isinstance(entry.get("refused"), str)
         ):
             return entry["refused"]  # type: ignore[no-any-return]
@@ -271,16 +304,18 @@ class WorkerHandshake:
         if value is None:
             return 0
         if not _is_int(value) or value < 1:
-            raise _malformed(LATEST, value)
+            raise _malformed(self._group, LATEST, value)
         return int(value)
 
-    def refuse(self, send: str, reason: str) -> bool:
+    def refuse(self, send: str, reason: str, digest: int | None = None) -> bool:
         """Refuses the message of `send` at once: this never waits for the trainer.
 
         It answers the trainer's newest update if that one is of `send` and undecided (decided:
         the trainer went on without this rank, nothing is left to say); otherwise it is kept
-        for the trainer's next update, which takes it only if that one is of `send`. Returns
-        False when the store cannot be reached: the trainer is gone, and so is its group.
+        for the trainer's next update, which takes it only if that one is of `send` and
+        announces the tensors of `digest` (`metadata_digest` of the message's tensors; None
+        when it lists none that can be read: then no later update takes it). Returns False when
+        the store cannot be reached: the trainer is gone, and so is its group.
         """
         group, reason = self._group, _bounded(reason)
         try:
@@ -292,7 +327,7 @@ class WorkerHandshake:
                     if group.lookup(_decision_key(n)) is None:
                         group.set_once(key, {"refused": reason})
                     return True
-            self._early.append({"update": n + 1, "send": send, "refused": reason})
+            self._early.append({"update": n + 1, "send": send, "digest": digest, "refused": reason})
             group.set(_early_key(group.rank), list(self._early))
         except WeightTransferError as exc:
             logger.warning("rank %d refused an update, but the trainer's store is gone: %s",
@@ -303,7 +338,7 @@ class WorkerHandshake:
     def trainer_is_gone(self) -> bool:
         """Whether the trainer's store stopped answering (the trainer closed its group or died)."""
         try:
-            self._group.lookup(LATEST)
+            self._group.has([LATEST])  # reaches the store without reading what another wrote
         except WeightTransferError as exc:
             # Expected (a trainer closes its group when it is done): one line; torch's own
             # failure, with its C++ frames, is the cause, for a debug log.
@@ -330,11 +365,14 @@ class WorkerHandshake:
         """
         group = self._group
         deadline = time.monotonic() + group.timeout_s
+        self._withdraw(send)
         n = self._latest()
         announced = _announcement(group, n) if n and n != self._went else None
+        if n and n != self._went and announced is None:  # the trainer writes it before `latest`
+            raise _malformed(group, LATEST, f"{n}, but update {n} was never announced")
         while True:
             if announced is not None:
-                decided = group.lookup(_decision_key(n))
+                decided = _checked_decision(group, n, group.lookup(_decision_key(n)))
                 if decided is None and "refused" in announced:  # the trainer refuses its own
                     decided = {"refused": f"rank 0: {announced['refused']}"}
                 if decided is None:
@@ -344,7 +382,14 @@ class WorkerHandshake:
                     _refuse_again(n, _checked_answer(mine), decided)
             n += 1
             value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
-            announced = _checked_announcement(n, value)
+            announced = _checked_announcement(group, n, value)
+
+    def _withdraw(self, send: str) -> None:
+        """Withdraws the kept refusals of `send`: this accepted message of it supersedes them."""
+        kept = [entry for entry in self._early if entry["send"] != send]
+        if len(kept) < len(self._early):
+            self._early = deque(kept, maxlen=_EARLY_KEPT)
+            self._group.set(_early_key(self._group.rank), kept)
 
     def _answer(
         self, n: int, announced: dict[str, Any], specs: Sequence[TensorSpec], deadline: float
@@ -362,18 +407,23 @@ class WorkerHandshake:
         stored = group.set_once(_answer_key(n, group.rank), mine)
         if stored != mine:  # the trainer took an earlier refusal of this same send as the answer
             answer = _checked_answer(stored)
-            raise _rejected(f"rank {group.rank}: {answer['refused'] if answer else stored}")
+            if answer is None or "refused" not in answer:
+                raise _malformed(group, _answer_key(n, group.rank), stored)
+            raise _rejected(f"rank {group.rank}: {_bounded(answer['refused'])}")
         if problem is not None:
             raise problem
-        decision = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
-        if isinstance(decision, dict) and decision.get("go") is True:
+        if answered_hook is not None:
+            answered_hook(n)
+        value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
+        decision = _checked_decision(group, n, value)
+        if decision is None:  # a JSON null under the key: not the trainer's
+            raise _malformed(group, _decision_key(n), value)
+        if decision.get("go") is True:
             self._went = n
             return
-        if isinstance(decision, dict) and isinstance(decision.get("refused"), str):
-            raise _rejected(decision["refused"])
-        if isinstance(decision, dict) and isinstance(decision.get("timeout"), str):
-            raise WeightTransferTimeout(decision["timeout"])
-        raise _malformed(_decision_key(n), decision)
+        if isinstance(decision.get("refused"), str):
+            raise _rejected(_bounded(decision["refused"]))
+        raise WeightTransferTimeout(_bounded(decision["timeout"]))
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
         """Waits for `key` until `deadline`; a timeout names the whole round's limit."""

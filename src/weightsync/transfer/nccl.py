@@ -27,7 +27,7 @@ from weightsync.transfer._broadcast import InFlight
 from weightsync.transfer._checks import is_int
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
 from weightsync.transfer._handshake import WorkerHandshake
-from weightsync.transfer._identity import send_identity
+from weightsync.transfer._identity import metadata_digest, send_identity
 from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer._watch import Watch, exclusive
 from weightsync.transfer.base import (
@@ -349,7 +349,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         try:
             specs = self.check_update(self.parse_update_info(update_info))
         except WeightValidationError as exc:
-            self._refuse(send, str(exc))
+            self._refuse(update_info, str(exc))
             raise
         try:
             handshake.join(send, specs)
@@ -401,10 +401,19 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
     ) -> None:
         """Answers the update's handshake with `reason` at once (see the base class)."""
         if self.is_initialized:  # else no trainer can be waiting on this rank
-            self._refuse(send_identity(update_info), f"{type(reason).__name__}: {reason}")
+            self._refuse(update_info, f"{type(reason).__name__}: {reason}")
 
-    def _refuse(self, send: str, reason: str) -> None:
-        if self._handshake is not None and not self._handshake.refuse(send, reason):
+    def _refuse(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: str
+    ) -> None:
+        """Answers the handshake with a refusal of `update_info`'s message."""
+        if self._handshake is None:
+            return
+        try:  # what the message lists, so that only an update announcing it takes the refusal
+            digest: int | None = metadata_digest(self.parse_update_info(update_info).specs())
+        except WeightValidationError:
+            digest = None  # it lists nothing readable: no update announces it
+        if not self._handshake.refuse(send_identity(update_info), reason, digest):
             self.shutdown()  # the trainer is gone: leave its group
 
     def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
