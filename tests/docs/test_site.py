@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_support import DOCS, ROOT, BuiltSite
+from docs_support import DOCS, REPO_URL, ROOT, BuiltSite
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -39,6 +39,17 @@ def test_strict_build_has_no_warning(built_site: BuiltSite):
         line for line in built_site.log.splitlines() if re.match(r"(WARNING|ERROR)\s+-", line)
     ]
     assert not warnings, "\n".join(warnings)
+
+
+def test_every_page_links_the_repository(built_site: BuiltSite):
+    """The header links the source on every page; each hand-written page has its edit link."""
+    site = built_site.require()
+    pages = sorted(site.rglob("index.html"))
+    assert len(pages) > 30
+    unlinked = [p for p in pages if f'href="{REPO_URL}"' not in p.read_text(encoding="utf-8")]
+    assert not unlinked, f"pages without the repository link: {unlinked}"
+    install = (site / "install" / "index.html").read_text(encoding="utf-8")
+    assert f'href="{REPO_URL}/edit/' in install and "/docs/install.md" in install
 
 
 def test_every_example_has_a_page(built_site: BuiltSite):
