@@ -216,3 +216,20 @@ def test_the_documented_wire_parameters_are_the_checked_ones():
     assert "The trainer decides `backend` and `world_size` and the four *wire parameters*" in text
     info = NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1, world_size=2)
     assert set(info.wire_params()) == {*fields[-5:], "world_size"}
+
+
+def test_the_real_model_page_serves_the_dtype_its_trainer_sends():
+    """The page's serve command and its `transformers` trainer agree on the dtype (the server
+    refuses every tensor of another), and it fetches with the `hf` command that
+    `huggingface_hub` ships (`huggingface-cli` is gone from it)."""
+    page = (DOCS / "serving-real-models.md").read_text(encoding="utf-8")
+    fences = re.findall(r"^```(\w+)\n(.*?)^```$", page, re.MULTILINE | re.DOTALL)
+    (serve,) = [text for lang, text in fences if lang == "bash" and "weightsync serve" in text]
+    (trainer,) = [text for lang, text in fences if lang == "python" and "from_pretrained" in text]
+    served = re.search(r"--dtype (\w+)", serve)
+    loaded = re.search(r"dtype=torch\.(\w+)", trainer)
+    assert served is not None and loaded is not None, (serve, trainer)
+    assert served[1] == loaded[1]
+    assert "hf download" in serve
+    pages = [ROOT / "README.md", *DOCS.rglob("*.md")]
+    assert not [p for p in pages if "huggingface-cli" in p.read_text(encoding="utf-8")]
