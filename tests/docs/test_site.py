@@ -233,3 +233,42 @@ def test_the_real_model_page_serves_the_dtype_its_trainer_sends():
     assert "hf download" in serve
     pages = [ROOT / "README.md", *DOCS.rglob("*.md")]
     assert not [p for p in pages if "huggingface-cli" in p.read_text(encoding="utf-8")]
+
+
+def test_the_examples_start_here_ranks_every_example_once(built_site: BuiltSite):
+    """The examples page opens with the order to run them in: the demo first, each one once."""
+    html = (built_site.require() / "examples" / "index.html").read_text(encoding="utf-8")
+    ranked = html.split('id="start-here"', 1)[1].split("</ol>", 1)[0]
+    linked = re.findall(r'<li><a href="([a-z_]+)/">', ranked)
+    assert linked[0] == "async_rl"
+    assert sorted(linked) == sorted(path.stem for path in EXAMPLES)
+
+
+# The text column of a page at 1280 px holds 80 characters of code (Material's code font);
+# a longer line scrolls sideways. docs/ruff.toml formats the pages' Python blocks to it.
+CODE_COLUMN_CHARS = 80
+
+
+def _code_lines(text: str) -> list[tuple[int, str, str]]:
+    """`(line number, language, line)` of every line inside a fenced block, fence indent off."""
+    found, fence, indent, language = [], "", "", ""
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = re.match(r"^(\s*)(`{3,}|~{3,})(\S*)", line)
+        if opening and not fence:
+            indent, fence, language = opening[1], opening[2], opening[3]
+        elif fence and line.strip() == fence:
+            fence = ""
+        elif fence:
+            found.append((number, language, line.removeprefix(indent)))
+    return found
+
+
+def test_code_blocks_fit_the_text_column():
+    pages = sorted(p for p in DOCS.rglob("*.md") if p.name != "SUMMARY.md")
+    wide = [
+        f"{page.relative_to(DOCS)}:{number}: {len(line)} characters"
+        for page in pages
+        for number, language, line in _code_lines(page.read_text(encoding="utf-8"))
+        if language != "mermaid" and len(line) > CODE_COLUMN_CHARS
+    ]
+    assert not wide, "\n".join(wide)
