@@ -157,3 +157,36 @@ def test_copied_code_is_what_the_docs_tests_run(page, site_url: str, built_site:
         assert copied == expected, url
         checked += len(expected)
     assert checked >= 10
+
+
+# A page a reader scrolls through at 1280 px wide: past this, its reference parts are folded
+# (`??? info`), or it is split.
+MAX_PAGE_HEIGHT_PX = 8000
+
+
+def test_no_page_is_taller_than_8000_px_at_1280_wide(page, site_url: str, built_site: BuiltSite):
+    site = built_site.require()
+    page.call(
+        "Emulation.setDeviceMetricsOverride",
+        width=1280,
+        height=900,
+        deviceScaleFactor=1,
+        mobile=False,
+    )
+    heights = {}
+    try:
+        for path in sorted(site.rglob("index.html")):
+            parts = path.parent.relative_to(site).parts
+            if parts and parts[0] in ("reference", "examples"):
+                continue  # generated: the API reference and the example scripts, in full
+            url = (site_url + path.parent.relative_to(site).as_posix() + "/").replace("/./", "/")
+            page.goto(url)
+            page.wait_for("document.querySelectorAll('pre.mermaid').length === 0", timeout_s=30)
+            heights[url.removeprefix(site_url) or "/"] = page.evaluate(
+                "document.documentElement.scrollHeight"
+            )
+    finally:
+        page.call("Emulation.clearDeviceMetricsOverride")
+    assert len(heights) > 20
+    tall = {url: px for url, px in heights.items() if px > MAX_PAGE_HEIGHT_PX}
+    assert not tall, f"pages taller than {MAX_PAGE_HEIGHT_PX} px at 1280 wide: {tall}"
