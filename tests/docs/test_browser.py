@@ -149,6 +149,8 @@ def test_copied_code_is_what_the_docs_tests_run(page, site_url: str, built_site:
             continue
         url = (site_url + path.parent.relative_to(site).as_posix() + "/").replace("/./", "/")
         page.goto(url)
+        # A reader opens a folded block (`??? info`) before copying from it.
+        page.evaluate("document.querySelectorAll('details').forEach(d => { d.open = true; })")
         copied = page.evaluate(
             "Array.from(document.querySelectorAll('.language-python.highlight code')).map(c => {"
             " c.setAttribute('data-md-copying', ''); const text = c.innerText.trimEnd();"
