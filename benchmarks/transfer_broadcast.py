@@ -6,7 +6,7 @@ page faults and connection set-up are not what is compared), the modes take turn
 per round, so that a busy moment of the machine hits all of them alike; each figure is the median
 over the rounds (the best run is reported beside it).
 
-- `raw`: one broadcast of one preallocated buffer holding all the bytes (the wire ceiling).
+- `raw`: one broadcast of one preallocated buffer holding all the bytes (the one-call baseline).
 - `naive`: one blocking broadcast per tensor into preallocated tensors.
 - `weightsync`: `trainer_send_weights` from an ordinary module (separate parameter tensors)
   into the receivers' parameters, which the receiving engine laid out once in the bucket layout

@@ -61,12 +61,12 @@ SUMMARIES = {
     "transfer_gloo": (
         "Transfer over gloo",
         "About 1 GiB of bfloat16 weights from a trainer process into one or two receivers, each "
-        "way of moving them against one broadcast of one buffer (`raw`, the wire's ceiling).",
+        "way of moving them against one broadcast of one buffer (`raw`, the baseline).",
     ),
     "transfer_ipc": (
         "Transfer over shared memory (IPC)",
         "The same weights through shared memory, packed or zero-copy, against one `memcpy` (the "
-        "ceiling) and pickled tensors through a pipe (the naive way).",
+        "baseline) and pickled tensors through a pipe (the naive way).",
     ),
     "transfer_http": (
         "Transfer through weightsync serve",

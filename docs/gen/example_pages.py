@@ -116,6 +116,25 @@ def page(path: Path) -> str:
     return "\n".join(lines)
 
 
+# The order to read the examples in, first to last, and what each adds to the ones before it.
+START_HERE = [
+    (
+        "async_rl",
+        "the whole story in one run: an engine generates while the trainer learns, "
+        "and each new policy lands in the rollouts in flight (`keep` pause)",
+    ),
+    ("pause_resume", "the pause modes side by side on the same requests in flight"),
+    ("broadcast_sync", "the data plane alone: a trainer broadcasts into two receivers (gloo)"),
+    ("rlhf_nccl", "a trainer and two engine processes on one broadcast group"),
+    ("rlhf_http_nccl", "the same into a running `weightsync serve`, driven over HTTP"),
+    ("rlhf_ipc", "colocated: weights through memory handles instead of a broadcast"),
+    ("rlhf_http_ipc", "memory handles into a server, over HTTP"),
+    ("hf_trainer", "a `transformers` model as the trainer, serving its own directory"),
+    ("multi_rank_trainer", "a sharded (FSDP2) trainer: rank 0 sends, every rank gathers"),
+    ("rlhf_ray", "trainer and servers placed as Ray actors (needs the `ray` extra)"),
+]
+
+
 def main() -> None:
     """Writes `examples/<stem>.md` per example, an index page and `examples/SUMMARY.md`."""
     paths = sorted(EXAMPLES.glob("*.py"))
@@ -125,6 +144,17 @@ def main() -> None:
         "",
         "Runnable scripts over the public API, from `examples/rlhf/` in the repository. Each "
         "one checks its own outcome and is run by the test suite.",
+        "",
+        "## Start here",
+        "",
+        "In this order, each one adding to the ones before it:",
+        "",
+        *(
+            f"{rank}. [{title_of(EXAMPLES / f'{stem}.py')}]({stem}.md): {why}"
+            for rank, (stem, why) in enumerate(START_HERE, start=1)
+        ),
+        "",
+        "## Every example",
         "",
         "| Example | What it shows |",
         "| --- | --- |",

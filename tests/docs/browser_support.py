@@ -68,8 +68,11 @@ def serve_directory(directory: Path) -> Iterator[str]:
 class Page:
     """One browser tab: navigate, evaluate JavaScript, type; collects errors and refused requests."""
 
-    def __init__(self, ws_url: str, origin: str) -> None:
+    def __init__(self, ws_url: str, origin: str, tolerated: tuple[str, ...] = ()) -> None:
         import websocket  # websocket-client
+
+        # Outside requests the page does without: refused too, but neither recorded nor an error.
+        self._tolerated = tolerated
 
         self._ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
         self._origin = origin
@@ -97,7 +100,8 @@ class Page:
             if url.startswith(self._origin) or url.startswith("data:"):
                 self._send("Fetch.continueRequest", {"requestId": params["requestId"]})
             else:
-                self.refused.append(url)
+                if not url.startswith(self._tolerated):
+                    self.refused.append(url)
                 self._send(
                     "Fetch.failRequest",
                     {"requestId": params["requestId"], "errorReason": "BlockedByClient"},
@@ -111,7 +115,8 @@ class Page:
             self.errors.append(f"console.{params['type']}: {args}")
         elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
             entry = params["entry"]
-            self.errors.append(f"log: {entry.get('text')} {entry.get('url', '')}".strip())
+            if not entry.get("url", "").startswith(self._tolerated):
+                self.errors.append(f"log: {entry.get('text')} {entry.get('url', '')}".strip())
         self._events.append(event)
 
     def _receive(self) -> dict[str, Any]:
@@ -222,8 +227,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def open_browser(chromium: str, origin: str) -> Iterator[Page]:
-    """Starts a headless Chromium with a fresh profile; yields its first tab."""
+def open_browser(chromium: str, origin: str, tolerated: tuple[str, ...] = ()) -> Iterator[Page]:
+    """Starts a headless Chromium with a fresh profile; yields its first tab.
+
+    Requests outside `origin` are refused; those starting with one of `tolerated` are not
+    reported (as refused requests or console errors).
+    """
     with tempfile.TemporaryDirectory(
         prefix="weightsync-chromium-", ignore_cleanup_errors=True
     ) as profile:
@@ -246,7 +255,7 @@ def open_browser(chromium: str, origin: str) -> Iterator[Page]:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as reply:
                 targets = json.load(reply)
             tab = next(t for t in targets if t["type"] == "page")
-            page = Page(tab["webSocketDebuggerUrl"], origin)
+            page = Page(tab["webSocketDebuggerUrl"], origin, tolerated)
             yield page
         finally:
             if page is not None:

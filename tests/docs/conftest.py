@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from docs_support import ROOT, BuiltSite
+from docs_support import CLONE_URL, ROOT, BuiltSite
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +19,7 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> BuiltSite:
     env = {
         **os.environ,
         "DOCS_OFFLINE": "1",
+        "READTHEDOCS_GIT_CLONE_URL": CLONE_URL,
         "DISABLE_MKDOCS_2_WARNING": "true",
         "NO_MKDOCS_2_WARNING": "1",
     }

@@ -9,6 +9,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+# The tests build as Read the Docs would, from this clone URL: every page then links the repository
+# whatever this checkout's remote is (tests/docs/test_site.py).
+CLONE_URL = "https://github.com/example/weightsync.git"
+REPO_URL = "https://github.com/example/weightsync"
 
 
 @dataclass

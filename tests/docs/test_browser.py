@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from browser_support import find_chromium, open_browser, serve_directory
 from code_blocks import html_blocks
-from docs_support import BuiltSite
+from docs_support import REPO_URL, BuiltSite
 
 pytest.importorskip(
     "websocket", reason="websocket-client is not installed: pip install -e '.[dev]'"
@@ -34,8 +34,13 @@ def page(site_url: str):
             "chromium is not installed (apt-get install chromium): the built site was not "
             "opened in a browser"
         )
-    with open_browser(chromium, site_url) as tab:
+    with open_browser(chromium, site_url, tolerated=(_REPOSITORY_FACTS,)) as tab:
         yield tab
+
+
+# Material asks the repository host's API for the stars and latest release it shows beside the
+# repository link; refused, the link shows the name alone. Nothing else may leave the site.
+_REPOSITORY_FACTS = REPO_URL.replace("https://github.com/", "https://api.github.com/repos/")
 
 
 def _clean(page, url: str) -> None:
@@ -144,6 +149,8 @@ def test_copied_code_is_what_the_docs_tests_run(page, site_url: str, built_site:
             continue
         url = (site_url + path.parent.relative_to(site).as_posix() + "/").replace("/./", "/")
         page.goto(url)
+        # A reader opens a folded block (`??? info`) before copying from it.
+        page.evaluate("document.querySelectorAll('details').forEach(d => { d.open = true; })")
         copied = page.evaluate(
             "Array.from(document.querySelectorAll('.language-python.highlight code')).map(c => {"
             " c.setAttribute('data-md-copying', ''); const text = c.innerText.trimEnd();"
@@ -152,3 +159,36 @@ def test_copied_code_is_what_the_docs_tests_run(page, site_url: str, built_site:
         assert copied == expected, url
         checked += len(expected)
     assert checked >= 10
+
+
+# A page a reader scrolls through at 1280 px wide: past this, its reference parts are folded
+# (`??? info`), or it is split.
+MAX_PAGE_HEIGHT_PX = 8000
+
+
+def test_no_page_is_taller_than_8000_px_at_1280_wide(page, site_url: str, built_site: BuiltSite):
+    site = built_site.require()
+    page.call(
+        "Emulation.setDeviceMetricsOverride",
+        width=1280,
+        height=900,
+        deviceScaleFactor=1,
+        mobile=False,
+    )
+    heights = {}
+    try:
+        for path in sorted(site.rglob("index.html")):
+            parts = path.parent.relative_to(site).parts
+            if parts and parts[0] in ("reference", "examples"):
+                continue  # generated: the API reference and the example scripts, in full
+            url = (site_url + path.parent.relative_to(site).as_posix() + "/").replace("/./", "/")
+            page.goto(url)
+            page.wait_for("document.querySelectorAll('pre.mermaid').length === 0", timeout_s=30)
+            heights[url.removeprefix(site_url) or "/"] = page.evaluate(
+                "document.documentElement.scrollHeight"
+            )
+    finally:
+        page.call("Emulation.clearDeviceMetricsOverride")
+    assert len(heights) > 20
+    tall = {url: px for url, px in heights.items() if px > MAX_PAGE_HEIGHT_PX}
+    assert not tall, f"pages taller than {MAX_PAGE_HEIGHT_PX} px at 1280 wide: {tall}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,15 +25,71 @@ def hook():
     return _load(DOCS / "hooks" / "build_env.py")
 
 
-def _config(inventories: list[str]) -> SimpleNamespace:
-    plugin = SimpleNamespace(
-        config=SimpleNamespace(handlers={"python": {"inventories": inventories}})
-    )
-    return SimpleNamespace(
-        config_file_path=str(ROOT / "mkdocs.yml"),
-        mdx_configs={"pymdownx.snippets": {"base_path": ["."]}},
-        plugins={"mkdocstrings": plugin},
-    )
+class _Config(dict):
+    """What the hook reads of mkdocs' configuration: keys, and a few attributes."""
+
+    def __init__(self, root: Path, inventories: list[str]) -> None:
+        super().__init__(repo_url=None, repo_name=None, edit_uri=None)
+        plugin = SimpleNamespace(
+            config=SimpleNamespace(handlers={"python": {"inventories": inventories}})
+        )
+        self.config_file_path = str(root / "mkdocs.yml")
+        self.mdx_configs = {"pymdownx.snippets": {"base_path": ["."]}}
+        self.plugins = {"mkdocstrings": plugin}
+
+
+def _config(inventories: list[str], root: Path = ROOT) -> _Config:
+    return _Config(root, inventories)
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def clone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A repository with no remote, on branch `dev`; Read the Docs' variables unset."""
+    monkeypatch.delenv("READTHEDOCS_GIT_CLONE_URL", raising=False)
+    monkeypatch.delenv("READTHEDOCS_GIT_IDENTIFIER", raising=False)
+    _git(tmp_path, "init", "--quiet", "--initial-branch=dev")
+    (tmp_path / "mkdocs.yml").write_text("site_name: x\n")
+    return tmp_path
+
+
+def test_read_the_docs_clone_url_links_the_repository(hook, clone, monkeypatch):
+    monkeypatch.setenv("READTHEDOCS_GIT_CLONE_URL", "git@github.com:acme/weightsync.git")
+    monkeypatch.setenv("READTHEDOCS_GIT_IDENTIFIER", "v0.1")
+    _git(clone, "remote", "add", "origin", "https://example.org/other/repo.git")
+    config = hook.on_config(_config([], clone))
+    assert config["repo_url"] == "https://github.com/acme/weightsync"
+    assert config["repo_name"] == "acme/weightsync"
+    assert config["edit_uri"] == "edit/v0.1/docs/"
+
+
+def test_a_local_build_links_git_remote_origin(hook, clone):
+    _git(clone, "remote", "add", "origin", "https://user:token@gitlab.com/acme/ws.git")
+    config = hook.on_config(_config([], clone))
+    # The credentials in the remote never reach the pages.
+    assert config["repo_url"] == "https://gitlab.com/acme/ws"
+    assert config["edit_uri"] == "-/edit/dev/docs/"
+
+
+def test_no_remote_leaves_the_link_out(hook, clone):
+    config = hook.on_config(_config([], clone))
+    assert (config["repo_url"], config["repo_name"], config["edit_uri"]) == (None, None, None)
+
+
+def test_a_remote_that_is_a_path_leaves_the_link_out(hook, clone):
+    _git(clone, "remote", "add", "origin", str(clone.parent))
+    config = hook.on_config(_config([], clone))
+    assert config["repo_url"] is None and config["edit_uri"] is None
+
+
+def test_the_configured_repo_url_is_kept(hook, clone, monkeypatch):
+    monkeypatch.setenv("READTHEDOCS_GIT_CLONE_URL", "https://github.com/acme/weightsync.git")
+    config = _config([], clone)
+    config["repo_url"] = "https://github.com/mine/fork"
+    assert hook.on_config(config)["repo_url"] == "https://github.com/mine/fork"
 
 
 def test_offline_build_drops_the_inventories(hook, monkeypatch):

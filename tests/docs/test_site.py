@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_support import DOCS, ROOT, BuiltSite
+from docs_support import DOCS, REPO_URL, ROOT, BuiltSite
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -39,6 +39,17 @@ def test_strict_build_has_no_warning(built_site: BuiltSite):
         line for line in built_site.log.splitlines() if re.match(r"(WARNING|ERROR)\s+-", line)
     ]
     assert not warnings, "\n".join(warnings)
+
+
+def test_every_page_links_the_repository(built_site: BuiltSite):
+    """The header links the source on every page; each hand-written page has its edit link."""
+    site = built_site.require()
+    pages = sorted(site.rglob("index.html"))
+    assert len(pages) > 30
+    unlinked = [p for p in pages if f'href="{REPO_URL}"' not in p.read_text(encoding="utf-8")]
+    assert not unlinked, f"pages without the repository link: {unlinked}"
+    install = (site / "install" / "index.html").read_text(encoding="utf-8")
+    assert f'href="{REPO_URL}/edit/' in install and "/docs/install.md" in install
 
 
 def test_every_example_has_a_page(built_site: BuiltSite):
@@ -205,3 +216,59 @@ def test_the_documented_wire_parameters_are_the_checked_ones():
     assert "The trainer decides `backend` and `world_size` and the four *wire parameters*" in text
     info = NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1, world_size=2)
     assert set(info.wire_params()) == {*fields[-5:], "world_size"}
+
+
+def test_the_real_model_page_serves_the_dtype_its_trainer_sends():
+    """The page's serve command and its `transformers` trainer agree on the dtype (the server
+    refuses every tensor of another), and it fetches with the `hf` command that
+    `huggingface_hub` ships (`huggingface-cli` is gone from it)."""
+    page = (DOCS / "serving-real-models.md").read_text(encoding="utf-8")
+    fences = re.findall(r"^```(\w+)\n(.*?)^```$", page, re.MULTILINE | re.DOTALL)
+    (serve,) = [text for lang, text in fences if lang == "bash" and "weightsync serve" in text]
+    (trainer,) = [text for lang, text in fences if lang == "python" and "from_pretrained" in text]
+    served = re.search(r"--dtype (\w+)", serve)
+    loaded = re.search(r"dtype=torch\.(\w+)", trainer)
+    assert served is not None and loaded is not None, (serve, trainer)
+    assert served[1] == loaded[1]
+    assert "hf download" in serve
+    pages = [ROOT / "README.md", *DOCS.rglob("*.md")]
+    assert not [p for p in pages if "huggingface-cli" in p.read_text(encoding="utf-8")]
+
+
+def test_the_examples_start_here_ranks_every_example_once(built_site: BuiltSite):
+    """The examples page opens with the order to run them in: the demo first, each one once."""
+    html = (built_site.require() / "examples" / "index.html").read_text(encoding="utf-8")
+    ranked = html.split('id="start-here"', 1)[1].split("</ol>", 1)[0]
+    linked = re.findall(r'<li><a href="([a-z_]+)/">', ranked)
+    assert linked[0] == "async_rl"
+    assert sorted(linked) == sorted(path.stem for path in EXAMPLES)
+
+
+# The text column of a page at 1280 px holds 80 characters of code (Material's code font);
+# a longer line scrolls sideways. docs/ruff.toml formats the pages' Python blocks to it.
+CODE_COLUMN_CHARS = 80
+
+
+def _code_lines(text: str) -> list[tuple[int, str, str]]:
+    """`(line number, language, line)` of every line inside a fenced block, fence indent off."""
+    found, fence, indent, language = [], "", "", ""
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = re.match(r"^(\s*)(`{3,}|~{3,})(\S*)", line)
+        if opening and not fence:
+            indent, fence, language = opening[1], opening[2], opening[3]
+        elif fence and line.strip() == fence:
+            fence = ""
+        elif fence:
+            found.append((number, language, line.removeprefix(indent)))
+    return found
+
+
+def test_code_blocks_fit_the_text_column():
+    pages = sorted(p for p in DOCS.rglob("*.md") if p.name != "SUMMARY.md")
+    wide = [
+        f"{page.relative_to(DOCS)}:{number}: {len(line)} characters"
+        for page in pages
+        for number, language, line in _code_lines(page.read_text(encoding="utf-8"))
+        if language != "mermaid" and len(line) > CODE_COLUMN_CHARS
+    ]
+    assert not wide, "\n".join(wide)

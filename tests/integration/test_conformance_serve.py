@@ -10,7 +10,10 @@ import os
 import subprocess
 import sys
 
+import httpx
 from serve_support import SRC, Server
+
+from weightsync.conformance import run_conformance
 
 
 def test_weightsync_serve_passes_the_conformance_check():
@@ -29,6 +32,26 @@ def test_weightsync_serve_passes_the_conformance_check():
         skipped = {c["name"] for c in report["cases"] if c["outcome"] == "skipped"}
         assert skipped <= {"auth.admin_key_required", "auth.api_key_required"}, skipped
         assert report["summary"]["passed"] >= 70
+    finally:
+        server.stop()
+        server.kill()
+
+
+def test_a_paused_torn_server_is_reported_as_such_before_any_case():
+    """A level-2 sleep, woken, leaves the server paused with torn weights (as an earlier run of
+    the check leaves it): the report says so first, instead of failing case after case."""
+    server = Server("debug", "--port", "0", "--num-kv-blocks", "256")
+    try:
+        for path in ("/sleep?level=2", "/wake_up"):
+            assert httpx.post(server.base_url + path, timeout=60).status_code == 200
+        report = run_conformance(server.base_url, timeout_s=30)
+        first, *rest = report.cases
+        assert (first.name, first.outcome) == ("server.ready", "failed")
+        assert "paused" in first.detail and "torn" in first.detail
+        assert "level-2 sleep" in first.detail and "restart it" in first.detail
+        assert {r.outcome for r in rest} == {"skipped"}
+        assert all(r.detail.startswith("server.ready failed") for r in rest)
+        assert not report.ok
     finally:
         server.stop()
         server.kill()

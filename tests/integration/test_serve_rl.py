@@ -95,6 +95,7 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 MALFORMED = [
     ("POST", "/pause?mode=sideways", None, 400, "'mode' must be one of"),
     ("POST", "/pause?mode=keep&wait_for_inflight_requests=true", None, 400, "conflict"),
+    ("POST", "/pause?wait_for_inflight_requests=true&mode=abort", None, 400, "'mode=abort' and"),
     ("POST", "/pause?clear_cache=maybe", None, 400, "clear_cache"),
     ("POST", "/init_weight_transfer_engine", {}, 400, "'init_info' is required"),
     ("POST", "/init_weight_transfer_engine", b"{not json", 400, "not valid JSON"),

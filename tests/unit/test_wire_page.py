@@ -41,7 +41,22 @@ from weightsync.transfer.base import _WIRE_DTYPES, TensorSpec, dtype_name
 from weightsync.transfer.nccl_trainer import NCCLTrainerSendWeightsArgs, trainer_init
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "transfer" / "wire.md"
-TEXT = PAGE.read_text(encoding="utf-8")
+
+
+def _unfolded(text: str) -> str:
+    """The page with its folded parts (`??? kind "title"`, body indented by 4) opened out."""
+    lines, folded = [], False
+    for line in text.splitlines():
+        if line.startswith("??? "):
+            folded = True
+            continue
+        if folded and line and not line.startswith("    "):
+            folded = False
+        lines.append(line[4:] if folded else line)
+    return "\n".join(lines) + "\n"
+
+
+TEXT = _unfolded(PAGE.read_text(encoding="utf-8"))
 PROSE = " ".join(TEXT.split())  # what a reader reads: wrapped lines joined
 TIMEOUT_S = 30.0
 PAGE_BLOCK_TIMEOUT_S = 60.0

@@ -222,6 +222,14 @@ def _run(probe: Probe, cases: Sequence[Case], keep_weights: bool) -> Conformance
                                  "GET /health answers 200 and /v1/models names a model")  # fmt: skip
         skipped = [CaseResult(c.name, "skipped", reason, c.expect, c.note) for c in ordered]
         return ConformanceReport(probe.url, {}, (unreachable, *skipped))
+    not_ready = _not_ready(probe)
+    if not_ready is not None:
+        # Every case would fail on the state the server started in: report that, not them.
+        reason = f"server.ready failed: {not_ready}"
+        unready = CaseResult("server.ready", "failed", not_ready,
+                             "the server is not paused, not asleep, and its weights are whole")  # fmt: skip
+        skipped = [CaseResult(c.name, "skipped", reason, c.expect, c.note) for c in ordered]
+        return ConformanceReport(probe.url, server, (unready, *skipped))
     results: list[CaseResult] = []
     down: str | None = None
     for case in ordered:
@@ -267,6 +275,43 @@ def _discover(probe: Probe) -> dict[str, Any]:
     if info.status == 200 and isinstance(info.body, dict):
         server["weight_version"] = info.body.get("weight_version")
     return server
+
+
+def _not_ready(probe: Probe) -> str | None:
+    """Why the server cannot be checked as it stands (paused, asleep, torn), or None.
+
+    The cases need a running server. A paused one is asked, without changing it, whether its
+    weights are torn: a sound server refuses `/weight_checker` on torn weights and names the
+    cause (a failed update, or a level-2 sleep such as an earlier run of this check ends with).
+    """
+    paused = probe.call("GET", "/is_paused")
+    if not (
+        paused.status == 200 and isinstance(paused.body, dict) and paused.body.get("is_paused")
+    ):
+        return None
+    causes = ["the server is paused"]
+    sleeping = probe.call("GET", "/is_sleeping")
+    if (
+        sleeping.status == 200
+        and isinstance(sleeping.body, dict)
+        and sleeping.body.get("is_sleeping")
+    ):
+        causes.append("asleep")
+    checked = probe.call("POST", "/weight_checker", json_body={"action": "checksum"})
+    error = checked.body.get("error") if isinstance(checked.body, dict) else None
+    torn = isinstance(error, dict) and error.get("type") == "TornWeightsError"
+    if torn:
+        causes.append(f"its weights are torn ({checked.error_message()})")
+    if torn:
+        remedy = "restart it (or land an update of every weight, then POST /resume)"
+    elif len(causes) > 1:
+        remedy = "POST /wake_up"
+    else:
+        remedy = "POST /resume"
+    return (
+        f"{' and '.join(causes)} at the start, so every case would fail on that state rather "
+        f"than on the contract: {remedy}, then run the check again"
+    )
 
 
 def _restore_version(probe: Probe, version: Any) -> None:

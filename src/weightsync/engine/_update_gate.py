@@ -133,11 +133,9 @@ class UpdateGate:
     def check_can_generate(self, call: str) -> None:
         """Raises when `call` (`generate()` or `resume_generation()`) could not generate."""
         if self.weights.is_torn:
-            names = sorted(self.weights.torn_names)
             raise TornWeightsError(
-                f"{call}: a failed weight update left {len(names)} weights torn (e.g. "
-                f"{names[:3]}), so the engine does not generate: land an update that covers them "
-                "with update_weights(...) first"
+                f"{call}: {self.weights.torn_cause()}, so the engine does not generate: land an "
+                "update that covers them with update_weights(...) first"
             )
         if self.weights.in_update:
             raise WeightUpdateStateError(

@@ -42,7 +42,7 @@ from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import ByteTokenizer, Prompt, Tokenizer
 from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
-from weightsync.errors import EngineStateError, InvalidRequestError
+from weightsync.errors import EngineStateError, InvalidRequestError, TornWeightsError
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
 from weightsync.transfer.disk import WeightDir
@@ -658,9 +658,16 @@ class LLMEngine:
         """SHA-256 of every weight's bytes, by Hugging Face name (see `weight_checksums`).
 
         Raises:
-            EngineStateError: A weight update is in progress or weights are torn: the digests
-                would describe weights that are about to change or are half-written.
+            TornWeightsError: Weights are torn: the digests would describe half-written (or,
+                after a level-2 sleep, empty) weights. The message names the cause.
+            EngineStateError: A weight update is in progress, or the weights are asleep: the
+                digests would describe weights that are about to change.
         """
+        if self.weights.is_torn and not self.weights.in_update:
+            raise TornWeightsError(
+                f"weight_checker: {self.weights.torn_cause()}; check after an update that "
+                "covers them lands"
+            )
         if self.weights.holds_generation or self.weights.asleep:
             raise EngineStateError(
                 "weight_checker: a weight update is in progress, or the weights are torn or "

@@ -190,6 +190,8 @@ class LiveWeights:
         self.weight_version: WeightVersion = weight_version
         self.num_updates = 0
         self.torn_names: set[str] = set()
+        # The torn weights a level-2 sleep emptied (not a failed update): errors name the cause.
+        self._torn_by_sleep: set[str] = set()
         self._transaction: _Transaction | None = None
         self._on_write = on_write or (lambda: None)
         self._staging_buffers: dict[str, torch.Tensor] = {}  # reused by every staged transaction
@@ -203,6 +205,26 @@ class LiveWeights:
     def is_torn(self) -> bool:
         """Whether some weights may be half-written by a failed update."""
         return bool(self.torn_names)
+
+    def torn_cause(self) -> str:
+        """What tore the torn weights, for an error message: a failed update, a level-2 sleep.
+
+        For example: `"a level-2 sleep discarded 12 weights (e.g. ['lm_head.weight']), and
+        since wake_up they hold nothing valid"`.
+        """
+        by_sleep = sorted(self._torn_by_sleep & self.torn_names)
+        by_update = sorted(self.torn_names - self._torn_by_sleep)
+        causes = []
+        if by_update:
+            causes.append(
+                f"a failed weight update left {len(by_update)} weights torn (e.g. {by_update[:3]})"
+            )
+        if by_sleep:
+            causes.append(
+                f"a level-2 sleep discarded {len(by_sleep)} weights (e.g. {by_sleep[:3]}), and "
+                "since wake_up they hold nothing valid"
+            )
+        return "; and ".join(causes)
 
     @property
     def in_update(self) -> bool:
@@ -564,6 +586,7 @@ class LiveWeights:
             raise self._non_finite_error(bad, ends=f" and the update's weights are {outcome}")
         self._transaction = None
         self.torn_names -= txn.landed
+        self._torn_by_sleep -= txn.landed
         if self.torn_names:
             raise self._torn_error(sorted(self.torn_names))
         self.num_updates += 1
@@ -631,10 +654,11 @@ class LiveWeights:
         )
 
     def _torn_error(self, torn: list[str]) -> TornWeightsError:
+        # The cause counts every torn weight; `torn` leaves out those this update is landing.
         return TornWeightsError(
-            f"finish_weight_update: the update landed, but {len(torn)} weights are still torn by "
-            f"an earlier failed update (e.g. {torn[:3]}); the version stays "
-            f"{self.weight_version!r}: send an update that covers them"
+            f"finish_weight_update: the update landed, but {len(torn)} weights are still torn "
+            f"({self.torn_cause()}); the version stays {self.weight_version!r}: send an update "
+            "that covers them"
         )
 
     def abort(self) -> bool:
@@ -704,6 +728,7 @@ class LiveWeights:
             )  # fmt: skip
             return
         self.torn_names |= txn.touched
+        self._torn_by_sleep -= txn.touched  # whatever they held before, this failure tore them
         logger.error(
             "weight update failed or aborted after writing part of the weights: %d weights torn",
             len(txn.touched),
@@ -745,6 +770,7 @@ class LiveWeights:
             for parameter in self.model.parameters():
                 parameter.zero_()
         self.torn_names = set()
+        self._torn_by_sleep = set()
         self._on_write()
         logger.warning("every weight was reset to zero; version stays %r", self.weight_version)
 
@@ -790,7 +816,9 @@ class LiveWeights:
         for storage, nbytes in self._discarded:
             storage.resize_(nbytes)
         if self._discarded:
-            self.torn_names |= {name for name, _ in self.model.named_weights()}
+            emptied = {name for name, _ in self.model.named_weights()}
+            self.torn_names |= emptied
+            self._torn_by_sleep |= emptied
             logger.warning("weights woken after being discarded: torn until an update lands")
         self._discarded = []
         self._asleep = False

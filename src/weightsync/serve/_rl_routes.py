@@ -158,13 +158,15 @@ async def _pause(
 ) -> Answer:
     """Pauses generation at a step boundary: `abort`, `wait` (drain first) or `keep` (freeze).
 
-    `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`. A pause armed
-    by `/arm_pause` lands where it was armed to, and this call waits for it. `timeout_s` (a
-    weightsync extension) bounds each replica's answer on a data-parallel front.
+    `wait_for_inflight_requests=true` is the deprecated spelling of `mode=wait`; given with any
+    other `mode` (`abort` included) it is a 400. A pause armed by `/arm_pause` lands where it was
+    armed to, and this call waits for it. `timeout_s` (a weightsync extension) bounds each
+    replica's answer on a data-parallel front.
     """
     pause_mode = _pause_mode(mode)
     if wait_for_inflight_requests:
-        if pause_mode not in ("abort", "wait"):  # abort is the default: it may mean "not given"
+        # `mode` defaults to abort, so only a mode given in the query can conflict.
+        if "mode" in request.query_params and pause_mode != "wait":
             raise RequestRefused(
                 400,
                 f"query parameters 'mode={mode}' and 'wait_for_inflight_requests=true' conflict: "

@@ -75,6 +75,25 @@ def test_level_2_frees_the_weights_and_they_wake_torn_until_an_update_lands(loca
     assert all(torch.equal(held[name], tensor) for name, tensor in policy.items())
 
 
+def test_weights_torn_by_a_level_2_sleep_are_not_blamed_on_a_failed_update(local_source, policy):
+    engine = make_engine()
+    engine.init_weight_transfer_engine(local_source.init_request)
+    engine.sleep(2)
+    engine.wake_up()
+    with pytest.raises(TornWeightsError) as refused:
+        engine.resume_generation()
+    message = str(refused.value)
+    assert "a level-2 sleep discarded" in message and "since wake_up" in message
+    assert "failed" not in message
+    # An update that covers part of them names the same cause for the rest.
+    one = {"model.norm.weight": policy["model.norm.weight"]}
+    local_source.tensors = one
+    with pytest.raises(TornWeightsError, match=r"still torn \(a level-2 sleep discarded") as left:
+        engine.update_weights(local_source.update_info(weight_version="part"))
+    assert "failed" not in str(left.value)
+    assert engine.weight_version == 0
+
+
 def test_keep_mode_freezes_requests_that_finish_their_tokens_after_wake_up():
     engine = make_engine()
     expected = run(engine, "frozen one", "frozen two", tokens=10)
