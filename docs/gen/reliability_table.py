@@ -42,6 +42,8 @@ SURFACES = {
     "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",
     "tests/unit/test_group.py": "the broadcast group: world size and timeouts",
     "tests/faults/test_hostile_store.py": "a hostile process writing into a broadcast group's store",
+    "tests/integration/test_refusals_side_effects.py": "refused control calls: nothing changes",
+    "tests/integration/test_vllm_client_recovery.py": "vLLM's calls alone after a refused update",
     "tests/unit/engine/test_llm_engine.py": "`LLMEngine`",
     "tests/unit/serve/test_app.py": "the app in-process: keys, streamed text",
     "tests/unit/serve/test_server.py": "the HTTP server's connection limits",
