@@ -171,12 +171,8 @@ def test_skyrl_colocated_weight_sync(http, model_dir, update_extra):
     baseline = weight_checksums(pairs)
     checked = _ok(http.post("/weight_checker", json={"action": "compare", "baseline": baseline}))
     assert checked == {"match": True, "mismatches": []}
-    http.post("/wake_up")  # the scheduling tag (see the test below)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="wake_up(['weights']) then wake_up(['kv_cache']) leaves 'scheduling' asleep"
-)
 def test_skyrl_generates_after_its_two_wake_ups(http, model_dir):
     try:
         _colocated_sync(http, model_dir, {})

@@ -10,7 +10,8 @@ asleep is a set of tags:
 - level 2: also the weights' memory: woken, they hold nothing valid, and are torn until an
   update covering them lands.
 
-No request is taken while any tag sleeps, and generation resumes only once every tag is awake.
+No request is taken while any tag sleeps, and generation resumes only once every tag is awake;
+as in vLLM, waking the last of the memory (`weights`, `kv_cache`) wakes `scheduling` with it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class Sleep:
         if "kv_cache" in wanted & self.asleep:
             self._runner.restore_kv_cache()
         self.asleep -= wanted
+        # vLLM's rule: scheduling resumes once no memory sleeps, whichever call woke the last of
+        # it (SkyRL wakes `weights`, then `kv_cache`, and expects to generate).
+        if not self.asleep & {"weights", "kv_cache"}:
+            self.asleep.discard("scheduling")
         if not self.asleep:
             self.level = None
 

@@ -57,6 +57,17 @@ def test_the_weights_sleep_at_level_1_and_wake_alone_for_an_update(local_source,
     assert engine.generate(["x"], greedy(2))[0].outputs[0].weight_versions == ["after-sleep"] * 2
 
 
+def test_waking_the_last_memory_wakes_scheduling_as_vllm_does(local_source):
+    engine = make_engine()
+    expected = run(engine, "before")
+    engine.sleep(1)
+    engine.wake_up(["weights"])
+    assert engine.is_sleeping()  # the KV cache still sleeps, and scheduling with it
+    engine.wake_up(["kv_cache"])  # SkyRL's second call: no `scheduling` tag
+    assert not engine.is_sleeping() and not engine.is_paused()
+    assert run(engine, "before") == expected
+
+
 def test_level_2_frees_the_weights_and_they_wake_torn_until_an_update_lands(local_source, policy):
     engine = make_engine()
     engine.init_weight_transfer_engine(local_source.init_request)
