@@ -100,11 +100,6 @@ def _free_port() -> int:
 
 # SkyRL's broadcast sender puts vLLM's older `packed` key in the update info; the server refuses
 # it (400, unknown key) until it accepts that key as vLLM does.
-PACKED_REFUSED = pytest.mark.xfail(
-    strict=True, reason="'packed' inside update_info is refused (400 unknown key)"
-)
-
-
 def _colocated_sync(http: httpx.Client, model_dir: Path, update_extra: dict) -> list:
     """`sleep()`, `wake_up(["weights"])`, the broadcast sync, `wake_up(["kv_cache"])`.
 
@@ -161,7 +156,7 @@ def _colocated_sync(http: httpx.Client, model_dir: Path, update_extra: dict) -> 
 
 @pytest.mark.parametrize(
     "update_extra",
-    [pytest.param({"packed": True}, marks=PACKED_REFUSED, id="as-skyrl-sends-it"),
+    [pytest.param({"packed": True}, id="as-skyrl-sends-it"),
      pytest.param({}, id="without-packed")],
 )  # fmt: skip
 def test_skyrl_colocated_weight_sync(http, model_dir, update_extra):
