@@ -42,12 +42,13 @@ SURFACES = {
     "tests/unit/test_handshake.py": "the broadcast handshake: a refusal against every trainer timing",
     "tests/unit/test_group.py": "the broadcast group: world size and timeouts",
     "tests/faults/test_hostile_store.py": "a hostile process writing into a broadcast group's store",
-    "tests/integration/test_refusals_side_effects.py": "refused control calls: nothing changes",
-    "tests/integration/test_vllm_client_recovery.py": "vLLM's calls alone after a refused update",
     "tests/unit/engine/test_llm_engine.py": "`LLMEngine`",
     "tests/unit/serve/test_app.py": "the app in-process: keys, streamed text",
     "tests/unit/serve/test_server.py": "the HTTP server's connection limits",
     "tests/unit/trainer/test_http_client.py": "`HTTPEngineClient`",
+    "tests/integration/test_refusals_side_effects.py": "a refused control call during an update or a pause",
+    "tests/integration/test_vllm_client_recovery.py": "a client that knows only vLLM's calls, after a refusal",
+    "tests/integration/test_serve_sleep.py": "sleep and wake up, through the server",
 }
 DETAILS = ("error", "status", "exit_status", "message", "seconds_to_error", "max_examples")
 
