@@ -114,6 +114,24 @@ def test_nested_unknown_fields_are_named_by_their_path_and_known_ones_name_nothi
     assert HEADER not in headers
 
 
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [("a\r\nset-cookie: x", "a\\r\\nset-cookie: x"), ("\u00e4\u20ac", "\\xe4\\u20ac")],
+    ids=["crlf", "non-ascii"],
+)
+def test_an_unknown_field_name_is_escaped_in_the_header_and_the_log(client, caplog, name, shown):
+    with caplog.at_level(logging.WARNING, logger="weightsync.serve"):
+        _, headers = answer(client, request_id=f"escaped-{len(name)}", **{name: 1})
+    assert headers[HEADER] == shown and "set-cookie" not in headers
+    lines = [r.getMessage() for r in caplog.records if "ignored unknown field" in r.getMessage()]
+    assert lines == [f"request escaped-{len(name)}: ignored unknown field(s) {shown}"]
+
+
+def test_the_header_of_ignored_fields_is_bounded_however_long_the_names(client):
+    _, headers = answer(client, **{"x" * 100_000: 1, "y" * 100_000: 2})
+    assert len(headers[HEADER]) <= 1024 and headers[HEADER].startswith("xxx")
+
+
 def test_a_chat_messages_own_fields_go_to_the_template_rather_than_being_ignored(client):
     messages = [{"role": "user", "content": "hi", "tool_call_id": "x"}]
     _, headers = answer(client, True, messages=messages)
