@@ -38,6 +38,7 @@ HOSTILE = {
     "length past the file": lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"),
     "not JSON": lambda p: _raw_file(p, b"{not json"),
     "not an object": lambda p: _raw_file(p, b"[1, 2]"),
+    "nested too deep": lambda p: _raw_file(p, b"[" * 100_000 + b"]" * 100_000),
     "entry not an object": lambda p: _raw_file(p, json.dumps({"w": 3}).encode()),
     "unknown dtype": lambda p: _raw_file(p, json.dumps(_entry(dtype="F128")).encode(), b"\0" * 8),
     "negative dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(-2,))).encode(), b"\0" * 8),
@@ -131,6 +132,13 @@ def test_not_a_checkpoint_directory_is_refused(tmp_path):
     engine = DiskWeightTransferEngine()
     with pytest.raises(WeightValidationError, match="unknown keys"):
         engine.receive_weights({"path": str(tmp_path), "names": []}, print)
+
+
+def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
+    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(WeightValidationError, match=r"index\.json: not readable JSON: .*deep"):
+        DiskWeightTransferUpdateInfo.from_directory(tmp_path)
 
 
 def _two_shards(directory, model):

@@ -67,6 +67,8 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise EngineConfigError(f"{path} is not valid JSON: it nests too deeply") from None
 
 
 def load_hf_directory(

@@ -90,6 +90,10 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WeightValidationError(f"{path}: safetensors header is not JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise WeightValidationError(
+            f"{path}: safetensors header is not JSON: it nests too deeply"
+        ) from None
     if not isinstance(header, dict):
         raise WeightValidationError(
             f"{path}: safetensors header must be a JSON object, got {type(header).__name__}"

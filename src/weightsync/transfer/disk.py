@@ -177,6 +177,8 @@ def _read_index(directory: Path) -> dict[str, str] | None:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise WeightValidationError(f"{path}: not readable JSON: it nests too deeply") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
