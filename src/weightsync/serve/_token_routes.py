@@ -23,6 +23,7 @@ from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._http import unless_disconnected
+from weightsync.serve._logprobs import written_logprob
 from weightsync.serve._openai_routes import _Run, _stream
 from weightsync.serve._protocol import ChatMessage, CompletionRequest, StreamOptions, _Body
 from weightsync.serve._sse import ChunkFrame, EventStream
@@ -276,9 +277,9 @@ def _token_logprobs(out: CompletionOutput, start: int, asked: int) -> dict[str, 
     ):
         ranked = [(token_id, logprob)] + [(t, lp) for t, lp in top.items() if t != token_id]
         content.append({
-            "token": f"token_id:{token_id}", "logprob": max(logprob, -9999.0), "bytes": None,
-            "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(lp, -9999.0), "bytes": None}
-                             for t, lp in ranked[: max(asked, 1)]],
+            "token": f"token_id:{token_id}", "logprob": written_logprob(logprob), "bytes": None,
+            "top_logprobs": [{"token": f"token_id:{t}", "logprob": written_logprob(lp),
+                              "bytes": None} for t, lp in ranked[: max(asked, 1)]],
         })  # fmt: skip
     return {"content": content}
 
