@@ -36,10 +36,10 @@ _MAX_NAME_CHARS = 64  # nor one key of a megabyte a header of a megabyte
 
 
 def _shown(name: str) -> str:
-    """A field name as the header and the log line show it: printable ASCII, bounded.
+    """A field name or a request id as the header and the log line show it: ASCII, bounded.
 
-    The names come from the client: a CR or LF in one would end the header line (the server
-    then drops the answer) and forge log lines, so every character outside printable ASCII is
+    Both come from the client: a CR or LF in one would end the header line (the server then
+    drops the answer) and forge log lines, so every character outside printable ASCII is
     written as its escape.
     """
     shown = name.encode("unicode_escape").decode("ascii")
@@ -143,7 +143,7 @@ class RequestFields:
                 names = ", ".join(_shown(name) for name in report.ignored[:_MAX_NAMED])
                 if len(report.ignored) > _MAX_NAMED:
                     names += f" (and {len(report.ignored) - _MAX_NAMED} more)"
-                who = report.request_id or f"{scope['method']} {scope['path']}"
+                who = _shown(report.request_id or f"{scope['method']} {scope['path']}")
                 logger.warning("request %s: ignored unknown field(s) %s", who, names)
                 header = (IGNORED_FIELDS_HEADER.lower().encode(), names.encode("ascii"))
                 message = {**message, "headers": [*message.get("headers", []), header]}

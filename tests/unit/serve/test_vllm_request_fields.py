@@ -122,10 +122,10 @@ def test_nested_unknown_fields_are_named_by_their_path_and_known_ones_name_nothi
 )
 def test_an_unknown_field_name_is_escaped_in_the_header_and_the_log(client, caplog, name, shown):
     with caplog.at_level(logging.WARNING, logger="weightsync.serve"):
-        _, headers = answer(client, request_id=f"escaped-{len(name)}", **{name: 1})
+        _, headers = answer(client, request_id=f"escaped-{len(name)}\n", **{name: 1})
     assert headers[HEADER] == shown and "set-cookie" not in headers
     lines = [r.getMessage() for r in caplog.records if "ignored unknown field" in r.getMessage()]
-    assert lines == [f"request escaped-{len(name)}: ignored unknown field(s) {shown}"]
+    assert lines == [f"request escaped-{len(name)}\\n: ignored unknown field(s) {shown}"]
 
 
 def test_the_header_of_ignored_fields_is_bounded_however_long_the_names(client):
