@@ -1,7 +1,9 @@
 """The `disk` backend: a checkpoint directory checked against the model, then loaded in place."""
 
 import json
+import os
 import struct
+import threading
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ HOSTILE = {
     "length past the file": lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"),
     "not JSON": lambda p: _raw_file(p, b"{not json"),
     "not an object": lambda p: _raw_file(p, b"[1, 2]"),
+    "nested too deep": lambda p: _raw_file(p, b"[" * 100_000 + b"]" * 100_000),
     "entry not an object": lambda p: _raw_file(p, json.dumps({"w": 3}).encode()),
     "unknown dtype": lambda p: _raw_file(p, json.dumps(_entry(dtype="F128")).encode(), b"\0" * 8),
     "negative dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(-2,))).encode(), b"\0" * 8),
@@ -131,6 +134,66 @@ def test_not_a_checkpoint_directory_is_refused(tmp_path):
     engine = DiskWeightTransferEngine()
     with pytest.raises(WeightValidationError, match="unknown keys"):
         engine.receive_weights({"path": str(tmp_path), "names": []}, print)
+
+
+def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
+    save_weight_dir(LlamaForCausalLM.from_preset("debug", seed=2).named_weights(), tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(WeightValidationError, match=r"index\.json: not readable JSON: .*deep"):
+        DiskWeightTransferUpdateInfo.from_directory(tmp_path)
+
+
+def _refused_without_blocking(fifo, call):
+    """Runs `call`, which must raise `WeightValidationError` without waiting on `fifo`'s writer."""
+    outcome = []
+
+    def run():
+        try:
+            call()
+        except Exception as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=30)
+    if runner.is_alive():  # blocked in open(): a writer lets it go, so the test can fail
+        with open(fifo, "wb"):
+            pass
+        runner.join()
+        pytest.fail(f"blocked on {fifo.name}, waiting for a writer")
+    (error,) = outcome
+    assert isinstance(error, WeightValidationError), error
+    return str(error)
+
+
+def test_a_fifo_named_by_the_index_is_refused_without_waiting_for_a_writer(tmp_path):
+    second = _two_shards(tmp_path, LlamaForCausalLM.from_preset("debug", seed=2))
+    second.unlink()
+    os.mkfifo(second)
+    message = _refused_without_blocking(
+        second, lambda: DiskWeightTransferUpdateInfo.from_directory(tmp_path)
+    )
+    assert "b.safetensors" in message and "not a regular file" in message
+
+
+def test_a_file_swapped_for_a_fifo_after_its_header_is_refused_before_any_write(tmp_path):
+    model = LlamaForCausalLM.from_preset("debug", seed=1)
+    before = _weights(model)
+    second = _two_shards(tmp_path, LlamaForCausalLM.from_preset("debug", seed=2))
+    info = DiskWeightTransferUpdateInfo.from_directory(tmp_path)  # headers read: both fit
+    second.unlink()
+    os.mkfifo(second)  # the directory is rewritten under the reader
+    engine = DiskWeightTransferEngine(expected_specs=model.weight_specs())
+    message = _refused_without_blocking(
+        second, lambda: engine.receive_weights(info, model.load_weights)
+    )
+    assert "b.safetensors" in message and "before any byte" in message
+    assert _same(model, before)
+
+
+def test_a_path_too_long_for_the_filesystem_is_refused_naming_it():
+    with pytest.raises(WeightValidationError, match="not a directory visible"):
+        DiskWeightTransferUpdateInfo.from_directory("/" + "a" * 100_000)
 
 
 def _two_shards(directory, model):

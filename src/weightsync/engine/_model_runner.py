@@ -99,11 +99,16 @@ class ModelRunner:
         self._gather_space = torch.empty(0, dtype=self._gather_space.dtype, device=self.device)
 
     def restore_kv_cache(self) -> None:
-        """Allocates the KV cache again, as large as before `release_kv_cache`; harmless twice."""
+        """Allocates the KV cache again, as large as before `release_kv_cache`; harmless twice.
+
+        The memory comes back zeroed, as it started: attention reads a block's unwritten slots
+        with weight 0, and whatever the allocator left there (a NaN, say) would survive that.
+        """
         for kv in self.kv_caches:
             nbytes = kv.numel() * kv.element_size()
             if kv.untyped_storage().nbytes() != nbytes:
                 kv.untyped_storage().resize_(nbytes)
+                kv.zero_()
 
     def _gather_buffer(self, num_blocks: int) -> torch.Tensor:
         """A (2, kv_heads, num_blocks, block_size * head_dim) view of the scratch space."""

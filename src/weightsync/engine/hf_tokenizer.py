@@ -248,6 +248,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise EngineConfigError(f"{path} is not valid JSON: it nests too deeply") from None
     if not isinstance(data, dict):
         raise EngineConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

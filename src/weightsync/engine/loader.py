@@ -24,7 +24,12 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import _PRESETS, LlamaConfig
 from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
 from weightsync.errors import EngineConfigError, WeightValidationError
-from weightsync.transfer._safetensors import read_header, read_tensor, write_safetensors
+from weightsync.transfer._safetensors import (
+    open_regular,
+    read_header,
+    read_tensor,
+    write_safetensors,
+)
 
 __all__ = [
     "load_hf_directory",
@@ -46,7 +51,7 @@ def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch
     """
     try:
         entries = read_header(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             for entry in entries:
                 yield entry.spec.name, read_tensor(f.fileno(), entry)
     except WeightValidationError as exc:
@@ -67,6 +72,8 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise EngineConfigError(f"{path} is not valid JSON: it nests too deeply") from None
 
 
 def load_hf_directory(

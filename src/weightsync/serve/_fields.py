@@ -32,6 +32,18 @@ IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 """The answer's header that names the request's ignored fields, comma-separated."""
 
 _MAX_NAMED = 32  # a body of thousands of unknown keys must not make a header of them all
+_MAX_NAME_CHARS = 64  # nor one key of a megabyte a header of a megabyte
+
+
+def _shown(name: str) -> str:
+    """A field name or a request id as the header and the log line show it: ASCII, bounded.
+
+    Both come from the client: a CR or LF in one would end the header line (the server then
+    drops the answer) and forge log lines, so every character outside printable ASCII is
+    written as its escape.
+    """
+    shown = name.encode("unicode_escape").decode("ascii")
+    return shown if len(shown) <= _MAX_NAME_CHARS else shown[:_MAX_NAME_CHARS] + "..."
 
 
 @dataclass
@@ -128,15 +140,12 @@ class RequestFields:
 
         async def send_naming_ignored(message: Message) -> None:
             if message["type"] == "http.response.start" and report.ignored:
-                names = ", ".join(report.ignored[:_MAX_NAMED])
+                names = ", ".join(_shown(name) for name in report.ignored[:_MAX_NAMED])
                 if len(report.ignored) > _MAX_NAMED:
                     names += f" (and {len(report.ignored) - _MAX_NAMED} more)"
-                who = report.request_id or f"{scope['method']} {scope['path']}"
+                who = _shown(report.request_id or f"{scope['method']} {scope['path']}")
                 logger.warning("request %s: ignored unknown field(s) %s", who, names)
-                header = (
-                    IGNORED_FIELDS_HEADER.lower().encode(),
-                    names.encode("ascii", "backslashreplace"),
-                )
+                header = (IGNORED_FIELDS_HEADER.lower().encode(), names.encode("ascii"))
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 

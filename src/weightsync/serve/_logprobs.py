@@ -13,6 +13,7 @@ token first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,15 @@ from weightsync.engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what a token that ends mid-character decodes to
 _LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot hold
+
+
+def written_logprob(logprob: float) -> float:
+    """A log-probability as JSON can hold it: a non-finite one becomes vLLM's lowest.
+
+    vLLM writes -inf so; the NaN of a model whose training diverged goes the same way, since
+    one NaN would make the whole answer unwritable (a 500 for every choice).
+    """
+    return logprob if math.isfinite(logprob) else _LOWEST_LOGPROB
 
 
 class LogprobsFormat:
@@ -85,8 +95,10 @@ class LogprobsFormat:
         name = self.token_name
         return {
             "tokens": [name(t) for t in out.token_ids[start:]],
-            "token_logprobs": out.logprobs[start:],
-            "top_logprobs": [{name(t): lp for t, lp in top.items()} for top in tops[start:]],
+            "token_logprobs": [written_logprob(lp) for lp in out.logprobs[start:]],
+            "top_logprobs": [
+                {name(t): written_logprob(lp) for t, lp in top.items()} for top in tops[start:]
+            ],
             "text_offset": self._offsets(out, prompt_ids)[start:],
         }
 
@@ -99,10 +111,11 @@ class LogprobsFormat:
         content = [
             {
                 "token": name(token_id),
-                "logprob": logprob,
+                "logprob": written_logprob(logprob),
                 "bytes": raw(token_id),
                 "top_logprobs": [
-                    {"token": name(t), "logprob": lp, "bytes": raw(t)} for t, lp in top.items()
+                    {"token": name(t), "logprob": written_logprob(lp), "bytes": raw(t)}
+                    for t, lp in top.items()
                 ],
             }
             for token_id, logprob, top in zip(
@@ -122,7 +135,7 @@ class LogprobsFormat:
             if entry is None
             else {
                 str(token_id): {
-                    "logprob": max(lp.logprob, _LOWEST_LOGPROB),
+                    "logprob": written_logprob(lp.logprob),
                     "rank": lp.rank,
                     "decoded_token": self.token_text(token_id),
                 }
@@ -158,14 +171,14 @@ class LogprobsFormat:
         return {
             "tokens": [name(t) for t in prompt_ids] + output["tokens"],
             "token_logprobs": [
-                None if entry is None else max(entry[t].logprob, _LOWEST_LOGPROB)
+                None if entry is None else written_logprob(entry[t].logprob)
                 for t, entry in zip(prompt_ids, entries, strict=True)
             ]
             + output["token_logprobs"],
             "top_logprobs": [
                 None
                 if entry is None
-                else {name(t): max(lp.logprob, _LOWEST_LOGPROB) for t, lp in entry.items()}
+                else {name(t): written_logprob(lp.logprob) for t, lp in entry.items()}
                 for entry in entries
             ]
             + output["top_logprobs"],

@@ -14,14 +14,16 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import Discriminator, Field, StrictInt, StrictStr, Tag
+from pydantic import Discriminator, Field, StrictInt, StrictStr, Tag, ValidationError
 
 from weightsync import CompletionOutput, InvalidRequestError, RequestOutput
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._http import unless_disconnected
+from weightsync.serve._logprobs import written_logprob
 from weightsync.serve._openai_routes import _Run, _stream
 from weightsync.serve._protocol import ChatMessage, CompletionRequest, StreamOptions, _Body
 from weightsync.serve._sse import ChunkFrame, EventStream
@@ -154,12 +156,29 @@ class GenerateRequest(_Body):
         max_tokens = sampling.max_tokens or max(1, max_model_len - len(self.token_ids))
         not_passed = {"max_tokens", "logprobs", "detokenize", "spaces_between_special_tokens"}
         fields = sampling.model_dump(exclude=not_passed | set(_NOT_HONOURED))
-        return CompletionRequest(
-            prompt=self.token_ids, max_tokens=max_tokens, logprobs=sampling.logprobs,
-            model=self.model, request_id=self.request_id, stream=self.stream,
-            stream_options=self.stream_options, cache_salt=self.cache_salt,
-            priority=self.priority, **fields,
-        )  # fmt: skip
+        try:
+            return CompletionRequest(
+                prompt=self.token_ids, max_tokens=max_tokens, logprobs=sampling.logprobs,
+                model=self.model, request_id=self.request_id, stream=self.stream,
+                stream_options=self.stream_options, cache_salt=self.cache_salt,
+                priority=self.priority, **fields,
+            )  # fmt: skip
+        except ValidationError as exc:
+            # The completion's bounds are the one rule; a 400 names the field in this body.
+            raise RequestValidationError(
+                [{**error, "loc": ("body", *self._where(error["loc"]))} for error in exc.errors()]
+            ) from None
+
+    @staticmethod
+    def _where(location: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A `CompletionRequest` field's location as this body holds it."""
+        if not location:
+            return location
+        if location[0] == "prompt":
+            return ("token_ids", *location[1:])
+        if location[0] in GenerateSamplingParams.model_fields:
+            return ("sampling_params", *location)
+        return location
 
 
 def _refuse_chat_fields(body: TokenizeChatRequest) -> None:
@@ -258,9 +277,9 @@ def _token_logprobs(out: CompletionOutput, start: int, asked: int) -> dict[str, 
     ):
         ranked = [(token_id, logprob)] + [(t, lp) for t, lp in top.items() if t != token_id]
         content.append({
-            "token": f"token_id:{token_id}", "logprob": max(logprob, -9999.0), "bytes": None,
-            "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(lp, -9999.0), "bytes": None}
-                             for t, lp in ranked[: max(asked, 1)]],
+            "token": f"token_id:{token_id}", "logprob": written_logprob(logprob), "bytes": None,
+            "top_logprobs": [{"token": f"token_id:{t}", "logprob": written_logprob(lp),
+                              "bytes": None} for t, lp in ranked[: max(asked, 1)]],
         })  # fmt: skip
     return {"content": content}
 

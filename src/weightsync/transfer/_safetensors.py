@@ -12,11 +12,12 @@ import ctypes
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -53,6 +54,31 @@ class SafetensorsEntry:
         return self.spec.nbytes
 
 
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Opens a checkpoint file for reading; anything but a regular file is refused at once.
+
+    The names come from whoever wrote the directory: a FIFO would block `open` until some
+    writer came, and a device (`/dev/zero`) has no end, so the file is opened without blocking
+    and its type checked before a byte is read.
+
+    Raises:
+        WeightValidationError: Not a regular file; the message names it.
+        OSError: The file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WeightValidationError(
+                f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's "
+                "files must be plain files"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
     """Reads and checks the header of a safetensors file; no tensor data is read.
 
@@ -69,7 +95,7 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise WeightValidationError("reading safetensors needs a little-endian machine")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -90,6 +116,10 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WeightValidationError(f"{path}: safetensors header is not JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise WeightValidationError(
+            f"{path}: safetensors header is not JSON: it nests too deeply"
+        ) from None
     if not isinstance(header, dict):
         raise WeightValidationError(
             f"{path}: safetensors header must be a JSON object, got {type(header).__name__}"

@@ -35,6 +35,7 @@ from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer._checks import parse_info
 from weightsync.transfer._safetensors import (
     SafetensorsEntry,
+    open_regular,
     read_header,
     read_into,
     read_tensor,
@@ -121,7 +122,11 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
         directory = Path(path).absolute()
-        if not directory.is_dir():
+        try:
+            is_dir = directory.is_dir()
+        except OSError:  # a name too long for the filesystem, say
+            is_dir = False
+        if not is_dir:
             raise WeightValidationError(
                 f"path {str(directory)!r}: not a directory visible to this server; the trainer "
                 "must write the checkpoint to storage the server reads at the same path"
@@ -177,6 +182,8 @@ def _read_index(directory: Path) -> dict[str, str] | None:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise WeightValidationError(f"{path}: not readable JSON: it nests too deeply") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
@@ -316,10 +323,10 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         with contextlib.ExitStack() as files:
             try:
                 fds = {
-                    file: files.enter_context(open(directory / file, "rb", buffering=0)).fileno()
+                    file: files.enter_context(open_regular(directory / file)).fileno()
                     for file in dict.fromkeys(f for f, _ in info._entries)
                 }
-            except OSError as exc:
+            except (OSError, WeightValidationError) as exc:
                 raise WeightValidationError(
                     f"update rejected before any byte moved: {exc}; the directory changed "
                     "after its headers were read"

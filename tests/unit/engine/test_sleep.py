@@ -37,6 +37,29 @@ def test_level_1_frees_the_kv_cache_and_wake_up_brings_it_back(local_source):
     assert run(engine, "before") == expected  # the weights were kept
 
 
+def test_the_kv_cache_wakes_as_clean_as_it_started_whatever_memory_it_gets(monkeypatch):
+    # Memory handed back by the allocator holds anything; NaN bytes stand for the worst of it.
+    # Attention reads a block's unwritten slots with weight 0, and 0 * NaN is NaN.
+    grow = torch.UntypedStorage.resize_
+
+    def resize_to_garbage(storage, nbytes):
+        had = storage.nbytes()
+        grown = grow(storage, nbytes)
+        if nbytes > had:
+            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(0xFF)
+        return grown
+
+    engine = make_engine()
+    params = greedy(6, logprobs=0, prompt_logprobs=0)
+    (before,) = engine.generate([[1, 2, 3, 4, 5]], params)
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", resize_to_garbage)
+    engine.sleep(1)
+    engine.wake_up()
+    (after,) = engine.generate([[1, 2, 3, 4, 5]], params)
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert after.outputs[0].logprobs == pytest.approx(before.outputs[0].logprobs)
+
+
 def test_the_weights_sleep_at_level_1_and_wake_alone_for_an_update(local_source, policy):
     engine = make_engine()
     engine.init_weight_transfer_engine(local_source.init_request)

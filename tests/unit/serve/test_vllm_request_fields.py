@@ -10,6 +10,7 @@ import logging
 import math
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from weightsync import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
@@ -112,6 +113,24 @@ def test_nested_unknown_fields_are_named_by_their_path_and_known_ones_name_nothi
     assert headers[HEADER] == "stream_options.extra"
     _, headers = answer(client, n=1)
     assert HEADER not in headers
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [("a\r\nset-cookie: x", "a\\r\\nset-cookie: x"), ("\u00e4\u20ac", "\\xe4\\u20ac")],
+    ids=["crlf", "non-ascii"],
+)
+def test_an_unknown_field_name_is_escaped_in_the_header_and_the_log(client, caplog, name, shown):
+    with caplog.at_level(logging.WARNING, logger="weightsync.serve"):
+        _, headers = answer(client, request_id=f"escaped-{len(name)}\n", **{name: 1})
+    assert headers[HEADER] == shown and "set-cookie" not in headers
+    lines = [r.getMessage() for r in caplog.records if "ignored unknown field" in r.getMessage()]
+    assert lines == [f"request escaped-{len(name)}\\n: ignored unknown field(s) {shown}"]
+
+
+def test_the_header_of_ignored_fields_is_bounded_however_long_the_names(client):
+    _, headers = answer(client, **{"x" * 100_000: 1, "y" * 100_000: 2})
+    assert len(headers[HEADER]) <= 1024 and headers[HEADER].startswith("xxx")
 
 
 def test_a_chat_messages_own_fields_go_to_the_template_rather_than_being_ignored(client):
@@ -396,3 +415,36 @@ def test_completion_only_fields_that_cannot_be_honoured_are_refused(client, fiel
 def test_the_defaults_of_refused_fields_are_taken(client, chat, fields):
     body, headers = answer(client, chat, **fields)
     assert len(body["choices"][0]["token_ids"]) == 6 and HEADER not in headers
+
+
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 2}),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 2}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 2}),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": 2, "logprobs": 2}},
+        ),
+    ],
+    ids=["prompt-logprobs", "echo", "chat", "generate"],
+)
+def test_a_non_finite_logprob_is_written_as_vllms_lowest_not_a_500(route, fields):
+    # A policy whose training diverged serves NaN logits; the answer must still be JSON.
+    engine = AsyncEngine("debug", engine_config=EngineConfig(num_kv_blocks=32))
+    with torch.no_grad():
+        engine.engine.model.lm_head.weight.fill_(float("nan"))
+    with TestClient(create_app(engine, ServerConfig(model_name="debug"))) as client:
+        response = client.post(route, json={**fields, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [c["finish_reason"] for c in answer["choices"]] == ["error"]
+    assert -9999.0 in _floats(answer)  # each NaN prompt log-probability, as vLLM writes -inf
+
+
+def _floats(tree):
+    if isinstance(tree, float):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else []
+    return [f for value in values for f in _floats(value)]

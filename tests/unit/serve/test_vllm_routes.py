@@ -126,6 +126,26 @@ def test_a_field_that_would_change_the_answer_is_refused_by_name(client, path, b
     assert answer.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"sampling_params": {"prompt_logprobs": 21}}, "sampling_params.prompt_logprobs"),
+        (
+            {"sampling_params": {"truncate_prompt_tokens": -2}},
+            "sampling_params.truncate_prompt_tokens",
+        ),
+        ({"sampling_params": {}, "cache_salt": "s" * 1025}, "cache_salt"),
+        ({"sampling_params": {}, "cache_salt": ""}, "cache_salt"),
+    ],
+)
+def test_generate_applies_the_completions_bounds_as_400s_naming_its_own_field(client, body, param):
+    answer = client.post("/inference/v1/generate", json={"token_ids": [1], **body})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and "internal" not in error["message"]
+    assert client.get("/health").status_code == 200
+
+
 def test_generate_honours_the_fields_completions_honour(client):
     prompt = [256, 104, 105, 106]
     fields = {"max_tokens": 3, "temperature": 0, "prompt_logprobs": 2, "logit_bias": {"107": 100}}
