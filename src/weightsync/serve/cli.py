@@ -55,6 +55,8 @@ _REPLICA_START_TIMEOUT_S = 120.0
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from weightsync.serve.config import ServerConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # fmt: skip
 
@@ -138,7 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     from weightsync.serve._server import bind, serve_forever
     from weightsync.serve.app import create_app
-    from weightsync.serve.config import ServerConfig
 
     try:
         sock = bind(args.host, args.port)
@@ -170,14 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_index=args.worker_index,
             finish_bare_updates=not args.replica,  # a replica's front finishes them, on all
         )
-        config = ServerConfig(
-            model_name=args.served_model_name or args.model,
-            model_path=args.model,
-            api_key=args.api_key,
-            admin_api_key=args.admin_api_key,
-            max_request_bytes=args.max_request_bytes,
-            strict_request_fields=args.strict_request_fields,
-        )
+        config = _server_config(args)
     except WeightSyncError as exc:
         sock.close()
         return _fail(str(exc), status=2)
@@ -185,6 +179,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_as_child(app, args.parent_pid, replica=args.replica)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
+
+
+def _server_config(args: argparse.Namespace, *, world_size: int = 1) -> ServerConfig:
+    """The HTTP side's options (names, keys, body limit, field rule), from the command line."""
+    from weightsync.serve.config import ServerConfig
+
+    return ServerConfig(
+        model_name=args.served_model_name or args.model,
+        model_path=args.model,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_request_bytes=args.max_request_bytes,
+        strict_request_fields=args.strict_request_fields,
+        world_size=world_size,
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -221,7 +230,6 @@ def _serve_data_parallel(
     from weightsync.serve._fleet import Fleet, replica_argv
     from weightsync.serve._front import create_fleet_app
     from weightsync.serve._server import serve_forever
-    from weightsync.serve.config import ServerConfig
 
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:
@@ -232,15 +240,7 @@ def _serve_data_parallel(
     # The front's calls to its replicas are its own business: not a log line each.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        config = ServerConfig(
-            model_name=args.served_model_name or args.model,
-            model_path=args.model,
-            api_key=args.api_key,
-            admin_api_key=args.admin_api_key,
-            max_request_bytes=args.max_request_bytes,
-            strict_request_fields=args.strict_request_fields,
-            world_size=size,
-        )
+        config = _server_config(args, world_size=size)
         fleet = Fleet(
             replica_argv(args, transfer_config),
             size=size,
