@@ -15,7 +15,7 @@ import pytest
 # The server is started with the integration tests' helper (serve_support).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from serve_support import Server
+from serve_support import Server, serve_gloo
 
 from model_dirs import write_model_dir
 
@@ -28,8 +28,5 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path) -> Iterator[Server]:
-    """`weightsync serve` of `model_dir`, its weight transfer over gloo (CPU)."""
-    server = Server(str(model_dir), "--port", "0", "--num-kv-blocks", "64",
-                    "--weight-transfer-config.backend", "gloo")  # fmt: skip
-    yield server
-    server.kill()
+    """The tier's shared server (`serve_gloo`)."""
+    yield from serve_gloo(model_dir)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_support import Server
+from serve_support import Server, serve_gloo
 
 from weightsync import weight_checksums
 from weightsync.trainer.vllm_gloo import packed_nccl_broadcast_producer, trainer_init
@@ -40,10 +40,7 @@ SAMPLING_PARAMS = {
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[Server]:
     """A server of its own: a refused update after a level-2 sleep leaves its weights torn."""
-    server = Server(str(model_dir), "--port", "0", "--num-kv-blocks", "64",
-                    "--weight-transfer-config.backend", "gloo")  # fmt: skip
-    yield server
-    server.kill()
+    yield from serve_gloo(model_dir)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightsync.transfer._shm import SESSION_PREFIX
@@ -57,6 +58,14 @@ def _socket_inodes(pid: int) -> set[str]:
 def _listening_ports(pids: set[int]) -> set[int]:
     inodes = set().union(*(_socket_inodes(pid) for pid in pids))
     ports = set()
+    for fields in _tcp_sockets():
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _tcp_sockets() -> Iterator[list[str]]:
+    """The fields of every row of the kernel's TCP tables (IPv4 and IPv6)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -64,10 +73,7 @@ def _listening_ports(pids: set[int]) -> set[int]:
         except OSError:
             continue
         for row in rows:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+            yield row.split()
 
 
 @dataclass(frozen=True)
@@ -138,15 +144,8 @@ def established_to(pid: int, port: int) -> int:
     """How many TCP connections process `pid` and its descendants hold to port `port`."""
     inodes = set().union(*(_socket_inodes(p) for p in {pid} | _children(pid)))
     count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
-            if fields[3] == "01" and remote_port == port and fields[9] in inodes:  # 01: ESTABLISHED
-                count += 1
+    for fields in _tcp_sockets():
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        if fields[3] == "01" and remote_port == port and fields[9] in inodes:  # 01: ESTABLISHED
+            count += 1
     return count

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -97,6 +98,14 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+
+
+def serve_gloo(model_dir: Path) -> Iterator[Server]:
+    """`weightsync serve` of `model_dir`, its weight transfer over gloo (CPU), until closed."""
+    server = Server(str(model_dir), "--port", "0", "--num-kv-blocks", "64",
+                    "--weight-transfer-config.backend", "gloo")  # fmt: skip
+    yield server
+    server.kill()
 
 
 def run_cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
