@@ -7,6 +7,7 @@ stayed. Shared-memory segments are the ones under /dev/shm with weightsync's pre
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -116,6 +117,10 @@ def assert_none_left(before: Snapshot, grace_s: float = GRACE_S) -> None:
     """Fail unless, within `grace_s`, nothing new since `before` is still held."""
     deadline = time.monotonic() + grace_s
     while True:
+        # A closed handle's pipe can stay open while only a reference cycle holds it (an error
+        # and its traceback, say): garbage, but an fd until the collector runs, and whether it
+        # ran within the grace was luck. Collect first, so what stays is held for real.
+        gc.collect()
         left = Snapshot.take().new_since(before)
         if not left:
             return
