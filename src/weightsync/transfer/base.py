@@ -45,12 +45,12 @@ __all__ = [
 _InfoT = TypeVar("_InfoT")
 
 
-def is_int(value: object) -> bool:
+def _is_int(value: object) -> bool:
     """Whether `value` is an int and not a bool (JSON's `true` must not pass for 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
+def _parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
     """Builds dataclass `cls` from a payload dict, naming every unknown, missing or bad key."""
     if isinstance(data, cls):
         return data
@@ -251,13 +251,13 @@ class WeightTransferUpdateInfo:
             if name in seen:
                 raise WeightValidationError(f"tensor name {name!r} appears twice in names")
             seen.add(name)
-            if not isinstance(shape, list | tuple) or not all(is_int(d) and d >= 0 for d in shape):
+            if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
                 raise WeightValidationError(
                     f"shape of {name!r} must be a list of non-negative ints, got {shape!r}"
                 )
             self._specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
         version = self.weight_version
-        if version is not None and not (isinstance(version, str) or is_int(version)):
+        if version is not None and not (isinstance(version, str) or _is_int(version)):
             raise WeightValidationError(
                 f"weight_version must be a string, an int or null, got {type(version).__name__}"
             )
@@ -380,7 +380,7 @@ class WeightTransferEngine(ABC):
         expected_specs: Mapping[str, TensorSpec] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        if not is_int(worker_index) or worker_index < 0:
+        if not _is_int(worker_index) or worker_index < 0:
             raise WeightValidationError(f"worker_index must be an int >= 0, got {worker_index!r}")
         self.worker_index = worker_index
         if expected_specs is None and params is not None:
@@ -390,11 +390,11 @@ class WeightTransferEngine(ABC):
 
     def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
         """Parses a plain dict into this backend's init info dataclass."""
-        return parse_info(self.init_info_cls, init_info, what="init_info")
+        return _parse_info(self.init_info_cls, init_info, what="init_info")
 
     def parse_update_info(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> Any:
         """Parses a plain dict into this backend's update info dataclass."""
-        return parse_info(self.update_info_cls, update_info, what="update_info")
+        return _parse_info(self.update_info_cls, update_info, what="update_info")
 
     def check_update(self, update_info: WeightTransferUpdateInfo) -> list[TensorSpec]:
         """Returns the update's specs after checking them against `expected_specs`, if set.
@@ -519,16 +519,16 @@ class WireParams:
     def __post_init__(self) -> None:
         if not isinstance(self.packed, bool):
             raise WeightValidationError(f"packed must be a bool, got {self.packed!r}")
-        if not is_int(self.bucket_size_bytes) or self.bucket_size_bytes < 1:
+        if not _is_int(self.bucket_size_bytes) or self.bucket_size_bytes < 1:
             raise WeightValidationError(
                 f"bucket_size_bytes must be an int >= 1 (bytes), got {self.bucket_size_bytes!r}"
             )
-        if not is_int(self.num_buffers) or self.num_buffers < 1:
+        if not _is_int(self.num_buffers) or self.num_buffers < 1:
             raise WeightValidationError(
                 f"num_buffers must be an int >= 1, got {self.num_buffers!r}"
             )
         timeout = self.timeout_s
-        if not (is_int(timeout) or isinstance(timeout, float)) or not 0 < timeout < math.inf:
+        if not (_is_int(timeout) or isinstance(timeout, float)) or not 0 < timeout < math.inf:
             raise WeightValidationError(
                 f"timeout_s must be a finite number of seconds > 0, got {timeout!r}"
             )

@@ -266,7 +266,7 @@ def flat_tensors(
 # --- the pipeline: reusable buffers and a window of buckets in flight ----------------------------
 
 
-class BufferPool(Generic[_BufferT]):
+class _BufferPool(Generic[_BufferT]):
     """`count` buffers made by `allocate`, grown when smaller than asked, reused across updates."""
 
     def __init__(
@@ -309,16 +309,16 @@ class BufferPool(Generic[_BufferT]):
         self.reset()
 
 
-def byte_buffers(count: int, device: torch.device) -> BufferPool[torch.Tensor]:
+def _byte_buffers(count: int, device: torch.device) -> _BufferPool[torch.Tensor]:
     """A pool of plain uint8 tensors on `device`."""
-    return BufferPool(
+    return _BufferPool(
         count,
         lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device),
         torch.Tensor.numel,
     )
 
 
-class Window(Generic[_ItemT]):
+class _Window(Generic[_ItemT]):
     """At most `depth` items in flight; `land` waits for the oldest and finishes it."""
 
     def __init__(self, depth: int, land: Callable[[_ItemT], None]) -> None:
@@ -350,7 +350,7 @@ class Window(Generic[_ItemT]):
 # --- the sender's side: the trainer's tensors against the announcement ---------------------------
 
 
-class AnnouncedTensors:
+class _AnnouncedTensors:
     """A trainer's `(name, tensor)` pairs, each checked against the announcement (after `post`)."""
 
     # A tensor the receivers do not expect would hang a collective or load garbage: every
@@ -396,8 +396,8 @@ class AnnouncedTensors:
             )
 
 
-def announced_buckets(
-    buckets: Sequence[Bucket], source: AnnouncedTensors, total: int
+def _announced_buckets(
+    buckets: Sequence[Bucket], source: _AnnouncedTensors, total: int
 ) -> Iterator[tuple[int, Bucket, list[torch.Tensor]]]:
     """Yields each bucket's first tensor index, the bucket and its checked tensors from `source`."""
     first = 0
