@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._checks import parse_info
-from weightsync.transfer.base import WeightTransferEngine
-from weightsync.transfer.registry import _default_registry
+from weightsync.transfer.base import WeightTransferEngine, _default_registry, _parse_info
 
 __all__ = ["WeightTransferConfig", "parse_weight_transfer_config"]
 
@@ -28,7 +26,7 @@ class WeightTransferConfig:
     Attributes:
         backend: A registered backend name: `"nccl"` (CUDA broadcast), `"gloo"` (CPU broadcast),
             `"ipc"`, `"disk"` (a checkpoint directory), or one registered with
-            [`register_engine`][weightsync.transfer.registry.register_engine].
+            [`register_engine`][weightsync.transfer.base.register_engine].
 
     Raises:
         WeightValidationError: Unknown backend; the message lists the known ones.
@@ -126,7 +124,7 @@ def _parse_dataclass_arg(
     if unknown:
         raise WeightValidationError(f"{flag}: unknown keys {unknown}; valid keys: {keys}")
     values.update(dotted)
-    return parse_info(cls, values, what=flag), rest
+    return _parse_info(cls, values, what=flag), rest
 
 
 def parse_weight_transfer_config(
