@@ -20,7 +20,7 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypedDict, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeGuard, TypeVar
 
 import torch
 
@@ -45,7 +45,7 @@ __all__ = [
 _InfoT = TypeVar("_InfoT")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """Whether `value` is an int and not a bool (JSON's `true` must not pass for 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
