@@ -61,27 +61,7 @@ def _coerce(text: str) -> Any:
 def _parse_dataclass_arg(
     argv: Sequence[str], flag: str, cls: type[_ConfigT]
 ) -> tuple[_ConfigT | None, list[str]]:
-    """Takes a dataclass-valued option out of `argv`, in JSON or dotted-key form.
-
-    Accepted forms (mixable; dotted keys override the JSON object's keys):
-    `FLAG '{"key": value}'`, `FLAG={"key": value}`, `FLAG.key value`, `FLAG.key=value`.
-
-    Args:
-        argv: Command-line arguments, without the program name.
-        flag: The option, e.g. `"--weight-transfer-config"`.
-        cls: The dataclass to build.
-
-    Returns:
-        The built dataclass (None when the option is absent) and the remaining arguments.
-
-    Raises:
-        WeightValidationError: Malformed JSON, a missing value, or unknown keys; the message names
-            the flag and lists the valid keys.
-
-    >>> cfg, rest = _parse_dataclass_arg(["--cfg.backend", "gloo", "-v"], "--cfg", WeightTransferConfig)
-    >>> cfg.backend, rest
-    ('gloo', ['-v'])
-    """
+    """Takes `flag` out of `argv` as a `cls`: a JSON object and/or dotted keys, which override it."""
     values: dict[str, Any] = {}
     dotted: dict[str, Any] = {}
     rest: list[str] = []

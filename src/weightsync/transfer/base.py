@@ -1,9 +1,9 @@
-"""The contract every transfer backend implements, the data it exchanges, and how it is found.
+"""The transfer contract: the data exchanged, the engine, the wire parameters, the registry.
 
-A backend moves a trainer's named tensors into an inference worker. The worker owns a
-[`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer talks to it
-through two plain-dict payloads that can travel over any control channel (a pipe, HTTP): the
-*init info*, given once to
+One concept: the contract between a trainer and an inference worker, read top to bottom. The
+worker owns a [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer
+talks to it through two plain-dict payloads that can travel over any control channel (a pipe,
+HTTP): the *init info*, given once to
 [`init_transfer_engine`][weightsync.transfer.base.WeightTransferEngine.init_transfer_engine], and
 the *update info* ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo])
 of every update: the names, dtypes and shapes about to arrive. How tensors travel is one
@@ -231,9 +231,7 @@ class WeightTransferUpdateInfo:
 
     def __post_init__(self) -> None:
         lists: dict[str, Sequence[Any]] = {
-            "names": self.names,
-            "dtype_names": self.dtype_names,
-            "shapes": self.shapes,
+            k: getattr(self, k) for k in ("names", "dtype_names", "shapes")
         }
         for key, value in lists.items():
             if not isinstance(value, list | tuple):
