@@ -67,9 +67,9 @@ def _parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     )
-    problems = ([f"unknown keys {unknown}"] if unknown else []) + (
-        [f"missing keys {missing}"] if missing else []
-    )
+    problems = [
+        f"{kind} keys {keys}" for kind, keys in (("unknown", unknown), ("missing", missing)) if keys
+    ]
     if problems:
         raise WeightValidationError(
             f"invalid {what} for {cls.__name__}: {'; '.join(problems)}; "
