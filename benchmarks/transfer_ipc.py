@@ -38,13 +38,12 @@ from _rigs import (
 )
 from model_specs import llama_like_specs
 from weightsync import weight_checksums
-from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, WireParams
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.wire import WireParams
 
 BUCKET_SIZE_BYTES = WireParams().bucket_size_bytes
 NUM_BUFFERS = 2

@@ -6,10 +6,11 @@ recursion depth mismatch" after another test changed the recursion limit, so par
 process would make the rules depend on which tests ran before.
 
 The object: `{"modules": {dotted name: {"lines": n, "docstring": text, "imports": [dotted names
-of package modules it imports], "functions": {qualified name: code lines}}}}`. Every import
-counts: at module level, inside functions, under `TYPE_CHECKING`. A name imported from a package
-(`from weightsync import AsyncEngine`) counts as an import of the module that defines it, which
-the package's `__init__` re-exports.
+of package modules it imports], "functions": {qualified name: code lines}, "int_checks": [line
+numbers]}}}`. Every import counts: at module level, inside functions, under `TYPE_CHECKING`. A
+name imported from a package (`from weightsync import AsyncEngine`) counts as an import of the
+module that defines it, which the package's `__init__` re-exports. An int check is a line that
+spells out "an int and not a bool" instead of calling the package's one check.
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ def _functions(tree: ast.Module, source: list[str]) -> dict[str, int]:
 
     visit(tree, "")
     return found
+
+
+def _int_checks(tree: ast.Module) -> list[int]:
+    """Lines that test "an int and not a bool" inline: `isinstance(x, int)` beside
+    `isinstance(x, bool)` on the same `x`, in one boolean expression."""
+
+    def isinstance_of(node: ast.AST, names: set[str]) -> str | None:
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
+            return None
+        kinds = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+        return ast.dump(node.args[0]) if kinds & names and "float" not in kinds else None
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BoolOp):
+            calls = [n.operand if isinstance(n, ast.UnaryOp) else n for n in node.values]
+            ints = {isinstance_of(c, {"int"}) for c in calls} - {None}
+            bools = {isinstance_of(c, {"bool"}) for c in calls} - {None}
+            if ints & bools:
+                found.add(node.lineno)
+    return sorted(found)
 
 
 def _imported(tree: ast.Module, module: str, is_package: bool) -> list[tuple[str, str | None]]:
@@ -100,6 +127,7 @@ def scan(root: Path) -> dict[str, object]:
             "docstring": ast.get_docstring(trees[name]) or "",
             "imports": sorted(m for m in imports if m is not None and m not in packages),
             "functions": _functions(trees[name], text.splitlines()),
+            "int_checks": _int_checks(trees[name]),
         }
     return {"modules": modules}
 

@@ -20,7 +20,7 @@ import torch
 
 from weightsync import weight_checksums
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.flat import flat_tensors
+from weightsync.transfer.buckets import flat_tensors
 
 __all__ = [
     "CommandProcess",
@@ -131,7 +131,7 @@ def _receiver_main(
     in_place: bool,
     device: str,
 ) -> None:
-    from weightsync.transfer.registry import create_engine
+    from weightsync.transfer.base import create_engine
 
     _use_device(device)
     specs = WeightTransferUpdateInfo(**update_info).specs()

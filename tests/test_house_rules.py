@@ -103,3 +103,29 @@ def test_no_function_is_longer_than_the_limit(modules):
         if n > MAX_FUNCTION_CODE_LINES
     }
     assert not long, f"functions over {MAX_FUNCTION_CODE_LINES} lines of code: {long}"
+
+
+INT_CHECK = "weightsync.transfer.base"
+"""The one module that says what an integer is (`_is_int`: an int, and not a bool)."""
+_INT_CHECKS_BEING_MOVED = {
+    "weightsync.conformance._update_cases",
+    "weightsync.transfer._group",
+    "weightsync.transfer._handshake",
+    "weightsync.transfer._safetensors",
+    "weightsync.transfer.ipc",
+}
+"""Modules whose own copies are being replaced by the shared check; this set only shrinks."""
+
+
+def test_one_integer_check(modules):
+    # JSON's `true` must not pass for 1 anywhere, and the rule lives in one function, so that a
+    # reader (and a fix) finds it in one place.
+    copies = {
+        name: m["int_checks"]
+        for name, m in modules.items()
+        if m["int_checks"] and name != INT_CHECK and name not in _INT_CHECKS_BEING_MOVED
+    }
+    assert not copies, (
+        f"int checks spelled out inline (module: lines); call _is_int from {INT_CHECK}: {copies}"
+    )
+    assert modules[INT_CHECK]["int_checks"], "the scan no longer sees the one int check"

@@ -51,14 +51,17 @@ from weightsync.transfer.base import (
     TransferStats,
     WeightTransferEngine,
     WeightTransferUpdateInfo,
+    WireParams,
+    create_engine,
+    register_engine,
 )
+from weightsync.transfer.buckets import flatten_module
 from weightsync.transfer.checksums import weight_checksums
 from weightsync.transfer.disk import (
     DiskWeightTransferEngine,
     DiskWeightTransferUpdateInfo,
     save_weight_dir,
 )
-from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (
     IPCWeightTransferEngine,
     IPCWeightTransferInitInfo,
@@ -81,8 +84,6 @@ from weightsync.transfer.nccl_trainer import (
     trainer_init,
     trainer_send_weights,
 )
-from weightsync.transfer.registry import create_engine, register_engine
-from weightsync.transfer.wire import WireParams
 
 __all__ = [
     "AsyncEngine",

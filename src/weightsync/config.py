@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._checks import parse_info
-from weightsync.transfer.base import WeightTransferEngine
-from weightsync.transfer.registry import _default_registry
+from weightsync.transfer.base import WeightTransferEngine, _default_registry, _parse_info
 
 __all__ = ["WeightTransferConfig", "parse_weight_transfer_config"]
 
@@ -28,7 +26,7 @@ class WeightTransferConfig:
     Attributes:
         backend: A registered backend name: `"nccl"` (CUDA broadcast), `"gloo"` (CPU broadcast),
             `"ipc"`, `"disk"` (a checkpoint directory), or one registered with
-            [`register_engine`][weightsync.transfer.registry.register_engine].
+            [`register_engine`][weightsync.transfer.base.register_engine].
 
     Raises:
         WeightValidationError: Unknown backend; the message lists the known ones.
@@ -63,27 +61,7 @@ def _coerce(text: str) -> Any:
 def _parse_dataclass_arg(
     argv: Sequence[str], flag: str, cls: type[_ConfigT]
 ) -> tuple[_ConfigT | None, list[str]]:
-    """Takes a dataclass-valued option out of `argv`, in JSON or dotted-key form.
-
-    Accepted forms (mixable; dotted keys override the JSON object's keys):
-    `FLAG '{"key": value}'`, `FLAG={"key": value}`, `FLAG.key value`, `FLAG.key=value`.
-
-    Args:
-        argv: Command-line arguments, without the program name.
-        flag: The option, e.g. `"--weight-transfer-config"`.
-        cls: The dataclass to build.
-
-    Returns:
-        The built dataclass (None when the option is absent) and the remaining arguments.
-
-    Raises:
-        WeightValidationError: Malformed JSON, a missing value, or unknown keys; the message names
-            the flag and lists the valid keys.
-
-    >>> cfg, rest = _parse_dataclass_arg(["--cfg.backend", "gloo", "-v"], "--cfg", WeightTransferConfig)
-    >>> cfg.backend, rest
-    ('gloo', ['-v'])
-    """
+    """Takes `flag` out of `argv` as a `cls`: a JSON object and/or dotted keys, which override it."""
     values: dict[str, Any] = {}
     dotted: dict[str, Any] = {}
     rest: list[str] = []
@@ -126,7 +104,7 @@ def _parse_dataclass_arg(
     if unknown:
         raise WeightValidationError(f"{flag}: unknown keys {unknown}; valid keys: {keys}")
     values.update(dotted)
-    return parse_info(cls, values, what=flag), rest
+    return _parse_info(cls, values, what=flag), rest
 
 
 def parse_weight_transfer_config(

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._checks import parse_info
 from weightsync.transfer.base import (
     TensorSpec,
     WeightTransferUpdateInfo,
     dtype_from_name,
     dtype_name,
 )
+from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.base import _validate_specs as validate_specs
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
 

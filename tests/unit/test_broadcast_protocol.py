@@ -6,8 +6,7 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout
 from weightsync.transfer._broadcast import abort, peer_reasons, plan, transfer_failed
-from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.wire import WireParams
+from weightsync.transfer.base import TensorSpec, WireParams
 
 SPECS = [
     TensorSpec("a", torch.float32, (3,)),

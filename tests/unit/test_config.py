@@ -2,8 +2,8 @@ import pytest
 
 from weightsync.config import WeightTransferConfig, parse_weight_transfer_config
 from weightsync.errors import WeightValidationError
+from weightsync.transfer.base import _default_registry, _EngineRegistry
 from weightsync.transfer.nccl import GlooWeightTransferEngine
-from weightsync.transfer.registry import _default_registry, _EngineRegistry
 
 FLAG = "--weight-transfer-config"
 

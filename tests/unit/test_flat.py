@@ -2,8 +2,7 @@ import torch
 from torch import nn
 
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.flat import flatten_module
-from weightsync.transfer.packing import _direct_region, plan_buckets
+from weightsync.transfer.buckets import _direct_region, flatten_module, plan_buckets
 
 
 def make_model():

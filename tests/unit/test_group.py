@@ -119,8 +119,8 @@ def test_a_torch_failure_keeps_its_first_line_and_leaves_its_cpp_frames_to_the_c
 )
 def test_a_worker_checks_the_wire_parameters_it_reads_from_the_store(wire, message):
     from weightsync import GlooWeightTransferEngine
+    from weightsync.transfer.base import WireParams
     from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-    from weightsync.transfer.wire import WireParams
 
     trainer = _group()  # rank 0 hosts the store; a hostile or foreign one writes what it likes
     trainer.set("wire", wire)
@@ -232,9 +232,9 @@ def test_a_world_size_no_group_can_have_is_refused_at_once(record_property):
     import time
 
     from weightsync import GlooWeightTransferEngine
+    from weightsync.transfer.base import WireParams
     from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
     from weightsync.transfer.nccl_trainer import trainer_init
-    from weightsync.transfer.wire import WireParams
 
     start = time.monotonic()
     with pytest.raises(WeightValidationError, match=r"RLIMIT_NOFILE") as refused:

@@ -5,10 +5,10 @@ from process_rigs import allocate_tensors, fill_tensors
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import _WIRE_DTYPES as WIRE_DTYPES
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.flat import flat_tensors
-from weightsync.transfer.packing import (
+from weightsync.transfer.buckets import (
     ALIGN_BYTES,
     _direct_region,
+    flat_tensors,
     pack_bucket,
     plan_buckets,
     unpack_bucket,

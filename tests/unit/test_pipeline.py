@@ -4,10 +4,13 @@ import pytest
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
-from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import plan_buckets
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _byte_buffers as byte_buffers
+from weightsync.transfer.buckets import _Window as Window
+from weightsync.transfer.buckets import plan_buckets
 
 
 def test_buffers_are_reused_and_grown_only_when_too_small():

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer.wire import WireParams
+from weightsync.transfer.base import WireParams
 
 
 def test_defaults_and_dict_form():
@@ -69,7 +69,7 @@ def test_a_client_waits_longer_than_the_transfer_step_it_waits_for():
 
     from weightsync.trainer.engine_process import EngineProcess
     from weightsync.trainer.http_client import HTTPEngineClient
-    from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
+    from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
     assert WireParams().timeout_s == DEFAULT_TIMEOUT_S
     assert WireParams(timeout_s=7).client_timeout_s == 7 + CLIENT_MARGIN_S

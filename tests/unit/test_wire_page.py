@@ -33,9 +33,9 @@ from weightsync.transfer import (
     ipc,
     nccl,
     nccl_trainer,
-    packing,
-    wire,
 )
+from weightsync.transfer import base as wire
+from weightsync.transfer import buckets as packing
 from weightsync.transfer._ipc_records import _RECORD_KEYS, CUDAStorageHandle
 from weightsync.transfer.base import _WIRE_DTYPES, TensorSpec, dtype_name
 from weightsync.transfer.nccl_trainer import NCCLTrainerSendWeightsArgs, trainer_init
@@ -298,7 +298,7 @@ def test_the_page_dtype_table_is_the_wire_dtype_table():
     assert itemsize == {name: dtype.itemsize for name, dtype in _WIRE_DTYPES.items()}
     assert RECIPES["ALIGN_BYTES"] == packing.ALIGN_BYTES
     assert (
-        f"[`ALIGN_BYTES`][weightsync.transfer.packing.ALIGN_BYTES] ({packing.ALIGN_BYTES})" in PROSE
+        f"[`ALIGN_BYTES`][weightsync.transfer.buckets.ALIGN_BYTES] ({packing.ALIGN_BYTES})" in PROSE
     )
 
 

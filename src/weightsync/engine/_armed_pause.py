@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from weightsync.errors import InvalidRequestError
+from weightsync.transfer.base import _is_int
 
 __all__ = ["ArmedPause"]
 
@@ -38,7 +39,7 @@ class ArmedPause:
 
     def __post_init__(self) -> None:
         n = self.after_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        if not _is_int(n) or n < 0:
             raise InvalidRequestError(f"after_tokens must be an int >= 0, got {n!r}")
         if self.mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"mode must be 'abort', 'wait' or 'keep', got {self.mode!r}")

@@ -16,6 +16,7 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt, Tokenizer
 from weightsync.errors import InvalidRequestError
+from weightsync.transfer.base import _is_int
 
 
 class InputProcessor:
@@ -96,10 +97,7 @@ class InputProcessor:
                     f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
                 )
             text, token_ids = None, list(prompt)
-            if not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-                for t in token_ids
-            ):
+            if not all(_is_int(t) and 0 <= t < self.vocab_size for t in token_ids):
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in [0, {self.vocab_size}), got {prompt!r}"
                 )

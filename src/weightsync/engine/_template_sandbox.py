@@ -29,6 +29,8 @@ import jinja2.sandbox
 import jinja2.visitor
 from jinja2.runtime import Context
 
+from weightsync.transfer.base import _is_int
+
 __all__: list[str] = []
 
 RENDER_TIMEOUT_S = 5.0
@@ -97,7 +99,7 @@ class _RenderBudget:
         self.tick()
         if isinstance(value, str | bytes | list | tuple | dict | set):
             self.allow(len(value), what)
-        elif isinstance(value, int) and not isinstance(value, bool):
+        elif _is_int(value):
             _allow_bits(value.bit_length())
         return value
 
@@ -110,7 +112,7 @@ class _RenderBudget:
     def check_arguments(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> None:
         """Refuses an integer argument past the size bound (a width, a count, a repeat)."""
         for value in (*args, *kwargs.values()):
-            if isinstance(value, int) and not isinstance(value, bool):
+            if _is_int(value):
                 self.allow(abs(value), "an integer argument (a width, a count)")
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import EngineConfigError
+from weightsync.transfer.base import _is_int
 
 __all__ = ["EngineConfig"]
 
@@ -62,7 +63,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError(
@@ -76,7 +77,7 @@ class EngineConfig:
             raise EngineConfigError(
                 f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}"
             )
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not _is_int(self.seed):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
         for name in ("weight_update_staging", "refuse_non_finite_weights"):
             if not isinstance(getattr(self, name), bool):

@@ -26,6 +26,7 @@ import tokenizers
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.engine.tokenizer import ByteTokenizer, IncrementalDecoder, Tokenizer
 from weightsync.errors import EngineConfigError
+from weightsync.transfer.base import _is_int
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
@@ -284,7 +285,7 @@ def _ids_of(data: dict[str, Any], path: Path, key: str) -> set[int]:
     """The token ids under `key`: a number, a list of numbers, or absent."""
     value = data.get(key)
     values = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not all(_is_int(v) and v >= 0 for v in values):
         raise EngineConfigError(
             f"{path}: {key} must be a token id or a list of them, got {value!r}"
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from weightsync.errors import EngineConfigError
+from weightsync.transfer.base import _is_int
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LlamaConfig", "RopeScaling"]
 
@@ -122,7 +123,7 @@ class LlamaConfig:
             "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
         ):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"LlamaConfig.{name} must be an int >= 1, got {value!r}")
             _check_maximum(name, value)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -137,12 +138,7 @@ class LlamaConfig:
                     f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if (
-            not isinstance(self.head_dim, int)
-            or isinstance(self.head_dim, bool)
-            or self.head_dim < 2
-            or self.head_dim % 2
-        ):
+        if not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
             raise EngineConfigError(
                 f"LlamaConfig.head_dim must be an even int >= 2, got {self.head_dim!r}"
             )

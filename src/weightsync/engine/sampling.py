@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from weightsync.errors import InvalidRequestError
+from weightsync.transfer.base import _is_int
 
 __all__ = ["SamplingParams"]
 
@@ -220,10 +221,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether sampling is greedy (temperature 0)."""
         return self.temperature == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:

@@ -49,7 +49,12 @@ from weightsync.errors import (
     WeightUpdateStateError,
     WeightValidationError,
 )
-from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
+from weightsync.transfer.base import (
+    TransferStats,
+    WeightTransferEngine,
+    WeightTransferUpdateInfo,
+    _is_int,
+)
 from weightsync.transfer.disk import (
     DiskWeightTransferEngine,
     DiskWeightTransferUpdateInfo,
@@ -119,7 +124,7 @@ def _check_label(value: object, *, param: str) -> None:
     """Refuses a version label that is not a short string or a 64-bit int."""
     if isinstance(value, str) and len(value) <= _MAX_LABEL_CHARS:
         return
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _MAX_LABEL_INT:
+    if _is_int(value) and abs(value) < _MAX_LABEL_INT:
         return
     shown = repr(value) if isinstance(value, str | int) else type(value).__name__
     shown = shown if len(shown) <= 60 else f"{shown[:60]}... ({len(shown)} characters)"

@@ -19,8 +19,7 @@ from typing import Any, Protocol, TypeVar
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.trainer._calls import collect, in_threads
-from weightsync.transfer.base import TransferStats
-from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
+from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats
 
 __all__ = ["EngineClient", "call_each"]
 

@@ -29,8 +29,7 @@ from weightsync.errors import EngineStateError, EngineTimeoutError, InvalidReque
 from weightsync.trainer._rollouts import Rollouts
 from weightsync.trainer._serve_process import ServeProcess
 from weightsync.trainer.http_client import HTTPEngineClient
-from weightsync.transfer.base import TransferStats
-from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
+from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats
 
 __all__ = ["EngineProcess"]
 

@@ -29,8 +29,7 @@ from weightsync.errors import (
 from weightsync.trainer._answers import ERRORS as _ERRORS
 from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._completions import accumulate, completion_body, to_output
-from weightsync.transfer.base import TransferStats
-from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
+from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats
 
 __all__ = ["HTTPEngineClient"]
 

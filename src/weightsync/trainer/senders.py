@@ -28,7 +28,12 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer._calls import collect, in_threads, release_transfers
 from weightsync.trainer.client import EngineClient, call_each
-from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
+from weightsync.transfer.base import (
+    TransferStats,
+    WeightTransferUpdateInfo,
+    WireParams,
+    _WireKeywords,
+)
 from weightsync.transfer.ipc_trainer import (
     IPCTrainerSendWeightsArgs,
     IPCTrainerSession,
@@ -41,7 +46,6 @@ from weightsync.transfer.nccl_trainer import (
     trainer_init,
     trainer_send_weights,
 )
-from weightsync.transfer.wire import WireParams, _WireKeywords
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
@@ -193,7 +197,7 @@ class BroadcastWeightSender(WeightSender):
         backend: `"nccl"` or `"gloo"`.
         master_address: Address the engines reach this process at.
         master_port: Port of the group's store; 0 picks a free one.
-        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]); the
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]); the
             defaults when None.
         **wire_fields: The same, as keywords (`bucket_size_bytes=...`), instead of `wire`.
 
@@ -322,7 +326,7 @@ class IPCWeightSender(WeightSender):
 
     Args:
         engines: The engines to update.
-        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]);
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]);
             `packed=False` exports tensors where they are (zero-copy: CUDA tensors as they are,
             CPU tensors once in shared memory, see `share_module`). The defaults when None.
         **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._checks import parse_info
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
+from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
 from weightsync.transfer.nccl_trainer import (
     NCCLTrainerSendWeightsArgs,

@@ -5,7 +5,7 @@ One update is:
 1. **Handshake**, in the group's store (`_handshake`): the trainer announces the update, every
    worker answers it (ready, or refused and why), and the trainer decides. A refusal anywhere
    stops everyone before any tensor byte moves, and a worker that refuses never waits.
-2. **Data.** Packed: the buckets of [`plan_buckets`][weightsync.transfer.packing.plan_buckets],
+2. **Data.** Packed: the buckets of [`plan_buckets`][weightsync.transfer.buckets.plan_buckets],
    at most `num_buffers` in flight. Unpacked: one broadcast per non-empty tensor.
 
 On a failure mid-transfer a rank writes its reason to the store and closes the group; its
@@ -22,9 +22,8 @@ import torch
 
 from weightsync.errors import WeightTransferError
 from weightsync.transfer._group import BroadcastGroup, BroadcastWork
-from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.packing import Bucket, Slot, _DirectRegion, plan_buckets
-from weightsync.transfer.wire import WireParams
+from weightsync.transfer.base import TensorSpec, WireParams
+from weightsync.transfer.buckets import Bucket, Slot, _DirectRegion, plan_buckets
 
 __all__ = ["InFlight", "abort", "peer_reasons", "plan", "transfer_failed"]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer._group_store import GroupStore, translate
-from weightsync.transfer.wire import WireParams
+from weightsync.transfer.base import WireParams
 
 __all__ = [
     "INIT_ERRORS",

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._checks import is_int
 from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
+from weightsync.transfer.base import _is_int as is_int
 
 __all__ = ["CUDAStorageHandle", "IPCHandle", "decode_b64", "encode_b64"]
 

@@ -1,40 +1,89 @@
-"""The receiver-side contract every transfer backend implements, and the data it exchanges.
+"""The transfer contract: the data exchanged, the engine, the wire parameters, the registry.
 
-A backend moves a trainer's named tensors into an inference worker. The worker owns a
-[`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer talks to it
-through two plain-dict payloads that can travel over any control channel (a pipe, HTTP):
-
-- the *init info*, given once to
-  [`init_transfer_engine`][weightsync.transfer.base.WeightTransferEngine.init_transfer_engine];
-- the *update info* ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo]),
-  given to [`receive_weights`][weightsync.transfer.base.WeightTransferEngine.receive_weights] for
-  every update: the names, dtypes and shapes that are about to arrive.
+One concept: the contract between a trainer and an inference worker, read top to bottom. The
+worker owns a [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer
+talks to it through two plain-dict payloads that can travel over any control channel (a pipe,
+HTTP): the *init info*, given once to
+[`init_transfer_engine`][weightsync.transfer.base.WeightTransferEngine.init_transfer_engine], and
+the *update info* ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo])
+of every update: the names, dtypes and shapes about to arrive. How tensors travel is one
+[`WireParams`][weightsync.transfer.base.WireParams], validated where it is built. A backend is
+found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict, TypeGuard, TypeVar
 
 import torch
 
 from weightsync.errors import WeightSyncError, WeightValidationError
-from weightsync.transfer._checks import parse_info
 
 __all__ = [
+    "CLIENT_MARGIN_S",
+    "DEFAULT_TIMEOUT_S",
     "LoadWeightsFn",
     "TensorSpec",
     "TransferStats",
     "WeightTransferEngine",
     "WeightTransferInitInfo",
     "WeightTransferUpdateInfo",
+    "WireParams",
+    "create_engine",
     "dtype_from_name",
     "dtype_name",
+    "register_engine",
 ]
+
+_InfoT = TypeVar("_InfoT")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """Whether `value` is an int and not a bool (JSON's `true` must not pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
+    """Builds dataclass `cls` from a payload dict, naming every unknown, missing or bad key."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise WeightValidationError(
+            f"{what} must be a JSON object (dict) or {cls.__name__}, got {type(data).__name__}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(
+        name
+        for name, f in fields.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    problems = [
+        f"{kind} keys {keys}" for kind, keys in (("unknown", unknown), ("missing", missing)) if keys
+    ]
+    if problems:
+        raise WeightValidationError(
+            f"invalid {what} for {cls.__name__}: {'; '.join(problems)}; "
+            f"expected keys: {sorted(fields)}"
+        )
+    try:
+        return cls(**data)
+    except WeightValidationError as exc:
+        raise WeightValidationError(f"invalid {what}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise WeightValidationError(f"invalid {what} for {cls.__name__}: {exc}") from None
+
+
+# --- the data a backend exchanges ----------------------------------------------------------------
 
 LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Receives a batch of `(name, tensor)` pairs and copies them into the model.
@@ -42,34 +91,15 @@ LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 The tensors may be views of a reusable transfer buffer: copy them before returning.
 """
 
-
 # The dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
 # Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
-_WIRE_DTYPE_NAMES = (
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "complex64",
-    "complex128",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint64",
-    "uint32",
-    "uint16",
-    "uint8",
-    "bool",
-)
 _WIRE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in _WIRE_DTYPE_NAMES
+    for name in (  # noqa: SIM905 (one name a line would fill a screen)
+        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+        "float8_e5m2fnuz float8_e8m0fnu complex64 complex128 int64 int32 int16 int8 "
+        "uint64 uint32 uint16 uint8 bool"
+    ).split()
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 
@@ -200,20 +230,18 @@ class WeightTransferUpdateInfo:
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lengths: dict[str, Sequence[Any]] = {
-            "names": self.names,
-            "dtype_names": self.dtype_names,
-            "shapes": self.shapes,
+        lists: dict[str, Sequence[Any]] = {
+            k: getattr(self, k) for k in ("names", "dtype_names", "shapes")
         }
-        for key, value in lengths.items():
+        for key, value in lists.items():
             if not isinstance(value, list | tuple):
                 raise WeightValidationError(f"{key} must be a list, got {type(value).__name__}")
-        if len({len(v) for v in lengths.values()}) != 1:
-            sizes = ", ".join(f"{k}={len(v)}" for k, v in lengths.items())
+        if len({len(v) for v in lists.values()}) != 1:
+            sizes = ", ".join(f"{k}={len(v)}" for k, v in lists.items())
             raise WeightValidationError(
                 f"names, dtype_names and shapes must have equal lengths, got {sizes}"
             )
-        specs = []
+        self._specs = []
         seen: set[str] = set()
         for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True):
             if not isinstance(name, str) or not name:
@@ -221,17 +249,13 @@ class WeightTransferUpdateInfo:
             if name in seen:
                 raise WeightValidationError(f"tensor name {name!r} appears twice in names")
             seen.add(name)
-            if not isinstance(shape, list | tuple) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-            ):
+            if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
                 raise WeightValidationError(
                     f"shape of {name!r} must be a list of non-negative ints, got {shape!r}"
                 )
-            specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
+            self._specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
         version = self.weight_version
-        if version is not None and (
-            not isinstance(version, str | int) or isinstance(version, bool)
-        ):
+        if version is not None and not (isinstance(version, str) or _is_int(version)):
             raise WeightValidationError(
                 f"weight_version must be a string, an int or null, got {type(version).__name__}"
             )
@@ -240,7 +264,6 @@ class WeightTransferUpdateInfo:
             raise WeightValidationError(
                 f"send_id must be a string of 1 to 64 characters or null, got {send_id!r:.80}"
             )
-        self._specs = specs
 
     @classmethod
     def from_specs(
@@ -293,23 +316,14 @@ class WeightTransferUpdateInfo:
             "names": list(self.names),
             "dtype_names": list(self.dtype_names),
             "shapes": [list(s) for s in self.shapes],
+            "weight_version": self.weight_version,
+            "send_id": self.send_id,
         }
-        if self.weight_version is not None:
-            data["weight_version"] = self.weight_version
-        if self.send_id is not None:
-            data["send_id"] = self.send_id
-        return data
+        return {key: value for key, value in data.items() if value is not None}
 
 
 def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
-    """Checks announced tensors against what the receiving model holds.
-
-    Every announced name must be known, with the same shape and dtype. An update may cover a
-    subset of the model.
-
-    Raises:
-        WeightValidationError: Listing every unknown name and every shape or dtype mismatch.
-    """
+    """Refuses announced tensors the model lacks or holds with another shape or dtype, all at once."""
     problems = []
     for spec in incoming:
         want = expected.get(spec.name)
@@ -320,13 +334,14 @@ def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tenso
                 f"{spec.name!r}: model has {want.describe()}, update has {spec.describe()}"
             )
     if problems:
-        shown = problems[:50] + (
-            [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
-        )
+        more = [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
         raise WeightValidationError(
             f"update rejected before any byte moved: {len(problems)} of {len(incoming)} tensors "
-            "do not match the model:\n  " + "\n  ".join(shown)
+            "do not match the model:\n  " + "\n  ".join(problems[:50] + more)
         )
+
+
+# --- what a backend implements -------------------------------------------------------------------
 
 
 class WeightTransferEngine(ABC):
@@ -363,7 +378,7 @@ class WeightTransferEngine(ABC):
         expected_specs: Mapping[str, TensorSpec] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        if not isinstance(worker_index, int) or isinstance(worker_index, bool) or worker_index < 0:
+        if not _is_int(worker_index) or worker_index < 0:
             raise WeightValidationError(f"worker_index must be an int >= 0, got {worker_index!r}")
         self.worker_index = worker_index
         if expected_specs is None and params is not None:
@@ -373,11 +388,11 @@ class WeightTransferEngine(ABC):
 
     def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
         """Parses a plain dict into this backend's init info dataclass."""
-        return parse_info(self.init_info_cls, init_info, what="init_info")
+        return _parse_info(self.init_info_cls, init_info, what="init_info")
 
     def parse_update_info(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> Any:
         """Parses a plain dict into this backend's update info dataclass."""
-        return parse_info(self.update_info_cls, update_info, what="update_info")
+        return _parse_info(self.update_info_cls, update_info, what="update_info")
 
     def check_update(self, update_info: WeightTransferUpdateInfo) -> list[TensorSpec]:
         """Returns the update's specs after checking them against `expected_specs`, if set.
@@ -450,3 +465,207 @@ class WeightTransferEngine(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+# --- the wire parameters -------------------------------------------------------------------------
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Default limit, in seconds, of every blocking transfer step (`WireParams.timeout_s`)."""
+
+CLIENT_MARGIN_S = 30.0
+"""What a call that waits for a transfer step adds to that step's limit, in seconds.
+
+The rule: a caller's bound exceeds the bound of what it waits for, so the inner step times out
+first and its error (which names the step) is what the caller sees. A trainer's call into an
+engine therefore defaults to `DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S`
+(see [`WireParams.client_timeout_s`][weightsync.transfer.base.WireParams.client_timeout_s]).
+"""
+
+
+@dataclass(frozen=True)
+class WireParams:
+    """How tensors travel: packed into buckets or not, bucket size, buffers, timeout.
+
+    The trainer decides them once (`trainer_init`, `ipc_trainer_init`, a weight sender) and, for
+    the broadcast backends, they travel in the init info so that both sides cannot disagree. They
+    are validated here, where they are built, and nowhere else.
+
+    Attributes:
+        packed: Pack tensors into byte buckets (True), or move each tensor on its own.
+        bucket_size_bytes: Bucket size in bytes (packed mode); a tensor larger than a bucket gets
+            a bucket of its own. Extra memory per side is at most `num_buffers` x this (or the
+            largest tensor, if bigger).
+        num_buffers: Buckets in flight at once, and reusable bucket buffers per side; 2 packs
+            bucket k+1 while bucket k moves.
+        timeout_s: Limit, in seconds, for every blocking step (rendezvous, each collective, each
+            IPC hand-off).
+
+    Raises:
+        WeightValidationError: A field has the wrong type (a bool is not an int) or is out of
+            range (a size or count below 1; a timeout that is not a finite number > 0); the
+            message names the field, what it must be and what it got.
+
+    >>> WireParams(bucket_size_bytes=256 << 20).num_buffers
+    2
+    """
+
+    packed: bool = True
+    bucket_size_bytes: int = 1 << 30
+    num_buffers: int = 2
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.packed, bool):
+            raise WeightValidationError(f"packed must be a bool, got {self.packed!r}")
+        if not _is_int(self.bucket_size_bytes) or self.bucket_size_bytes < 1:
+            raise WeightValidationError(
+                f"bucket_size_bytes must be an int >= 1 (bytes), got {self.bucket_size_bytes!r}"
+            )
+        if not _is_int(self.num_buffers) or self.num_buffers < 1:
+            raise WeightValidationError(
+                f"num_buffers must be an int >= 1, got {self.num_buffers!r}"
+            )
+        timeout = self.timeout_s
+        if not (_is_int(timeout) or isinstance(timeout, float)) or not 0 < timeout < math.inf:
+            raise WeightValidationError(
+                f"timeout_s must be a finite number of seconds > 0, got {timeout!r}"
+            )
+        object.__setattr__(self, "timeout_s", float(timeout))
+
+    @property
+    def client_timeout_s(self) -> float:
+        """Limit, in seconds, of a call that waits for one of these transfer steps.
+
+        `timeout_s + CLIENT_MARGIN_S`: longer than the step it waits for, so that the step's
+        own, more precise error comes first.
+        """
+        return self.timeout_s + CLIENT_MARGIN_S
+
+    @classmethod
+    def build(cls, wire: WireParams | None = None, **fields: Any) -> WireParams:
+        """Returns `wire`, or a `WireParams` built from keyword `fields` (not both).
+
+        This is what every entry point that takes wire parameters calls, so that they are given
+        either as one object (`wire=WireParams(...)`) or as keywords (`bucket_size_bytes=...`).
+
+        Raises:
+            WeightValidationError: Both given, an unknown keyword, or a bad value.
+        """
+        if wire is not None:
+            if fields:
+                raise WeightValidationError(
+                    f"pass the wire parameters either as wire=WireParams(...) or as keywords, "
+                    f"not both: got wire and {sorted(fields)}"
+                )
+            if not isinstance(wire, WireParams):
+                raise WeightValidationError(f"wire must be a WireParams, got {type(wire).__name__}")
+            return wire
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise WeightValidationError(
+                f"unknown wire parameters {unknown}; expected some of "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-safe dict form, with every field."""
+        return dataclasses.asdict(self)
+
+
+class _WireKeywords(TypedDict, total=False):
+    """The fields of `WireParams` as keyword arguments (`**wire_fields`)."""
+
+    packed: bool
+    bucket_size_bytes: int
+    num_buffers: int
+    timeout_s: float
+
+
+# --- how a backend is found by name --------------------------------------------------------------
+
+
+class _EngineRegistry:
+    """Backend names -> engine classes, or `"module:Class"` strings imported on first use."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, type[WeightTransferEngine] | str] = {}
+
+    def register(
+        self, name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False
+    ) -> None:
+        """Registers `engine` under `name`; a taken name needs `replace=True`."""
+        if not isinstance(name, str) or not name:
+            raise WeightValidationError(f"backend name must be a non-empty string, got {name!r}")
+        if isinstance(engine, str) and engine.count(":") != 1:
+            raise WeightValidationError(
+                f"lazy engine must look like 'package.module:ClassName', got {engine!r}"
+            )
+        if name in self._engines and not replace:
+            raise WeightValidationError(
+                f"backend {name!r} is already registered; pass replace=True to override it"
+            )
+        self._engines[name] = engine
+
+    def names(self) -> list[str]:
+        """Returns the registered backend names, sorted."""
+        return sorted(self._engines)
+
+    def get(self, name: str) -> type[WeightTransferEngine]:
+        """Returns the engine class of backend `name`; an unknown name lists the known ones."""
+        if not isinstance(name, str):
+            raise WeightValidationError(
+                f"backend must be a string naming a weight transfer backend, got "
+                f"{type(name).__name__} {name!r:.80}; known backends: {', '.join(self.names())}"
+            )
+        entry = self._engines.get(name)
+        if entry is None:
+            raise WeightValidationError(
+                f"unknown weight transfer backend {name!r}; known backends: {', '.join(self.names())}"
+            )
+        if isinstance(entry, str):
+            module_name, _, class_name = entry.partition(":")
+            engine = getattr(importlib.import_module(module_name), class_name)
+            if not (isinstance(engine, type) and issubclass(engine, WeightTransferEngine)):
+                raise WeightValidationError(f"{entry} is not a WeightTransferEngine subclass")
+            self._engines[name] = entry = engine
+        return entry
+
+    def create(self, name: str, **kwargs: Any) -> WeightTransferEngine:
+        """Builds the engine of backend `name` with `kwargs` (e.g. `params=`, `worker_index=`)."""
+        return self.get(name)(**kwargs)
+
+
+_default_registry = _EngineRegistry()
+_default_registry.register("nccl", "weightsync.transfer.nccl:NCCLWeightTransferEngine")
+_default_registry.register("gloo", "weightsync.transfer.nccl:GlooWeightTransferEngine")
+_default_registry.register("ipc", "weightsync.transfer.ipc:IPCWeightTransferEngine")
+_default_registry.register("disk", "weightsync.transfer.disk:DiskWeightTransferEngine")
+
+
+def register_engine(
+    name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False
+) -> None:
+    """Registers a backend under `name`, so that configs and `create_engine` can select it.
+
+    Built in: `nccl`, `gloo`, `ipc` and `disk`.
+
+    Args:
+        name: The backend name, e.g. `"mailbox"`.
+        engine: A [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]
+            subclass, or `"package.module:ClassName"`, imported on first use.
+        replace: Override a backend already registered under `name`.
+
+    Raises:
+        WeightValidationError: `name` is taken (pass `replace=True`) or malformed.
+    """
+    _default_registry.register(name, engine, replace=replace)
+
+
+def create_engine(backend: str, **kwargs: Any) -> WeightTransferEngine:
+    """Builds the receiver engine of `backend`; `kwargs` go to its constructor.
+
+    Raises:
+        WeightValidationError: Unknown backend; the message lists the known ones.
+    """
+    return _default_registry.create(backend, **kwargs)

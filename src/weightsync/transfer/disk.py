@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer._checks import parse_info
 from weightsync.transfer._safetensors import (
     SafetensorsEntry,
     open_regular,
@@ -51,6 +50,7 @@ from weightsync.transfer.base import (
     _validate_specs,
     dtype_name,
 )
+from weightsync.transfer.base import _parse_info as parse_info
 
 __all__ = [
     "DiskWeightTransferEngine",

@@ -53,6 +53,7 @@ from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer._ipc_regions import RegionCache
 from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
+    DEFAULT_TIMEOUT_S,
     LoadWeightsFn,
     TensorSpec,
     TransferStats,
@@ -60,7 +61,6 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.wire import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "IPCWeightTransferEngine",

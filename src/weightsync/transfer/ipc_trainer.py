@@ -31,25 +31,28 @@ from torch import nn
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _courier
 from weightsync.transfer import _shm as shm
-from weightsync.transfer._checks import parse_info
 from weightsync.transfer._courier import Courier
 from weightsync.transfer._cuda_ipc import export_cuda_storage, synchronize
 from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
-from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets
-from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
+    WireParams,
+    _WireKeywords,
 )
-from weightsync.transfer.packing import (
+from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.buckets import (
     Bucket,
     flat_layout,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
 )
-from weightsync.transfer.wire import WireParams, _WireKeywords
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _Window as Window
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
@@ -88,7 +91,7 @@ class IPCTrainerSession:
     are the same.
 
     Args:
-        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]): `packed`
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]): `packed`
             copies tensors into `num_buffers` reusable bucket buffers of `bucket_size_bytes`
             (trainer memory beyond the model: their sum), unpacked exports them in place;
             `timeout_s` bounds each delivery's acknowledgement. The defaults when None.

@@ -24,11 +24,9 @@ import torch
 from weightsync.errors import WeightSyncError, WeightTransferError, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._checks import is_int
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
 from weightsync.transfer._handshake import WorkerHandshake
 from weightsync.transfer._identity import metadata_digest, send_identity
-from weightsync.transfer._pipeline import BufferPool, Window, byte_buffers
 from weightsync.transfer._watch import Watch, exclusive
 from weightsync.transfer.base import (
     LoadWeightsFn,
@@ -37,9 +35,13 @@ from weightsync.transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    WireParams,
 )
-from weightsync.transfer.packing import Bucket, _direct_region, unpack_bucket
-from weightsync.transfer.wire import WireParams
+from weightsync.transfer.base import _is_int as is_int
+from weightsync.transfer.buckets import Bucket, _direct_region, unpack_bucket
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _byte_buffers as byte_buffers
+from weightsync.transfer.buckets import _Window as Window
 
 __all__ = [
     "GlooWeightTransferEngine",
@@ -202,8 +204,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
 
     Arguments as for [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; its
     rank is `rank_offset + worker_index`. When a bucket's tensors lie in `params` at the plan's
-    offsets (a module laid out by [`flatten_module`][weightsync.transfer.flat.flatten_module], or
-    tensors from [`flat_tensors`][weightsync.transfer.flat.flat_tensors]), the bucket is received
+    offsets (a module laid out by [`flatten_module`][weightsync.transfer.buckets.flatten_module], or
+    tensors from [`flat_tensors`][weightsync.transfer.buckets.flat_tensors]), the bucket is received
     straight into parameter memory.
 
     Raises:

@@ -23,20 +23,24 @@ import torch
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import _broadcast as broadcast
 from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._checks import parse_info
 from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup
 from weightsync.transfer._handshake import open_update
 from weightsync.transfer._identity import send_identity
-from weightsync.transfer._pipeline import BufferPool, Window, announced_buckets, byte_buffers
-from weightsync.transfer._sender import AnnouncedTensors
 from weightsync.transfer.base import (
     TensorSpec,
     TransferStats,
     WeightTransferUpdateInfo,
+    WireParams,
+    _WireKeywords,
 )
+from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.buckets import Bucket, _direct_region, pack_bucket
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _byte_buffers as byte_buffers
+from weightsync.transfer.buckets import _Window as Window
 from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-from weightsync.transfer.packing import Bucket, _direct_region, pack_bucket
-from weightsync.transfer.wire import WireParams, _WireKeywords
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
     from typing_extensions import Unpack
@@ -172,7 +176,7 @@ def trainer_init(
         backend: `"nccl"` for CUDA tensors, `"gloo"` for CPU tensors.
         master_address: Address workers reach this process at (loopback by default).
         master_port: Port for the store; 0 picks a free one.
-        wire: The wire parameters ([`WireParams`][weightsync.transfer.wire.WireParams]:
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]:
             packed or not, bucket size, buffers, timeout); the defaults when None.
         **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
 
@@ -245,7 +249,7 @@ def trainer_send_weights(
 
     The workers must be inside `receive_weights` with the same update info. Packed mode packs
     bucket k+1 while bucket k is on the wire; a bucket whose tensors already sit in one storage at
-    the plan's offsets (see [`flatten_module`][weightsync.transfer.flat.flatten_module]) is sent
+    the plan's offsets (see [`flatten_module`][weightsync.transfer.buckets.flatten_module]) is sent
     from that memory without a copy.
 
     Args:

@@ -19,8 +19,12 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput
 from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import WeightTransferError
-from weightsync.transfer.base import TransferStats, WeightTransferEngine, WeightTransferUpdateInfo
-from weightsync.transfer.registry import register_engine
+from weightsync.transfer.base import (
+    TransferStats,
+    WeightTransferEngine,
+    WeightTransferUpdateInfo,
+    register_engine,
+)
 
 # Engine behaviour tests run in float64: greedy decoding then compares token for token with a
 # margin far above any kernel's rounding, on every machine. test_model checks float32 numerics.
