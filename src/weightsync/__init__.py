@@ -60,13 +60,11 @@ from weightsync.transfer.disk import (
 )
 from weightsync.transfer.flat import flatten_module
 from weightsync.transfer.ipc import (
+    IPCTrainerSendWeightsArgs,
+    IPCTrainerSession,
     IPCWeightTransferEngine,
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
-)
-from weightsync.transfer.ipc_trainer import (
-    IPCTrainerSendWeightsArgs,
-    IPCTrainerSession,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )

@@ -13,14 +13,15 @@ from process_rigs import fill_tensors
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.ipc import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
+    IPCWeightTransferEngine,
+    IPCWeightTransferUpdateInfo,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
+from weightsync.transfer.memory import IPCHandle
 from weightsync.transfer.registry import create_engine
 
 SPECS = [

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from weightsync.errors import WeightSyncError
 from weightsync.transfer._checks import parse_info
-from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
 from weightsync.transfer.base import _WIRE_DTYPES as WIRE_DTYPES
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.ipc import IPCWeightTransferUpdateInfo
+from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle
 from weightsync.transfer.packing import ALIGN_BYTES, plan_buckets
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -29,7 +29,7 @@ from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.trainer._calls import collect, in_threads, release_transfers
 from weightsync.trainer.client import EngineClient, call_each
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     IPCTrainerSession,
     ipc_trainer_init,
@@ -318,7 +318,7 @@ class IPCWeightSender(WeightSender):
 
     CUDA tensors travel as CUDA IPC handles, CPU tensors as POSIX shared-memory segments; each
     engine copies the bytes straight out of the trainer's memory. Arguments after `engines` are
-    those of [`ipc_trainer_init`][weightsync.transfer.ipc_trainer.ipc_trainer_init].
+    those of [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init].
 
     Args:
         engines: The engines to update.
