@@ -1,30 +1,15 @@
 """Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
 
-CUDA tensors travel as CUDA IPC handles, CPU tensors as POSIX shared-memory segments; either way
-the trainer sends only JSON-safe handle records ([`weightsync.transfer.memory`][weightsync.transfer.memory])
-and each worker copies the bytes straight out of the trainer's memory into its model.
-
 One concept: both ends of one protocol, read top to bottom. The trainer's
-[`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession] owns the exported memory, and
-`session.init_info` goes to every worker's `init_transfer_engine`.
-[`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights] hands a series of
-[`IPCWeightTransferUpdateInfo`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo] dicts to
-every worker's `receive_weights` through a `deliver` callable (a pipe, an HTTP post, a Ray call)
-that returns once every worker acknowledged:
-
-1. an *announcement* (`ipc_handles` null): every worker validates the whole update against its
-   model, so a rejection anywhere stops the update before any byte moves on any worker;
-2. one *part* per bucket (packed) or a single part (unpacked), each with the metadata and records
-   of the tensors `first_index ..`. A late, stray, duplicated or out-of-order part is refused and
-   leaves the update in progress untouched.
-
-**Packed** mode copies the tensors into `num_buffers` reusable bucket buffers exported once, and
-refills a buffer only after the workers acknowledged its part; while workers copy bucket k, the
-trainer packs bucket k+1. **Unpacked** mode exports the tensors where they are: on CPUs they must
-live in the session's shared memory
-([`shared_tensors`][weightsync.transfer.ipc.IPCTrainerSession.shared_tensors] or
-[`share_module`][weightsync.transfer.ipc.IPCTrainerSession.share_module]), and then the worker's
-single copy is the whole cost.
+[`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession] exports its memory (CUDA IPC for
+CUDA tensors, POSIX shared memory for CPU ones) and describes it in JSON-safe records
+([`weightsync.transfer.memory`][weightsync.transfer.memory]);
+[`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights] hands every
+worker's `receive_weights` first an *announcement* (`ipc_handles` null: a rejection anywhere
+stops the update before any byte moves), then one *part* per bucket (packed: `num_buffers`
+buffers, refilled only once acknowledged) or one part exporting the tensors in place (unpacked).
+[`IPCWeightTransferEngine`][weightsync.transfer.ipc.IPCWeightTransferEngine] checks, maps and
+copies each part, refusing late, stray, duplicated or out-of-order ones.
 """
 
 from __future__ import annotations

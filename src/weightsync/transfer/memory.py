@@ -327,21 +327,10 @@ def _keys(data: object, expected: Any, required: Any, where: str) -> Mapping[str
 
 @dataclass(frozen=True)
 class CUDAStorageHandle:
-    """A CUDA allocation exported with CUDA IPC, as JSON-safe fields.
+    """A CUDA allocation exported with CUDA IPC, as JSON-safe fields (the wire page's `cuda`).
 
     Mirrors what torch's CUDA IPC export of a storage returns, minus the device index: a device
-    index means nothing in another process (`CUDA_VISIBLE_DEVICES` may differ), so the physical
-    GPU is named by its UUID.
-
-    Attributes:
-        device_uuid: UUID of the GPU holding the memory (`torch.cuda.get_device_properties().uuid`).
-        handle: The CUDA IPC memory handle, base64.
-        storage_nbytes: Size of the exported storage in bytes.
-        storage_offset: Byte offset of the storage inside the CUDA allocation.
-        ref_counter_handle: Name of the producer's reference-count file, base64.
-        ref_counter_offset: Slot of this export in that file.
-        event_handle: CUDA IPC event handle the consumer waits on before reading, base64, or None.
-        event_sync_required: Whether the consumer must wait on that event.
+    index means nothing in another process, so the physical GPU is named by its UUID.
     """
 
     device_uuid: str
@@ -355,11 +344,7 @@ class CUDAStorageHandle:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str) -> CUDAStorageHandle:
-        """Builds the handle from its dict form, checking every field's type.
-
-        Raises:
-            WeightValidationError: Naming `where` and the offending field.
-        """
+        """Builds the handle from its dict form, checking every field's type."""
         fields = cls.__dataclass_fields__
         data = _keys(data, fields, fields, f"{where}.cuda")
         if not isinstance(data["device_uuid"], str) or not data["device_uuid"]:
@@ -388,20 +373,10 @@ class CUDAStorageHandle:
 
 @dataclass(frozen=True)
 class IPCHandle:
-    """Where one tensor's bytes are: a region, a byte offset in it, and what the bytes are.
+    """Where one tensor's bytes are: a region (`segment` or `cuda`), a byte offset, what they are.
 
-    Build it with `from_dict`, which checks everything that can be checked without touching
-    memory. Records hold strings, ints, bools and lists only: they survive `json.dumps` and
-    `json.loads` unchanged, and reading one never unpickles, evaluates or imports anything.
-
-    Attributes:
-        offset: Byte offset of the tensor's first byte inside the region; a multiple of the
-            dtype's size.
-        nbytes: Size of the tensor's data in bytes: the product of `shape` times the dtype size.
-        dtype: Wire dtype name, e.g. `"bfloat16"`.
-        shape: The tensor's shape.
-        segment: Shared-memory segment name (CPU tensors).
-        cuda: The exported CUDA storage (CUDA tensors).
+    Records hold strings, ints, bools and lists only: they survive JSON unchanged, and reading
+    one never unpickles, evaluates or imports anything.
     """
 
     offset: int
@@ -413,18 +388,7 @@ class IPCHandle:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str, spec: TensorSpec | None = None) -> IPCHandle:
-        """Checks a record's form and consistency, touching no memory.
-
-        Args:
-            data: The record, as parsed from JSON.
-            where: How error messages name the record, e.g. `"ipc_handles[3] ('w')"`.
-            spec: The tensor the update announced at this position; the record must match it.
-
-        Raises:
-            WeightValidationError: Unknown or missing keys, a bad type, an unknown dtype, an
-                `nbytes` that differs from shape x dtype size, a misaligned offset, a region
-                missing although there are bytes, or a mismatch with `spec`.
-        """
+        """Checks a record's form and consistency (and against `spec`), touching no memory."""
         data = _keys(data, _RECORD_KEYS, ("offset", "nbytes", "dtype", "shape"), where)
         try:
             dtype = dtype_from_name(data["dtype"])
@@ -476,10 +440,7 @@ class IPCHandle:
         segment: str | None = None,
         cuda: CUDAStorageHandle | None = None,
     ) -> IPCHandle:
-        """The record of tensor `spec` at byte `offset` of a segment or CUDA storage.
-
-        A tensor without bytes gets no region: it needs no memory to be rebuilt.
-        """
+        """The record of `spec` at byte `offset` of a region (a tensor without bytes has none)."""
         if spec.nbytes == 0:
             segment, cuda, offset = None, None, 0
         return cls(offset, spec.nbytes, dtype_name(spec.dtype), spec.shape, segment, cuda)
@@ -499,11 +460,7 @@ class IPCHandle:
         return record
 
     def view(self, region: torch.Tensor) -> torch.Tensor:
-        """Views the record's bytes inside a uint8 `region` as the typed tensor (no copy).
-
-        Raises:
-            WeightValidationError: The bytes reach past the end of the region.
-        """
+        """Views the record's bytes inside a uint8 `region` as the typed tensor (no copy)."""
         if self.offset + self.nbytes > region.numel():
             where = self.segment if self.segment is not None else "the CUDA storage"
             raise WeightValidationError(
