@@ -1,5 +1,7 @@
 """Naming memory across processes: shared-memory segments, handle records, CUDA IPC, open regions.
 
+One concept: how one process names memory another maps, from creation to release.
+
 A trainer exports a region (a POSIX shared-memory segment on CPUs, a CUDA allocation on GPUs) and
 names each tensor in it with a JSON-safe [`IPCHandle`][weightsync.transfer.memory.IPCHandle]
 record; a receiver checks the record, opens the region once and views the tensor in place. Segments
