@@ -41,13 +41,35 @@ from weightsync.errors import WeightTransferError, WeightTransferTimeout, Weight
 from weightsync.transfer._checks import is_int
 from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
 
-__all__ = ["SHM_LIMIT_ENV", "CUDAStorageHandle", "IPCHandle"]
+__all__ = [
+    "REF_COUNTER_SLOTS",
+    "SESSION_PREFIX",
+    "SHM_LIMIT_ENV",
+    "AttachedSegment",
+    "CUDAStorageHandle",
+    "IPCHandle",
+    "RegionCache",
+    "SegmentJanitor",
+    "SharedSegment",
+    "attach_segment",
+    "check_ref_counter",
+    "cuda_device_uuids",
+    "export_cuda_storage",
+    "import_cuda_storage",
+    "is_session_name",
+    "new_session_name",
+    "segment_belongs_to",
+    "segment_identity",
+    "synchronize",
+    "unlink_segment",
+]
 
 logger = logging.getLogger(__name__)
 
 # --- POSIX shared memory ------------------------------------------------------------------------
 
 SESSION_PREFIX = "weightsync-"
+"""Every segment weightsync creates has a name starting with this prefix."""
 SHM_LIMIT_ENV = "WEIGHTSYNC_SHM_LIMIT_BYTES"
 """Test hook: a segment larger than this many bytes fails as on a full `/dev/shm` (ENOSPC)."""
 
@@ -169,12 +191,15 @@ class SharedSegment:
 
     @property
     def address(self) -> int:
+        """Address of the first byte in this process."""
         return int(self.tensor.data_ptr())
 
     def contains(self, address: int, nbytes: int) -> bool:
+        """Whether `nbytes` bytes from `address` lie inside this segment."""
         return self.address <= address and address + nbytes <= self.address + self.nbytes
 
     def unlink(self) -> None:
+        """Removes the name; this process's views stay valid. Safe to call twice."""
         unlink_segment(self.name)
 
 
@@ -188,6 +213,7 @@ class AttachedSegment:
 
     @property
     def nbytes(self) -> int:
+        """Size in bytes."""
         return int(self.tensor.numel())
 
 
@@ -251,6 +277,7 @@ class SegmentJanitor:
 
     @property
     def pid(self) -> int | None:
+        """Process id of the janitor (None once closed)."""
         return self._process.pid if self._process is not None else None
 
     def _send(self, line: bytes) -> None:
@@ -479,6 +506,7 @@ class IPCHandle:
 # named `/torch_<pid>_<random>_<n>`; the consumer decrements slot `ref_counter_offset` when it
 # lets go. Anything else would have this process write into a file a peer chose.
 REF_COUNTER_SLOTS = 10000
+"""Slots of a torch reference-count file; a record's `ref_counter_offset` must be below."""
 _REF_COUNTER_RE = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 
 
@@ -681,6 +709,7 @@ class RegionCache:
 
     @property
     def open_segments(self) -> list[str]:
+        """Names of the shared-memory segments mapped now."""
         return sorted(self._segments)
 
     def clear(self) -> None:
