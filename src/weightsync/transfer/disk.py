@@ -336,7 +336,7 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         target = self.params.get(spec.name) if self.params is not None else None
         if (
             target is not None
-            and TensorSpec.of(spec.name, target) == spec
+            and (target.dtype, tuple(target.shape)) == (spec.dtype, spec.shape)
             and (target.device.type == "cpu" and target.is_contiguous())
         ):
             read_into(fd, target, entry)
