@@ -39,7 +39,7 @@ from _rigs import (
 from model_specs import llama_like_specs
 from weightsync import weight_checksums
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, WireParams
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,

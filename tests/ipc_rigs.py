@@ -28,9 +28,9 @@ from process_rigs import (
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
-from weightsync.transfer.ipc import IPCWeightTransferEngine
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
+    IPCWeightTransferEngine,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )

@@ -63,13 +63,11 @@ from weightsync.transfer.disk import (
     save_weight_dir,
 )
 from weightsync.transfer.ipc import (
+    IPCTrainerSendWeightsArgs,
+    IPCTrainerSession,
     IPCWeightTransferEngine,
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
-)
-from weightsync.transfer.ipc_trainer import (
-    IPCTrainerSendWeightsArgs,
-    IPCTrainerSession,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )

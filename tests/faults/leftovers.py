@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from weightsync.transfer._shm import SESSION_PREFIX
+from weightsync.transfer.memory import SESSION_PREFIX
 
 GRACE_S = 15.0
 """How long leftovers may take to go: a killed child is reaped, a closed socket released."""

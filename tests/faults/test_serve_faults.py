@@ -36,7 +36,7 @@ from weightsync.trainer import (
     IPCWeightSender,
     sync_weights,
 )
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,

@@ -14,8 +14,8 @@ import torch
 from ipc_rigs import IPCReceiverProcess, IPCTrainerProcess, deliver_to_processes
 from process_rigs import WorkerProcessError
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._shm import SHM_LIMIT_ENV
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.memory import SHM_LIMIT_ENV
 
 TIMEOUT_S = 5.0
 SPECS = [

@@ -7,14 +7,14 @@ import torch
 
 from ipc_rigs import IPCReceiverProcess, IPCTrainerProcess
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._cuda_ipc import cuda_device_uuids
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.ipc import IPCWeightTransferEngine
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
+    IPCWeightTransferEngine,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
+from weightsync.transfer.memory import cuda_device_uuids
 
 pytestmark = pytest.mark.gpu
 

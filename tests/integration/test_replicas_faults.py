@@ -26,7 +26,7 @@ from serve_support import Server
 
 from weightsync import EngineConfig, LlamaForCausalLM, LLMEngine, SamplingParams, weight_checksums
 from weightsync.trainer import HTTPEngineClient, IPCWeightSender, sync_weights
-from weightsync.transfer.ipc_trainer import ipc_trainer_init
+from weightsync.transfer.ipc import ipc_trainer_init
 
 N = 3
 GREEDY = {"prompt": "hello", "max_tokens": 8, "temperature": 0}

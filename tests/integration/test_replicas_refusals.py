@@ -22,7 +22,7 @@ from weightsync import (
     weight_checksums,
 )
 from weightsync.errors import WeightSyncError
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,

@@ -12,15 +12,16 @@ import torch
 from process_rigs import fill_tensors
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo, create_engine
 from weightsync.transfer.base import _parse_info as parse_info
-from weightsync.transfer.ipc import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
+    IPCWeightTransferEngine,
+    IPCWeightTransferUpdateInfo,
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
+from weightsync.transfer.memory import IPCHandle
 
 SPECS = [
     TensorSpec("w", torch.float32, (4, 8)),
@@ -390,3 +391,20 @@ def test_share_module_makes_parameters_exportable_in_place():
                 model.weight.add_(1.0)
     finally:
         session.close()
+
+
+def test_both_ends_of_the_protocol_are_one_module_and_the_naming_of_memory_another():
+    import importlib
+    import pkgutil
+
+    import weightsync.transfer
+
+    ipc = importlib.import_module("weightsync.transfer.ipc")
+    ends = [ipc.IPCTrainerSession, ipc.ipc_trainer_send_weights, ipc.IPCWeightTransferEngine]
+    assert {end.__module__ for end in ends} == {"weightsync.transfer.ipc"}
+    memory = importlib.import_module("weightsync.transfer.memory")
+    naming = [memory.IPCHandle, memory.SharedSegment, memory.RegionCache, memory.synchronize]
+    assert {name.__module__ for name in naming} == {"weightsync.transfer.memory"}
+    modules = {m.name for m in pkgutil.iter_modules(weightsync.transfer.__path__)}
+    scattered = {"ipc_trainer", "_courier", "_shm", "_ipc_records", "_ipc_regions", "_cuda_ipc"}
+    assert not modules & scattered

@@ -11,7 +11,7 @@ from test_ipc_handles import CUDA_RECORD, Rig, corrupt, shm_names
 
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferTimeout, WeightValidationError
-from weightsync.transfer import _cuda_ipc
+from weightsync.transfer import memory as _cuda_ipc
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer import _shm as shm
+from weightsync.transfer import memory as shm
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_a_dead_janitor_is_an_error_the_trainer_sees_before_exporting_more():
     import signal
 
     from weightsync.transfer.base import TensorSpec
-    from weightsync.transfer.ipc_trainer import ipc_trainer_init
+    from weightsync.transfer.ipc import ipc_trainer_init
 
     session = ipc_trainer_init(packed=False)
     try:

@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync.errors import WeightSyncError
-from weightsync.transfer._ipc_records import CUDAStorageHandle, IPCHandle
 from weightsync.transfer.base import _WIRE_DTYPES as WIRE_DTYPES
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.buckets import ALIGN_BYTES, plan_buckets
 from weightsync.transfer.ipc import IPCWeightTransferUpdateInfo
+from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -36,8 +36,8 @@ from weightsync.transfer import (
 )
 from weightsync.transfer import base as wire
 from weightsync.transfer import buckets as packing
-from weightsync.transfer._ipc_records import _RECORD_KEYS, CUDAStorageHandle
 from weightsync.transfer.base import _WIRE_DTYPES, TensorSpec, dtype_name
+from weightsync.transfer.memory import _RECORD_KEYS, CUDAStorageHandle
 from weightsync.transfer.nccl_trainer import NCCLTrainerSendWeightsArgs, trainer_init
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "transfer" / "wire.md"
@@ -408,7 +408,7 @@ def test_the_ipc_tables_list_every_field():
 
 
 def test_the_numbers_the_page_states_are_the_code_constants():
-    from weightsync.transfer import _cuda_ipc
+    from weightsync.transfer import memory as _cuda_ipc
 
     stated = {
         f"cut to {_handshake.REASON_CHARS}": "reasons stored",

@@ -34,7 +34,7 @@ from weightsync.transfer.base import (
     WireParams,
     _WireKeywords,
 )
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     IPCTrainerSession,
     ipc_trainer_init,
@@ -322,7 +322,7 @@ class IPCWeightSender(WeightSender):
 
     CUDA tensors travel as CUDA IPC handles, CPU tensors as POSIX shared-memory segments; each
     engine copies the bytes straight out of the trainer's memory. Arguments after `engines` are
-    those of [`ipc_trainer_init`][weightsync.transfer.ipc_trainer.ipc_trainer_init].
+    those of [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init].
 
     Args:
         engines: The engines to update.

@@ -23,6 +23,7 @@ import torch
 
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import TensorSpec
+from weightsync.transfer.base import _is_int as is_int
 from weightsync.transfer.checksums import _byte_view
 
 _DTYPES = {
@@ -38,33 +39,19 @@ _MAX_HEADER_BYTES = 100 << 20
 
 @dataclass(frozen=True)
 class SafetensorsEntry:
-    """Where one tensor of a safetensors file lies.
-
-    Attributes:
-        spec: Name, dtype and shape.
-        offset: Byte offset of the tensor's data from the start of the file.
-    """
+    """Where one tensor of a safetensors file lies: its spec, and its data's offset in the file."""
 
     spec: TensorSpec
     offset: int
 
     @property
     def nbytes(self) -> int:
-        """Size of the tensor's data in bytes."""
         return self.spec.nbytes
 
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """Opens a checkpoint file for reading; anything but a regular file is refused at once.
-
-    The names come from whoever wrote the directory: a FIFO would block `open` until some
-    writer came, and a device (`/dev/zero`) has no end, so the file is opened without blocking
-    and its type checked before a byte is read.
-
-    Raises:
-        WeightValidationError: Not a regular file; the message names it.
-        OSError: The file cannot be opened.
-    """
+    """Opens a checkpoint file; anything but a regular file is refused before a byte is read."""
+    # Opened without blocking: a FIFO would block `open` until some writer came.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -80,18 +67,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
 
 
 def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
-    """Reads and checks the header of a safetensors file; no tensor data is read.
-
-    Every entry is checked against the file: a known dtype, a shape of non-negative ints, data
-    offsets that lie inside the file and match the shape's size.
-
-    Returns:
-        One entry per tensor, in the file's data order.
-
-    Raises:
-        WeightValidationError: The file cannot be read or is not valid safetensors; the message
-            names the file, the tensor and what is wrong.
-    """
+    """The checked header of a safetensors file, one entry per tensor in data order; no data read."""
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise WeightValidationError("reading safetensors needs a little-endian machine")
     try:
@@ -147,9 +123,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
             f"{where} has dtype {value.get('dtype')!r:.40}; supported: {sorted(_DTYPES)}"
         )
     shape = value.get("shape")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise WeightValidationError(
             f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
         )
@@ -158,7 +132,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not all(is_int(o) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1] <= data_size
         or offsets[1] - offsets[0] != nbytes
     ):
@@ -170,13 +144,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
 
 
 def read_into(fd: int, out: torch.Tensor, entry: SafetensorsEntry) -> None:
-    """Reads the data of `entry` from the open file `fd` into `out`'s memory (contiguous, CPU).
-
-    Positional reads (`pread`): several tensors of one file may be read from one descriptor.
-
-    Raises:
-        WeightValidationError: The file ends before the tensor's data does.
-    """
+    """Reads `entry`'s data from `fd` into `out`'s memory (contiguous, CPU) with positional reads."""
     if entry.nbytes == 0:
         return
     # A writable ctypes array over the tensor's memory: the file's bytes land in place.

@@ -18,10 +18,7 @@ __all__ = ["weight_checksums"]
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """A read-only, zero-copy view of `tensor`'s bytes (copied first only if not contiguous on CPU).
-
-    The view keeps the tensor it reads alive, so it stays valid after `tensor` goes out of scope.
-    """
+    """A read-only, zero-copy view of `tensor`'s bytes that keeps them alive (copied if need be)."""
     flat = tensor.detach().cpu().contiguous()
     nbytes = flat.numel() * flat.element_size()
     if nbytes == 0:

@@ -1,20 +1,11 @@
 """The `disk` backend: a checkpoint directory (safetensors) that the trainer wrote, loaded in place.
 
-The one weight path that needs no GPU and no transport between the two ends: the trainer writes
-its weights to storage both see ([`save_weight_dir`][weightsync.transfer.disk.save_weight_dir],
-or any Hugging Face `save_pretrained`), and the worker's
-[`DiskWeightTransferEngine`][weightsync.transfer.disk.DiskWeightTransferEngine] loads the
-directory inside the engine's update transaction. The update info names the directory, as in
-vLLM's draft `disk` backend: `{"path": "/shared/step_42"}`.
-
-Before a byte of data is read, every file's header is checked against the model: each name
-known, with the model's dtype and shape, every weight covered once. A refused directory leaves
-the model untouched. The data is then read straight into the weights' memory (one copy from the
-page cache, as a plain read into a buffer makes, no intermediate buffer).
-
-Reads, not a memory map: a mapped file that shrinks, or a storage error under a mapping, kills
-the reading process (SIGBUS); a read returns short or fails, and the update fails as one (the
-previous weights restored with staging). Mapped and copied, the same bytes also took longer here.
+The trainer writes its weights to storage both ends see
+([`save_weight_dir`][weightsync.transfer.disk.save_weight_dir], or any `save_pretrained`); the
+update info names the directory, as in vLLM's draft `disk` backend: `{"path": "/shared/step_42"}`.
+Every file's header is checked against the model before a byte of data is read, then the data is
+read straight into the weights' memory. Reads, not a memory map: a mapped file that shrinks kills
+the reader (SIGBUS), where a short read fails the update as one.
 """
 
 from __future__ import annotations
@@ -67,21 +58,12 @@ _INDEX = "model.safetensors.index.json"
 
 @dataclass
 class DiskWeightTransferInitInfo(WeightTransferInitInfo):
-    """The `disk` backend joins nothing: its init info is empty (`{}`), and optional."""
+    """The `disk` backend joins nothing: its init info is `{}`, and optional."""
 
 
 @dataclass
 class WeightDir:
-    """A checkpoint directory to load: the wire form of a `disk` update info.
-
-    Also what an engine builds from prime-rl's `{"weight_dir": DIR}`, loaded whatever backend
-    the engine has.
-
-    Attributes:
-        path: The directory, as the server sees it (relative paths are from its working
-            directory).
-        weight_version: Optional label of the weights.
-    """
+    """The wire form of a `disk` update info (also prime-rl's `{"weight_dir": DIR}`)."""
 
     path: str
     weight_version: str | int | None = None
@@ -122,10 +104,9 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
         directory = Path(path).absolute()
-        try:
+        is_dir = False
+        with contextlib.suppress(OSError):  # a name too long for the filesystem, say
             is_dir = directory.is_dir()
-        except OSError:  # a name too long for the filesystem, say
-            is_dir = False
         if not is_dir:
             raise WeightValidationError(
                 f"path {str(directory)!r}: not a directory visible to this server; the trainer "
@@ -167,10 +148,12 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the wire form: `{"path": ...}` and the version label, if any."""
-        data: dict[str, Any] = {"path": self.path}
-        if self.weight_version is not None:
-            data["weight_version"] = self.weight_version
-        return data
+        return _wire_form(self.path, self.weight_version)
+
+
+def _wire_form(path: str, weight_version: str | int | None) -> dict[str, Any]:
+    version = {} if weight_version is None else {"weight_version": weight_version}
+    return {"path": path, **version}
 
 
 def _read_index(directory: Path) -> dict[str, str] | None:
@@ -206,11 +189,7 @@ def _safetensors_files(directory: Path) -> list[str]:
 
 
 def _derived(name: str, expected: Mapping[str, TensorSpec]) -> bool:
-    """Whether a checkpoint's tensor is one the model derives, not loads.
-
-    A tied model's `lm_head.weight` (the embedding's), and the rotary frequencies older
-    checkpoints saved: the model computes them.
-    """
+    """Whether the model derives this tensor (a tied `lm_head.weight`, old rotary frequencies)."""
     return name not in expected and (
         name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
     )
@@ -343,12 +322,8 @@ class DiskWeightTransferEngine(WeightTransferEngine):
                     f"({type(exc).__name__}: {exc})",
                     partially_applied=True,
                 ) from exc
-        stats = TransferStats(
-            num_tensors=len(specs),
-            num_bytes=sum(s.nbytes for s in specs),
-            num_buckets=len(fds),
-            seconds=time.perf_counter() - start,
-        )
+        nbytes, seconds = sum(s.nbytes for s in specs), time.perf_counter() - start
+        stats = TransferStats(len(specs), nbytes, num_buckets=len(fds), seconds=seconds)
         logger.info(
             "loaded %d tensors, %.1f MB from %s in %.3f s (%.2f GB/s)",
             stats.num_tensors, stats.num_bytes / 1e6, directory, stats.seconds, stats.gbps,
@@ -359,16 +334,14 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         """Reads one tensor into its weight: in place when the weight's memory allows."""
         spec = entry.spec
         target = self.params.get(spec.name) if self.params is not None else None
-        if not (
+        if (
             target is not None
-            and target.device.type == "cpu"
-            and target.dtype == spec.dtype
-            and tuple(target.shape) == spec.shape
-            and target.is_contiguous()
+            and (target.dtype, tuple(target.shape)) == (spec.dtype, spec.shape)
+            and (target.device.type == "cpu" and target.is_contiguous())
         ):
+            read_into(fd, target, entry)
+        else:
             load_weights([(spec.name, read_tensor(fd, entry))])
-            return
-        read_into(fd, target, entry)
 
     def shutdown(self) -> None:
         """Marks the engine shut down (it holds nothing between updates). Safe to call twice."""
@@ -405,7 +378,4 @@ def save_weight_dir(
     partial = directory / ".model.safetensors.partial"
     write_safetensors(tensors, partial)
     os.replace(partial, directory / "model.safetensors")
-    info: dict[str, Any] = {"path": str(directory)}
-    if weight_version is not None:
-        info["weight_version"] = weight_version
-    return info
+    return _wire_form(str(directory), weight_version)

@@ -1,56 +1,38 @@
 """Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
 
-The mechanism follows the tensors' device: CUDA tensors travel as CUDA IPC handles, CPU tensors
-as POSIX shared-memory segments. Either way the trainer sends only JSON-safe
-handle records and each worker copies the bytes
-straight out of the trainer's memory into its model.
-
-This module holds the worker side and the payloads; the trainer side is
-[`weightsync.transfer.ipc_trainer`][weightsync.transfer.ipc_trainer].
-
-**Hand-off.** The trainer owns an
-[`IPCTrainerSession`][weightsync.transfer.ipc_trainer.IPCTrainerSession]
-and passes `session.init_info` to every worker's `init_transfer_engine`. An update is a series of
-[`IPCWeightTransferUpdateInfo`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo] dicts, each
-given to every worker's `receive_weights` by the `deliver` callable of
-[`IPCTrainerSendWeightsArgs`][weightsync.transfer.ipc_trainer.IPCTrainerSendWeightsArgs] (a pipe, an HTTP
-post, a Ray call), which returns once every worker acknowledged:
-
-1. an *announcement* (`ipc_handles` null): every worker validates the whole update against its
-   model, so a rejection anywhere stops the update before any byte moves on any worker;
-2. one *part* per bucket (packed) or a single part (unpacked), each with the metadata and
-   records of the tensors `first_index ..` of the update. Each delivery is one `update_weights`
-   call inside the engine's update transaction, which
-   counts the parts' `loaded_names` against the announcement. A late, stray, duplicated or
-   out-of-order delivery is refused and leaves the update in progress untouched;
-   [`update_in_progress`][weightsync.transfer.ipc.IPCWeightTransferEngine.update_in_progress]
-   says whether an announced update still waits for parts.
-
-**Packed** mode copies the tensors into `num_buffers` reusable bucket buffers exported once, and
-refills a buffer only after the workers acknowledged its part; while workers copy bucket k, the
-trainer packs bucket k+1. **Unpacked** mode exports the tensors where they are: on CPUs they must
-live in the session's shared memory
-([`shared_tensors`][weightsync.transfer.ipc_trainer.IPCTrainerSession.shared_tensors] or
-[`share_module`][weightsync.transfer.ipc_trainer.IPCTrainerSession.share_module]), and then the
-worker's single copy is the whole cost.
+One concept: both ends of one protocol, read top to bottom. The trainer's
+[`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession] exports its memory (CUDA IPC for
+CUDA tensors, POSIX shared memory for CPU ones) and describes it in JSON-safe records
+([`weightsync.transfer.memory`][weightsync.transfer.memory]);
+[`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights] hands every
+worker's `receive_weights` first an *announcement* (`ipc_handles` null: a rejection anywhere
+stops the update before any byte moves), then one *part* per bucket (packed: `num_buffers`
+buffers, refilled only once acknowledged) or one part exporting the tensors in place (unpacked).
+[`IPCWeightTransferEngine`][weightsync.transfer.ipc.IPCWeightTransferEngine] checks, maps and
+copies each part, refusing late, stray, duplicated or out-of-order ones.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import logging
+import mmap
+import queue
+import secrets
+import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
-from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.transfer import _shm as shm
-from weightsync.transfer._cuda_ipc import synchronize
-from weightsync.transfer._ipc_records import IPCHandle
-from weightsync.transfer._ipc_regions import RegionCache
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer import memory
 from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     DEFAULT_TIMEOUT_S,
@@ -60,17 +42,45 @@ from weightsync.transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    WireParams,
+    _WireKeywords,
 )
+from weightsync.transfer.base import _is_int as is_int
+from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.buckets import (
+    Bucket,
+    flat_layout,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _Window as Window
+from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle, RegionCache, synchronize
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
+    "IPCTrainerSendWeightsArgs",
+    "IPCTrainerSession",
     "IPCWeightTransferEngine",
     "IPCWeightTransferInitInfo",
     "IPCWeightTransferUpdateInfo",
+    "ipc_trainer_init",
+    "ipc_trainer_send_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
 _ANNOUNCED_IDS_KEPT = 64
+_DeliverFn = Callable[[dict[str, Any]], None]
+_BucketBuffer = tuple[torch.Tensor, "memory.SharedSegment | None"]  # bytes, and CPU segment
+
+
+# --- the payloads ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -91,7 +101,7 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
                 f"backend is {self.backend!r} but this init info is for 'ipc': create the "
                 f"worker's engine with backend {self.backend!r}"
             )
-        if not shm.is_session_name(self.session):
+        if not memory.is_session_name(self.session):
             raise WeightValidationError(
                 f"session must look like 'weightsync-' + 12 hex digits, got {self.session!r}: "
                 "pass the trainer's IPCTrainerSession.init_info unchanged"
@@ -111,7 +121,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     Attributes:
         update_id: Identifies the update all its deliveries belong to.
         ipc_handles: One record per tensor of this part (see
-            `IPCHandle`), or None for the
+            [`IPCHandle`][weightsync.transfer.memory.IPCHandle]), or None for the
             announcement, which moves nothing.
         first_index: Position of this part's first tensor in the announced update (0 for the
             announcement).
@@ -132,7 +142,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"update_id must be a non-empty string, got {self.update_id!r}"
             )
         first = self.first_index
-        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        if not is_int(first) or first < 0:
             raise WeightValidationError(f"first_index must be an int >= 0, got {first!r}")
         self._handles = []
         if self.ipc_handles is None:
@@ -174,6 +184,536 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             "ipc_handles": handles,
             "first_index": self.first_index,
         }
+
+
+# --- the trainer's end: the session and its exported memory ---------------------------------------
+
+
+def _release(owned: dict[str, memory.SharedSegment], janitor: memory.SegmentJanitor) -> None:
+    for segment in owned.values():
+        segment.unlink()
+    owned.clear()
+    janitor.close()
+
+
+class IPCTrainerSession:
+    """The trainer's end of an IPC transfer: its exported memory and its wire parameters.
+
+    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init]; the arguments
+    are the same. The session unlinks its segments on `close`, after a failed transfer (bucket
+    buffers), and, through its janitor process, when the trainer dies.
+
+    Args:
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]): `packed`
+            copies tensors into `num_buffers` reusable bucket buffers of `bucket_size_bytes`
+            (trainer memory beyond the model: their sum), unpacked exports them in place;
+            `timeout_s` bounds each delivery's acknowledgement. The defaults when None.
+
+    Attributes:
+        wire: The wire parameters.
+        session: The session's name, `weightsync-` and 12 random hex digits; every segment it
+            creates is named after it.
+
+    Raises:
+        WeightValidationError: A bad argument.
+    """
+
+    def __init__(self, wire: WireParams | None = None) -> None:
+        self.wire = WireParams.build(wire)
+        self.session = memory.new_session_name()
+        self._janitor = memory.SegmentJanitor(self.session)
+        self._counter = itertools.count()
+        self._owned: dict[str, memory.SharedSegment] = {}
+        self._shared: list[memory.SharedSegment] = []
+        # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
+        self._pools: dict[torch.device, BufferPool[_BucketBuffer]] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
+
+    @property
+    def init_info(self) -> dict[str, Any]:
+        """The JSON-safe init info every worker passes to `init_transfer_engine`."""
+        return {"session": self.session, "backend": "ipc"}
+
+    @property
+    def janitor_pid(self) -> int | None:
+        """Process id of the helper that unlinks this session's segments if the trainer dies."""
+        return self._janitor.pid
+
+    def segment_names(self) -> list[str]:
+        """Names of the shared-memory segments this session holds now."""
+        return sorted(self._owned)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightTransferError(
+                "this IPC trainer session is closed: call ipc_trainer_init again"
+            )
+        self._janitor.check()  # its death is the user's to see, before more memory is exported
+
+    def _new_segment(self, nbytes: int) -> memory.SharedSegment:
+        name = f"{self.session}-{next(self._counter)}"
+        self._janitor.track(name)  # before it exists: a crash right after still gets cleaned up
+        try:
+            segment = memory.SharedSegment(name, max(nbytes, 1))
+        except Exception:
+            self._janitor.forget(name)
+            raise
+        self._owned[name] = segment
+        return segment
+
+    def _drop_segment(self, segment: memory.SharedSegment) -> None:
+        segment.unlink()
+        self._janitor.forget(segment.name)
+        self._owned.pop(segment.name, None)
+
+    def shared_tensors(self, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+        """Allocates zeroed CPU tensors for `specs` in one shared-memory segment of this session.
+
+        Unpacked sends export such tensors in place, without a copy. The tensors stay valid
+        after `close` (which only stops further exports).
+
+        Returns:
+            The tensors by name, views of one segment in the bucket layout.
+
+        >>> from weightsync.transfer.base import TensorSpec
+        >>> session = ipc_trainer_init(packed=False)
+        >>> session.shared_tensors([TensorSpec("w", torch.float32, (2, 3))])["w"].shape
+        torch.Size([2, 3])
+        >>> session.close()
+        """
+        self._check_open()
+        layout = flat_layout(specs)
+        segment = self._new_segment(layout.aligned_nbytes)
+        self._shared.append(segment)
+        return dict(unpack_bucket(layout, segment.tensor))
+
+    def share_module(self, module: nn.Module) -> None:
+        """Moves the CPU parameters of `module` into shared memory of this session, in place.
+
+        Each `nn.Parameter` object is kept (only its `.data` changes), so create optimizers
+        afterwards. Unpacked sends then export the parameters without copying them.
+
+        Raises:
+            WeightValidationError: A parameter is not on the CPU (CUDA memory is exported as is).
+        """
+        params = list(module.named_parameters())
+        off_cpu = [name for name, p in params if p.device.type != "cpu"]
+        if off_cpu:
+            raise WeightValidationError(
+                f"share_module moves CPU parameters only; not on the CPU: {off_cpu[:5]} "
+                "(CUDA parameters are exported by CUDA IPC without sharing)"
+            )
+        shared = self.shared_tensors([TensorSpec.of(name, p) for name, p in params])
+        with torch.no_grad():
+            for name, param in params:
+                shared[name].copy_(param.data)
+                param.data = shared[name]
+
+    def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
+        """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
+        if device in self._pools:
+            return self._pools[device]
+
+        def allocate(nbytes: int) -> _BucketBuffer:
+            if device.type == "cpu":
+                created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+                return created.tensor, created
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+
+        def release(entry: _BucketBuffer) -> None:
+            if entry[1] is not None:
+                self._drop_segment(entry[1])
+
+        size = lambda entry: entry[0].numel()  # noqa: E731
+        pool = self._pools[device] = BufferPool(self.wire.num_buffers, allocate, size, release)
+        return pool
+
+    def drop_buffers(self) -> None:
+        """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
+        for pool in self._pools.values():
+            pool.clear()
+        self._pools.clear()
+
+    def close(self) -> None:
+        """Unlinks every segment of this session and stops its janitor. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pools.clear()
+        self._shared.clear()
+        self._finalizer()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> IPCTrainerSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def ipc_trainer_init(
+    *, wire: WireParams | None = None, **wire_fields: Unpack[_WireKeywords]
+) -> IPCTrainerSession:
+    """Starts the trainer's end of an IPC transfer; pass `session.init_info` to every worker.
+
+    Nothing is allocated until the first send (or `shared_tensors`).
+
+    Args:
+        wire: The wire parameters (see
+            [`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession]).
+        **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
+
+    Raises:
+        WeightValidationError: A bad wire parameter.
+
+    >>> session = ipc_trainer_init()
+    >>> session.init_info["backend"]
+    'ipc'
+    >>> session.close()
+    """
+    return IPCTrainerSession(WireParams.build(wire, **wire_fields))
+
+
+# --- the trainer's end: one update, delivered in order on a helper thread ------------------------
+
+
+class _Courier:
+    """Runs deliveries in order on a daemon thread, each wait bounded; after a failure, none more.
+
+    A `deliver` still running when its wait timed out is abandoned, but nothing queued behind it
+    reaches the workers (who refuse late parts of an update they no longer wait for).
+    """
+
+    def __init__(self, deliver: _DeliverFn, timeout_s: float) -> None:
+        self._deliver, self._timeout_s = deliver, timeout_s
+        self._jobs: queue.SimpleQueue[tuple[dict[str, Any], concurrent.futures.Future[None]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._pending: deque[tuple[concurrent.futures.Future[None], str]] = deque()
+        self._cancelled = threading.Event()  # on a timeout and on close: checked between buckets
+        self.thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        failed = False
+        while (job := self._jobs.get()) is not None:
+            info, future = job
+            if failed or self._cancelled.is_set() or not future.set_running_or_notify_cancel():
+                future.cancel()
+                continue
+            try:
+                self._deliver(info)
+            except BaseException as exc:  # handed to the trainer's thread, which re-raises it
+                failed = True
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def submit(self, info: dict[str, Any], what: str) -> None:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._jobs.put((info, future))
+        self._pending.append((future, what))
+
+    def wait_oldest(self) -> None:
+        future, what = self._pending.popleft()
+        try:
+            future.result(self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the deliver callable raised a timeout of its own
+                raise
+            self._cancelled.set()  # what is queued behind it must never reach the workers
+            raise WeightTransferTimeout(
+                f"delivering {what}: the workers did not acknowledge within timeout_s="
+                f"{self._timeout_s:g} s"
+            ) from None
+
+    def raise_if_failed(self) -> None:
+        """Raises a failed delivery early, in delivery order; pending successes stay pending."""
+        if any(f.done() and not f.cancelled() and f.exception() for f, _ in self._pending):
+            self.drain()
+
+    def drain(self) -> None:
+        while self._pending:
+            self.wait_oldest()
+
+    def close(self) -> None:
+        """Drops what is still queued; a delivery already running is left to end on its own."""
+        self._cancelled.set()
+        for future, _ in self._pending:
+            future.cancel()
+        self._jobs.put(None)
+
+
+@dataclass
+class _Sending:
+    """One update on its way: the session, what was announced, the tensors, the courier, stats."""
+
+    session: IPCTrainerSession
+    specs: list[TensorSpec]
+    source: AnnouncedTensors
+    header: dict[str, Any]
+    courier: _Courier
+    stats: TransferStats
+
+    def part(self, first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The delivery of tensors `first ..`: their slice of the metadata, and their records."""
+        end, header = first + len(records), self.header
+        return {
+            **header,
+            **{key: header[key][first:end] for key in ("names", "dtype_names", "shapes")},
+            "ipc_handles": records,
+            "first_index": first,
+        }
+
+    def announce(self) -> None:
+        """Delivers the announcement and waits: a rejection anywhere stops the update here."""
+        announcement = {**self.header, "ipc_handles": None, "first_index": 0}
+        self.courier.submit(announcement, "the update's announcement")
+        try:
+            self.courier.wait_oldest()
+        except WeightValidationError as exc:
+            raise WeightValidationError(
+                f"a worker rejected the update; nothing moved: {exc}"
+            ) from exc
+        except WeightTransferError:
+            raise
+        except Exception as exc:
+            raise WeightTransferError(
+                f"announcing the update failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def _device_of(
+    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], device: torch.device | None
+) -> torch.device:
+    for spec, tensor in zip(specs, tensors, strict=True):
+        device = device or tensor.device
+        if tensor.device != device:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is on {tensor.device} but the update started on {device}: "
+                "IPC follows the tensors' device; send one device per update"
+            )
+    return device or torch.device("cpu")
+
+
+def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Exception:
+    """The error for a failure after the announcement was accepted."""
+    if isinstance(exc, WeightValidationError) and not delivered:
+        return exc
+    error_cls = (
+        WeightTransferTimeout if isinstance(exc, WeightTransferTimeout) else WeightTransferError
+    )
+    return error_cls(
+        f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
+        + ("; workers may hold _part of the update: send a complete one" if delivered else ""),
+        partially_applied=delivered,
+    )
+
+
+def _send_packed(send: _Sending) -> None:
+    """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
+    session, courier, stats = send.session, send.courier, send.stats
+    buckets = plan_buckets(send.specs, session.wire.bucket_size_bytes)
+    nbytes = max((b.nbytes for b in buckets), default=1)
+    send.announce()
+    device: torch.device | None = None
+    pool: BufferPool[_BucketBuffer] | None = None
+
+    def land(buffer_index: int) -> None:
+        courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
+        assert pool is not None
+        pool.give_back(buffer_index)
+
+    window: Window[int] = Window(session.wire.num_buffers, land)
+    try:
+        for first, bucket, tensors in announced_buckets(buckets, send.source, len(send.specs)):
+            device = _device_of(tensors, [s.spec for s in bucket.slots], device)
+            if pool is None:
+                pool = session._pool(device)
+                pool.reset()
+            window.make_room()
+            courier.raise_if_failed()
+            buffer_index, (buffer, segment) = pool.take(nbytes)
+            window.push(buffer_index)
+            records = _pack_records(bucket, tensors, buffer, segment, session.wire.timeout_s)
+            what = f"_part {stats.num_buckets + 1} of {len(buckets)}"
+            courier.submit(send.part(first, records), what)
+            stats.num_buckets += 1
+        window.drain()
+    except Exception as exc:
+        window.clear()
+        session.drop_buffers()
+        cleanup = "; the bucket buffers were unlinked"
+        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
+
+
+def _pack_records(
+    bucket: Bucket,
+    tensors: list[torch.Tensor],
+    buffer: torch.Tensor,
+    segment: memory.SharedSegment | None,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """Packs `tensors` into `buffer` and returns the records that locate them there."""
+    with torch.no_grad():  # parameters that require grad are copied as plain bytes
+        pack_bucket(bucket, tensors, buffer)
+    cuda = None
+    if buffer.is_cuda:
+        # Workers read on their own streams: the packed bytes must be in memory first.
+        synchronize(buffer.device, timeout_s=timeout_s, what="packing a bucket")
+        cuda = memory.export_cuda_storage(buffer.untyped_storage())
+    name = segment.name if segment is not None else None
+    return [
+        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
+        for s in bucket.slots
+    ]
+
+
+def _in_place_record(
+    session: IPCTrainerSession,
+    spec: TensorSpec,
+    tensor: torch.Tensor,
+    exports: dict[int, CUDAStorageHandle],
+) -> IPCHandle:
+    """The record exporting `tensor` where it lies; `exports`: one CUDA export per storage."""
+    if spec.nbytes == 0:
+        return IPCHandle.for_tensor(spec, 0)
+    if not tensor.is_contiguous():
+        raise WeightValidationError(
+            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
+            "contiguous or use packed=True"
+        )
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if tensor.is_cuda:
+        if key not in exports:
+            exports[key] = memory.export_cuda_storage(storage)
+        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
+    address = int(tensor.data_ptr())
+    for segment in session._shared:
+        if segment.contains(address, spec.nbytes):
+            return IPCHandle.for_tensor(spec, address - segment.address, segment=segment.name)
+    raise WeightValidationError(
+        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
+        "tensors in place; allocate them with session.shared_tensors(), move the model with "
+        "session.share_module(model), or use packed=True"
+    )
+
+
+def _send_unpacked(send: _Sending) -> None:
+    """Exports every tensor where it lies and delivers them in one _part, after the announcement."""
+    session, specs, source = send.session, send.specs, send.source
+    tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
+    source.check_exhausted(len(specs))
+    _device_of(tensors, specs, None)
+    exports: dict[int, CUDAStorageHandle] = {}
+    records = [
+        _in_place_record(session, s, t, exports).to_dict()
+        for s, t in zip(specs, tensors, strict=True)
+    ]
+    for device in {t.device for t in tensors if t.is_cuda} if exports else ():
+        synchronize(device, timeout_s=session.wire.timeout_s, what="exporting the tensors")
+    send.announce()
+    if not specs:
+        return
+    try:
+        # `tensors` stays referenced until the workers acknowledged: they read its memory.
+        send.courier.submit(send.part(0, records), "the update")
+        send.stats.num_buckets = send.stats.direct_buckets = 1
+        send.courier.drain()
+    except Exception as exc:
+        raise _data_failed(exc, delivered=True) from exc
+    del tensors
+
+
+@dataclass
+class IPCTrainerSendWeightsArgs:
+    """Arguments of [`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights].
+
+    Attributes:
+        session: The trainer's session from `ipc_trainer_init`.
+        deliver: Gives one JSON-safe update info dict to every worker's `receive_weights` and
+            returns once all of them returned; raises if any failed (a `WeightValidationError`
+            for a rejection). It runs on a helper thread, one delivery at a time, in order.
+        update_info: What the iterator will yield (dict or dataclass), checked tensor by tensor.
+            When None, the iterator is consumed up front and announced as it is.
+        weight_version: Label of the weights being sent (the trainer's step, say).
+        post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to
+            send (e.g. to gather a sharded parameter).
+    """
+
+    session: IPCTrainerSession
+    deliver: _DeliverFn
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo | None = None
+    weight_version: str | int | None = None
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+
+
+def ipc_trainer_send_weights(
+    iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: IPCTrainerSendWeightsArgs
+) -> TransferStats:
+    """Sends one update to every worker through memory handles.
+
+    First an announcement lets every worker validate the whole update, so a rejection anywhere
+    stops it before any byte moves. Then packed mode copies bucket after bucket into the session's
+    reusable buffers (packing bucket k+1 while workers copy bucket k) and unpacked mode exports
+    every tensor in place in one delivery.
+
+    Args:
+        iterator: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
+        trainer_args: The session, the `deliver` callable and what to announce.
+
+    Returns:
+        What was sent and how fast; `direct_buckets` counts deliveries exported without a copy.
+
+    Raises:
+        WeightValidationError: A worker rejected the update or a tensor cannot be sent as
+            announced; nothing moved.
+        WeightTransferError: A delivery failed after data moved (`partially_applied`); the bucket
+            buffers are unlinked.
+        WeightTransferTimeout: The workers did not acknowledge a delivery within `timeout_s`.
+    """
+    session, version = trainer_args.session, trainer_args.weight_version
+    session._check_open()
+    start = time.perf_counter()
+    if trainer_args.update_info is None:
+        post = trainer_args.post_iter_func
+        pairs = [(name, post((name, t)) if post else t) for name, t in iterator]
+        announced = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=version)
+        source = AnnouncedTensors(iter(pairs), None)
+    else:
+        announced = parse_info(
+            WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
+        )
+        if version is not None and announced.weight_version not in (None, version):
+            raise WeightValidationError(
+                f"weight_version is {version!r} but update_info says {announced.weight_version!r}"
+            )
+        source = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
+    specs = announced.specs()
+    # An IPC update is known by its update_id, not by a send_id.
+    header = {**announced.to_dict(), "update_id": secrets.token_hex(8)}
+    header.pop("send_id", None)
+    if version is not None:
+        header["weight_version"] = version
+    stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
+    courier = _Courier(trainer_args.deliver, session.wire.timeout_s)
+    try:
+        sending = _Sending(session, specs, source, header, courier, stats)
+        (_send_packed if session.wire.packed else _send_unpacked)(sending)
+    finally:
+        courier.close()
+    stats.seconds = time.perf_counter() - start
+    logger.info(
+        "sent %d tensors, %.1f MB in %.3f s (%.2f GB/s, %d parts, %d in place)",
+        stats.num_tensors, stats.num_bytes / 1e6, stats.seconds, stats.gbps,
+        stats.num_buckets, stats.direct_buckets,
+    )  # fmt: skip
+    return stats
+
+
+# --- the worker's end: check, map, copy ---------------------------------------------------------
 
 
 @dataclass
@@ -279,23 +819,19 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             )
         start = time.perf_counter()
         info: IPCWeightTransferUpdateInfo = self.parse_update_info(update_info)
-        stats = TransferStats()
+        stats = TransferStats(loaded_names=[])
         if info.is_announcement:
             self._announce(info)
-            stats.loaded_names = []
         else:
-            progress = self._check_part(info)
-            part = info.specs()
+            progress, part = self._check_part(info), info.specs()
             self._load_part(info, part, load_weights)
             progress.touched = True
             progress.next_index = info.first_index + len(part)
             if progress.next_index == len(progress.specs):
                 self._progress = None
                 self._mappings.drop_unused()
-            stats.num_tensors = len(part)
-            stats.num_bytes = sum(s.nbytes for s in part)
-            stats.num_buckets = 1
-            stats.loaded_names = [spec.name for spec in part]
+            stats.num_tensors, stats.num_bytes = len(part), sum(s.nbytes for s in part)
+            stats.num_buckets, stats.loaded_names = 1, [spec.name for spec in part]
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -315,10 +851,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             logger.warning(
                 "worker %d: update %s was left incomplete; its weights stay torn until "
                 "update %s completes",
-                self.worker_index,
-                progress.update_id,
-                info.update_id,
-            )
+                self.worker_index, progress.update_id, info.update_id,
+            )  # fmt: skip
         self._progress = _Progress(info.update_id, specs, info.weight_version) if specs else None
 
     def _check_part(self, info: IPCWeightTransferUpdateInfo) -> _Progress:
@@ -346,10 +880,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return progress
 
     def _load_part(
-        self,
-        info: IPCWeightTransferUpdateInfo,
-        part: list[TensorSpec],
-        load_weights: LoadWeightsFn,
+        self, info: IPCWeightTransferUpdateInfo, part: list[TensorSpec], load_weights: LoadWeightsFn
     ) -> None:
         """Resolves every record of a part, then hands the tensors to `load_weights`."""
         regions: dict[object, torch.Tensor] = {}
@@ -373,11 +904,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             del tensors
 
     def _reject(self, message: str) -> WeightValidationError:
-        """The error for a refused delivery; the update in progress, if any, is untouched.
-
-        A late, stray, duplicated or malformed message moves no byte, so the update it does not
-        belong to goes on as if it never came.
-        """
+        """A refused delivery moved no byte: the update in progress goes on as if it never came."""
         return WeightValidationError(f"delivery refused, no byte moved: {message}")
 
     def _fail(self, message: str) -> WeightTransferError:

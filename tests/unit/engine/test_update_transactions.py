@@ -23,7 +23,7 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.trainer.senders import IPCWeightSender
-from weightsync.transfer.ipc_trainer import (
+from weightsync.transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     ipc_trainer_init,
     ipc_trainer_send_weights,
