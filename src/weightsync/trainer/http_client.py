@@ -2,8 +2,8 @@
 
 It speaks the server's routes: vLLM's RL routes for pause, resume and the weight-update
 transaction, and `/v1/completions` for rollouts. It satisfies
-[`EngineClient`][weightsync.trainer.client.EngineClient], so the weight senders and
-[`sync_weights`][weightsync.trainer.sync.sync_weights] drive a server exactly as they drive an
+[`EngineClient`][weightsync.trainer.senders.EngineClient], so the weight senders and
+[`sync_weights`][weightsync.trainer.senders.sync_weights] drive a server exactly as they drive an
 engine in the trainer's process. An error answer is raised again under the weightsync class its
 body names. Every call has a timeout; HTTP pairs each answer with its request, so a call that
 timed out never hands its late answer to the next one.
@@ -24,15 +24,56 @@ from weightsync.engine.tokenizer import Prompt
 from weightsync.errors import (
     EngineStateError,
     EngineTimeoutError,
+    InvalidRequestError,
     WeightSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
 )
-from weightsync.trainer._answers import ERRORS as _ERRORS
-from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._completions import accumulate, completion_body, to_output
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.wire import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["HTTPEngineClient"]
+
+
+def _error_classes() -> dict[str, type[WeightSyncError]]:
+    """Every weightsync error class by name, so an error body's type maps back to its class."""
+    found: dict[str, type[WeightSyncError]] = {}
+    pending: list[type[WeightSyncError]] = [WeightSyncError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.__name__, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+_ERRORS = _error_classes()
+
+
+def _error_from_answer(call: str, status: int, text: str) -> WeightSyncError:
+    """The weightsync error an error answer names by its type, else one fitting its status."""
+    try:
+        error = json.loads(text)["error"]
+        error_type, message = str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        error, error_type, message = {}, "", text[:500]
+    message = f"{call} -> {status}: {message}"
+    cls = _ERRORS.get(error_type)
+    if cls is not None and issubclass(cls, WeightTransferError):
+        built: WeightSyncError = cls(
+            message, partially_applied=bool(error.get("partially_applied"))
+        )
+    elif cls is not None:
+        built = cls(message)
+    elif status == 504:
+        built = WeightTransferTimeout(message)
+    elif 400 <= status < 500 and status != 409:
+        built = InvalidRequestError(message)
+    else:
+        built = EngineStateError(message)
+    if isinstance(error.get("param"), str):
+        built.param = error["param"]  # a front passes its replica's answer on whole
+    return built
 
 
 class HTTPEngineClient:
@@ -82,7 +123,7 @@ class HTTPEngineClient:
         return {b"Authorization": bearer(key)} if key else {}
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
-        raise error_from_answer(f"{method} {path}", response.status_code, response.text)
+        raise _error_from_answer(f"{method} {path}", response.status_code, response.text)
 
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> WeightSyncError:
         if isinstance(exc, httpx.TimeoutException):
