@@ -1,22 +1,16 @@
 """The trainer's end of an update into N engines: the engines' calls, the senders, the sync.
 
-A reader follows one update top to bottom here: what the trainer needs of an engine
-([`EngineClient`][weightsync.trainer.senders.EngineClient]: in this process, in its own, or a
-server behind [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient]), one call on
-every engine at once ([`call_each`][weightsync.trainer.senders.call_each]), the senders that join
-the engines once (`connect`) and push named tensors into all of them per update (`send`), and
+Read top to bottom: what the trainer needs of an engine
+([`EngineClient`][weightsync.trainer.senders.EngineClient]), one call on every engine at once
+([`call_each`][weightsync.trainer.senders.call_each]), the senders that join the engines once
+(`connect`) and push named tensors into all of them per update (`send`): a broadcast group
+([`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender]) or memory handles
+([`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender]), picked by backend name with
+[`create_weight_sender`][weightsync.trainer.senders.create_weight_sender], and
 [`sync_weights`][weightsync.trainer.senders.sync_weights]: pause, send, resume.
 
-- [`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender]: a trainer-rooted
-  broadcast group, `nccl` for CUDA tensors (one GPU per rank) or `gloo` for CPU tensors.
-- [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender]: memory handles for colocated
-  engines, CUDA IPC for CUDA tensors or POSIX shared memory for CPU tensors.
-
-[`create_weight_sender`][weightsync.trainer.senders.create_weight_sender] picks one by backend
-name, so a script chooses its backend once, at the top, and runs the same code on CPUs and GPUs.
-
-One concept: the trainer pushing one update into its engines, each step bounded and undone on
-every engine if a later one fails.
+One concept: the trainer pushing one update into its engines, each round of calls bounded and
+the transaction aborted on every engine it opened if a later step fails.
 """
 
 from __future__ import annotations
@@ -187,15 +181,15 @@ def _collect(futures: Sequence[Future[Any]], *, timeout_s: float, what: str) -> 
     return [f.result() for f in futures]
 
 
-def _release_transfers(engines: Sequence[Any], *, timeout_s: float) -> None:
-    """Has every engine leave the closing trainer's transfer; bounded, logs and never raises."""
-    futures = _in_threads(engines, lambda engine: engine.shutdown_weight_transfer_engine())
+def _call_each_quietly(
+    engines: Sequence[_T], call: Callable[[_T], Any], *, timeout_s: float, what: str
+) -> None:
+    """`call_each` for a clean-up (an abort, a close): bounded, logs one line, never raises."""
     try:
-        _collect(futures, timeout_s=timeout_s, what="shutdown_weight_transfer_engine")
-    except Exception as exc:  # the trainer is closing: its own close must finish
-        logger.warning(
-            "the engines did not all leave the transfer: %s: %s", type(exc).__name__, exc
-        )
+        call_each(engines, call, timeout_s=timeout_s, what=what)
+    except Exception as exc:  # the caller's own error, or its close, is what must come through
+        logger.warning("%s failed on some engine: %s: %s", what, type(exc).__name__, exc)
+        logger.debug("%s failure", what, exc_info=True)
 
 
 class WeightSender(ABC):
@@ -276,18 +270,14 @@ class WeightSender(ABC):
                 what="finish_weight_update",
             )
         except BaseException:
-            self._abort(started)  # only what this send opened: never another caller's update
+            _call_each_quietly(  # only what this send opened: never another caller's update
+                [self.engines[index] for index in started],
+                lambda engine: engine.abort_weight_update(),
+                timeout_s=limit,
+                what="abort_weight_update",
+            )
             raise
         return stats
-
-    def _abort(self, indices: Sequence[int]) -> None:
-        """Ends the transaction where this send opened it; bounded, logs and never raises."""
-        engines = [self.engines[index] for index in indices]
-        futures = _in_threads(engines, lambda engine: engine.abort_weight_update())
-        try:
-            _collect(futures, timeout_s=self.wire.client_timeout_s, what="abort_weight_update")
-        except Exception:
-            logger.exception("engines %s: abort_weight_update failed", list(indices))
 
     @abstractmethod
     def _transfer(
@@ -298,6 +288,15 @@ class WeightSender(ABC):
     @abstractmethod
     def close(self) -> None:
         """Releases the transfer's resources. Safe to call twice."""
+
+    def _leave_transfer(self) -> None:
+        """Has every engine free what it held for this transfer; bounded, never raises."""
+        _call_each_quietly(
+            self.engines,
+            lambda engine: engine.shutdown_weight_transfer_engine(),
+            timeout_s=self.wire.client_timeout_s,
+            what="shutdown_weight_transfer_engine",
+        )
 
     def _check_connected(self) -> None:
         if not self._connected:
@@ -425,13 +424,10 @@ class BroadcastWeightSender(WeightSender):
             ]
             args = NCCLTrainerSendWeightsArgs(self.group, update_info, receiving=per_rank)
             stats = trainer_send_weights(pairs, args)
-        except WeightValidationError:
-            # Rejected in the handshake: nothing moved and the group stays usable.
-            with contextlib.suppress(Exception):
-                _collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
-            raise
-        except Exception:
-            self._connected = False  # the group is closed after a failed send
+        except Exception as exc:
+            # Rejected in the handshake, nothing moved and the group stays usable; any other
+            # failure closed the group.
+            self._connected = isinstance(exc, WeightValidationError)
             with contextlib.suppress(Exception):  # the trainer's error is the one to raise
                 _collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
             raise
@@ -448,7 +444,7 @@ class BroadcastWeightSender(WeightSender):
         group, self.group = self.group, None
         if group is not None:
             group.close()
-            _release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
+            self._leave_transfer()
 
 
 class IPCWeightSender(WeightSender):
@@ -527,7 +523,7 @@ class IPCWeightSender(WeightSender):
         joined, self._connected = self._connected, False
         self.session.close()
         if joined:
-            _release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
+            self._leave_transfer()
 
 
 def create_weight_sender(
