@@ -122,9 +122,6 @@ class HTTPEngineClient:
         key = self._admin_api_key if admin else (self._api_key or self._admin_api_key)
         return {b"Authorization": bearer(key)} if key else {}
 
-    def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
-        raise _error_from_answer(f"{method} {path}", response.status_code, response.text)
-
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> WeightSyncError:
         if isinstance(exc, httpx.TimeoutException):
             return EngineTimeoutError(
@@ -161,7 +158,7 @@ class HTTPEngineClient:
         except httpx.HTTPError as exc:
             raise self._transport_error(method, path, exc) from exc
         if response.status_code >= 400:
-            self._raise_for(method, path, response)
+            raise _error_from_answer(f"{method} {path}", response.status_code, response.text)
         answer: dict[str, Any] = response.json()
         return answer
 
@@ -311,7 +308,7 @@ class HTTPEngineClient:
             ) as response:
                 if response.status_code >= 400:
                     response.read()
-                    self._raise_for("POST", path, response)
+                    raise _error_from_answer(f"POST {path}", response.status_code, response.text)
                 total: dict[str, Any] | None = None
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
