@@ -23,7 +23,7 @@ Flow:
        it has `--land-at` tokens;
     2. meanwhile, train on batch `k - 1`: GRPO-style advantages (each rollout's reward minus
        its prompt group's mean, over the group's spread) and a clipped policy-gradient loss;
-    3. [`sync_weights`][weightsync.trainer.sync.sync_weights] pushes the new policy as version
+    3. [`sync_weights`][weightsync.trainer.senders.sync_weights] pushes the new policy as version
        `k` into the paused engine, whose frozen rollouts then continue with it;
     4. collect batch `k`: each rollout's first tokens carry version `k - 1`, the rest `k`.
 3. Off-policy correction: for every token the trainer computes its probability under the

@@ -16,7 +16,7 @@ Flow:
    [`EngineProcess`][weightsync.trainer.engine_process.EngineProcess]; ask it a question over
    `/v1/chat/completions` (random weights: a random answer).
 3. Train the Hugging Face model for a few steps to answer the question with `--answer`.
-4. [`sync_weights`][weightsync.trainer.sync.sync_weights] sends `model.named_parameters()` over
+4. [`sync_weights`][weightsync.trainer.senders.sync_weights] sends `model.named_parameters()` over
    a broadcast group; the server checks every name, shape and dtype against its model first.
 5. Ask again: the server renders the same chat template, answers with the trained answer, and
    stops at `<|im_end|>` (an EOS id of the directory's `generation_config.json`). Check that its

@@ -16,7 +16,7 @@ Flow, per scenario:
 3. While paused, request `D` arrives: it is queued, not rejected.
 4. Push the trainer's new weights (version 1) through an
    [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender], then resume and run to the
-   end. ([`sync_weights`][weightsync.trainer.sync.sync_weights] does pause, send and resume in
+   end. ([`sync_weights`][weightsync.trainer.senders.sync_weights] does pause, send and resume in
    one call.)
 5. Check what each mode promises:
     - `abort`: `A` and `B` end at the pause (`finish_reason="abort"`) with their partial output;

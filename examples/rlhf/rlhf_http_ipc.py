@@ -14,7 +14,7 @@ Flow:
 2. Connect an [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender] over an
    [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient]: the init info travels
    in `/init_weight_transfer_engine`.
-3. The trainer learns a phrase; [`sync_weights`][weightsync.trainer.sync.sync_weights] pauses the
+3. The trainer learns a phrase; [`sync_weights`][weightsync.trainer.senders.sync_weights] pauses the
    server (`keep`), opens the update, delivers the buckets as `/update_weights` calls (one
    announcement, then the parts), finishes it with the version label, and resumes.
 4. Check that the server's weights (`/weight_checker`) are the trainer's bytes and that its next

@@ -15,7 +15,7 @@ Flow:
 2. Connect a [`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender] over
    the client: the server joins the trainer's group in `/init_weight_transfer_engine` while the
    trainer creates it.
-3. The trainer learns a phrase; [`sync_weights`][weightsync.trainer.sync.sync_weights] pauses the
+3. The trainer learns a phrase; [`sync_weights`][weightsync.trainer.senders.sync_weights] pauses the
    server (`keep`), opens the update, broadcasts while `/update_weights` receives, finishes it
    with the version label, and resumes, all over HTTP.
 4. Check that the server's weights (`/weight_checker`) are the trainer's bytes and that its next

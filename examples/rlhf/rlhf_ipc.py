@@ -16,7 +16,7 @@ Flow:
 1. Start an [`EngineProcess`][weightsync.trainer.engine_process.EngineProcess] holding the same
    random model as the trainer; generate greedily from it.
 2. Packed: the trainer learns a first phrase;
-   [`sync_weights`][weightsync.trainer.sync.sync_weights] through an
+   [`sync_weights`][weightsync.trainer.senders.sync_weights] through an
    [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender] with `--bucket-kb` buckets
    pauses the engine, delivers the buckets and resumes it (version 1).
 3. Zero-copy: [`share_module`][weightsync.trainer.senders.IPCWeightSender.share_module] moves the

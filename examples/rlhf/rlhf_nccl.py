@@ -3,7 +3,7 @@
 What it shows: the broadcast flow of RL with separate trainer and inference devices. The trainer
 (this process) and two engines (data-parallel replicas, one process each) start from the same
 random model. The trainer then learns a phrase, and one
-[`sync_weights`][weightsync.trainer.sync.sync_weights] call pauses both engines, broadcasts the
+[`sync_weights`][weightsync.trainer.senders.sync_weights] call pauses both engines, broadcasts the
 new weights to them, and resumes them. Asked the same prompt before and after, the engines now
 answer with the trainer's phrase, and their weights equal the trainer's byte for byte.
 

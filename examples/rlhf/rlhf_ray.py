@@ -6,7 +6,7 @@ actor runs a `weightsync serve` (OpenAI and RL routes) on a free port; the train
 them only through those routes, with the same calls as every other example:
 [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient] per engine, one
 [`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender] over both, and
-[`sync_weights`][weightsync.trainer.sync.sync_weights].
+[`sync_weights`][weightsync.trainer.senders.sync_weights].
 
 Flow:
 

@@ -55,3 +55,17 @@ def test_a_paused_torn_server_is_reported_as_such_before_any_case():
     finally:
         server.stop()
         server.kill()
+
+
+def test_the_core_never_imports_the_kit():
+    # The kit is not on the path of an update: the package, its trainer side and the server's
+    # app and command load without it (the command imports it only to run `conformance`).
+    probe = (
+        "import sys, weightsync, weightsync.trainer, weightsync.serve.app, weightsync.serve.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith('weightsync.conformance')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )  # fmt: skip
+    assert loaded.stdout.strip() == "[]"

@@ -13,8 +13,7 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import EngineBusyError, WeightValidationError
 from weightsync.trainer.engine_process import EngineProcess
-from weightsync.trainer.senders import IPCWeightSender
-from weightsync.trainer.sync import sync_weights
+from weightsync.trainer.senders import IPCWeightSender, sync_weights
 from weightsync.transfer._handshake import LATEST
 from weightsync.transfer.base import WeightTransferUpdateInfo
 from weightsync.transfer.nccl_trainer import (

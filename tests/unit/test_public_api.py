@@ -1,3 +1,4 @@
+import ast
 import importlib
 import inspect
 import pkgutil
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import weightsync
+import weightsync.trainer
 
 EXPECTED = [
     "AsyncEngine",
@@ -119,6 +121,46 @@ def test_the_server_api_is_its_app_and_command_not_its_routes():
         "weightsync.serve.cli",
         "weightsync.serve.config",
     ]
+
+
+def _trainer_imports(module: str) -> set[str]:
+    """The `weightsync.trainer` modules that a trainer module's source imports (anywhere in it)."""
+    tree = ast.parse((SRC / "weightsync" / "trainer" / f"{module}.py").read_text())
+    found = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    found |= {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    return {name for name in found if name.startswith("weightsync.trainer")}
+
+
+def test_the_trainers_end_of_an_update_reads_in_one_module():
+    # What an engine answers, one call on every engine, the senders and pause-send-resume are
+    # one story, read top to bottom in `senders`; it leans on no other trainer module.
+    update_names = [
+        "BroadcastWeightSender",
+        "EngineClient",
+        "IPCWeightSender",
+        "WeightSender",
+        "call_each",
+        "create_weight_sender",
+        "sync_weights",
+    ]
+    homes = {name: getattr(weightsync.trainer, name).__module__ for name in update_names}
+    assert homes == dict.fromkeys(update_names, "weightsync.trainer.senders")
+    assert _trainer_imports("senders") == set()
+
+
+def test_the_http_client_maps_error_answers_itself():
+    # An error answer becomes its weightsync error inside the client that reads it; the only
+    # trainer module the client leans on holds the completion bodies, which no update reads.
+    assert _trainer_imports("http_client") == {"weightsync.trainer._completions"}
 
 
 @pytest.fixture(scope="module")

@@ -16,22 +16,15 @@ Run = Callable[[Probe], str]
 
 @dataclass(frozen=True)
 class Case:
-    """A case of the contract.
+    """A case of the contract: its name, the rule in one sentence, and what checks it."""
 
-    Attributes:
-        name: Dotted name, route or area first (`pause.in_flight.keep`).
-        expect: The contract, in one sentence.
-        run: Runs the case; returns a detail (passed) or raises `CaseFailed` / `CaseSkipped`.
-        kind: `safe`; `destructive` (overwrites the served weights: skipped with
-            `keep_weights`); `hazard` (crashed vLLM 0.32: runs last).
-        note: A documented difference from vLLM 0.32, if the case has one.
-    """
-
-    name: str
+    name: str  # route or area first: `pause.in_flight.keep`
     expect: str
     run: Run
+    # destructive: overwrites the served weights (skipped with keep_weights); hazard: crashed
+    # vLLM 0.32, so it runs last
     kind: Kind = "safe"
-    note: str = ""
+    note: str = ""  # a documented difference from vLLM 0.32, if the case has one
 
 
 @dataclass(frozen=True)

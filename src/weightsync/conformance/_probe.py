@@ -306,11 +306,7 @@ class Background:
         return "no answer yet"
 
     def wait(self, timeout_s: float) -> Answer | None:
-        """The answer, once it came within `timeout_s`; None while it has not.
-
-        Raises:
-            ServerDown: The call found the server gone.
-        """
+        """The answer if it came in `timeout_s`, else None; `ServerDown` if the server is gone."""
         self._thread.join(timeout_s)
         if self._down:
             raise self._down[0]

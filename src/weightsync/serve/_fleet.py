@@ -30,8 +30,8 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.serve._parser import ADMIN_API_KEY_ENV, API_KEY_ENV, _add_serve_arguments
-from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._serve_process import ServeProcess
+from weightsync.trainer.http_client import _error_from_answer as error_from_answer
 
 logger = logging.getLogger("weightsync.serve")
 

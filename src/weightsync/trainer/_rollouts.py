@@ -19,8 +19,8 @@ from weightsync.engine.outputs import RequestOutput
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt
 from weightsync.errors import EngineStateError, EngineTimeoutError
-from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._completions import accumulate, completion_body, to_output
+from weightsync.trainer.http_client import _error_from_answer
 
 _PATH = "/v1/completions"
 
@@ -78,15 +78,15 @@ class Rollouts:
             async with self._client.stream("POST", _PATH, json=body) as response:
                 if response.status_code >= 400:
                     text = (await response.aread()).decode(errors="replace")
-                    raise error_from_answer(f"POST {_PATH}", response.status_code, text)
+                    raise _error_from_answer(f"POST {_PATH}", response.status_code, text)
                 async for line in response.aiter_lines():
                     if line.startswith(": accepted"):
                         accepted.set_result(None)
                     elif line.startswith("data: {"):
                         chunk = json.loads(line[len("data: ") :])
                         if "error" in chunk:
-                            raise error_from_answer(f"POST {_PATH}", chunk["error"]["code"],
-                                                    json.dumps(chunk))  # fmt: skip
+                            raise _error_from_answer(f"POST {_PATH}", chunk["error"]["code"],
+                                                     json.dumps(chunk))  # fmt: skip
                         if chunk.get("choices"):
                             total = accumulate(total, chunk["choices"][0])
         except httpx.TimeoutException as exc:

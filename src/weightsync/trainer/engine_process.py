@@ -59,7 +59,7 @@ class EngineProcess:
 
     Its methods mirror `LLMEngine`'s and block until the server answered; requests run in the
     server between calls, so the trainer computes while the engine generates. It satisfies
-    [`EngineClient`][weightsync.trainer.client.EngineClient]. Close it (or use `with`) to stop
+    [`EngineClient`][weightsync.trainer.senders.EngineClient]. Close it (or use `with`) to stop
     the server; should this process die without closing it (killed, say), the server notices
     within a second and stops itself.
 

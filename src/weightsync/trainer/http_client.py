@@ -2,8 +2,8 @@
 
 It speaks the server's routes: vLLM's RL routes for pause, resume and the weight-update
 transaction, and `/v1/completions` for rollouts. It satisfies
-[`EngineClient`][weightsync.trainer.client.EngineClient], so the weight senders and
-[`sync_weights`][weightsync.trainer.sync.sync_weights] drive a server exactly as they drive an
+[`EngineClient`][weightsync.trainer.senders.EngineClient], so the weight senders and
+[`sync_weights`][weightsync.trainer.senders.sync_weights] drive a server exactly as they drive an
 engine in the trainer's process. An error answer is raised again under the weightsync class its
 body names. Every call has a timeout; HTTP pairs each answer with its request, so a call that
 timed out never hands its late answer to the next one.
@@ -24,14 +24,55 @@ from weightsync.engine.tokenizer import Prompt
 from weightsync.errors import (
     EngineStateError,
     EngineTimeoutError,
+    InvalidRequestError,
     WeightSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
 )
-from weightsync.trainer._answers import ERRORS as _ERRORS
-from weightsync.trainer._answers import error_from_answer
 from weightsync.trainer._completions import accumulate, completion_body, to_output
 from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats
 
 __all__ = ["HTTPEngineClient"]
+
+
+def _error_classes() -> dict[str, type[WeightSyncError]]:
+    """Every weightsync error class by name, so an error body's type maps back to its class."""
+    found: dict[str, type[WeightSyncError]] = {}
+    pending: list[type[WeightSyncError]] = [WeightSyncError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.__name__, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+_ERRORS = _error_classes()
+
+
+def _error_from_answer(call: str, status: int, text: str) -> WeightSyncError:
+    """The weightsync error an error answer names by its type, else one fitting its status."""
+    try:
+        error = json.loads(text)["error"]
+        error_type, message = str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        error, error_type, message = {}, "", text[:500]
+    message = f"{call} -> {status}: {message}"
+    cls = _ERRORS.get(error_type)
+    if cls is not None and issubclass(cls, WeightTransferError):
+        built: WeightSyncError = cls(
+            message, partially_applied=bool(error.get("partially_applied"))
+        )
+    elif cls is not None:
+        built = cls(message)
+    elif status == 504:
+        built = WeightTransferTimeout(message)
+    elif 400 <= status < 500 and status != 409:
+        built = InvalidRequestError(message)
+    else:
+        built = EngineStateError(message)
+    if isinstance(error.get("param"), str):
+        built.param = error["param"]  # a front passes its replica's answer on whole
+    return built
 
 
 class HTTPEngineClient:
@@ -80,9 +121,6 @@ class HTTPEngineClient:
         key = self._admin_api_key if admin else (self._api_key or self._admin_api_key)
         return {b"Authorization": bearer(key)} if key else {}
 
-    def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
-        raise error_from_answer(f"{method} {path}", response.status_code, response.text)
-
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> WeightSyncError:
         if isinstance(exc, httpx.TimeoutException):
             return EngineTimeoutError(
@@ -119,7 +157,7 @@ class HTTPEngineClient:
         except httpx.HTTPError as exc:
             raise self._transport_error(method, path, exc) from exc
         if response.status_code >= 400:
-            self._raise_for(method, path, response)
+            raise _error_from_answer(f"{method} {path}", response.status_code, response.text)
         answer: dict[str, Any] = response.json()
         return answer
 
@@ -269,7 +307,7 @@ class HTTPEngineClient:
             ) as response:
                 if response.status_code >= 400:
                     response.read()
-                    self._raise_for("POST", path, response)
+                    raise _error_from_answer(f"POST {path}", response.status_code, response.text)
                 total: dict[str, Any] | None = None
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":

@@ -1,34 +1,39 @@
-"""Weight senders: the trainer's end of a transfer into one or more engines.
+"""The trainer's end of an update into N engines: the engines' calls, the senders, the sync.
 
-A sender joins its engines to a transfer once (`connect`) and then pushes a set of named tensors
-into all of them per update (`send`). The engines are
-[`EngineClient`][weightsync.trainer.client.EngineClient]s: in this process or in their own.
+Read top to bottom: what the trainer needs of an engine
+([`EngineClient`][weightsync.trainer.senders.EngineClient]), one call on every engine at once
+([`call_each`][weightsync.trainer.senders.call_each]), the senders that join the engines once
+(`connect`) and push named tensors into all of them per update (`send`): a broadcast group
+([`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender]) or memory handles
+([`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender]), picked by backend name with
+[`create_weight_sender`][weightsync.trainer.senders.create_weight_sender], and
+[`sync_weights`][weightsync.trainer.senders.sync_weights]: pause, send, resume.
 
-- [`BroadcastWeightSender`][weightsync.trainer.senders.BroadcastWeightSender]: a trainer-rooted
-  broadcast group, `nccl` for CUDA tensors (one GPU per rank) or `gloo` for CPU tensors.
-- [`IPCWeightSender`][weightsync.trainer.senders.IPCWeightSender]: memory handles for colocated
-  engines, CUDA IPC for CUDA tensors or POSIX shared memory for CPU tensors.
-
-[`create_weight_sender`][weightsync.trainer.senders.create_weight_sender] picks one by backend
-name, so a script chooses its backend once, at the top, and runs the same code on CPUs and GPUs.
+One concept: the trainer pushing one update into its engines, each round of calls bounded and
+the transaction aborted on every engine it opened if a later step fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from weightsync.engine.errors import TornWeightsError
 from weightsync.engine.outputs import WeightVersion
-from weightsync.errors import WeightTransferError, WeightValidationError
-from weightsync.trainer._calls import collect, in_threads, release_transfers
-from weightsync.trainer.client import EngineClient, call_each
+from weightsync.engine.pause import PauseMode
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.base import (
+    CLIENT_MARGIN_S,
+    DEFAULT_TIMEOUT_S,
     TransferStats,
     WeightTransferUpdateInfo,
     WireParams,
@@ -52,14 +57,145 @@ if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
 
 __all__ = [
     "BroadcastWeightSender",
+    "EngineClient",
     "IPCWeightSender",
     "WeightSender",
+    "call_each",
     "create_weight_sender",
+    "sync_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _SenderT = TypeVar("_SenderT", bound="WeightSender")
+
+
+class EngineClient(Protocol):
+    """What the trainer side needs from an inference engine: weight transfer and pause control.
+
+    An engine in the trainer's own process ([`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]),
+    one in a process of its own
+    ([`EngineProcess`][weightsync.trainer.engine_process.EngineProcess]) and a server behind an
+    [`HTTPEngineClient`][weightsync.trainer.http_client.HTTPEngineClient] answer the same blocking
+    calls, named as in vLLM's `LLM`: `init_weight_transfer_engine`, the update transaction
+    (`start_weight_update`, `update_weights`, `finish_weight_update`, and weightsync's
+    `abort_weight_update`), `shutdown_weight_transfer_engine`, `pause_generation` and
+    `resume_generation`. The senders and `sync_weights` are written against this protocol only,
+    so one sync flow serves them all. Every call blocks until the engine has done it.
+    """
+
+    def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
+        """Joins the trainer's transfer (`{"init_info": {...}}`); may block until it forms."""
+
+    def start_weight_update(self) -> None:
+        """Opens a weight-update transaction; no forward pass runs until it ends."""
+
+    def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
+        """Receives one update message (`{"update_info": {...}}`); while paused or idle."""
+        ...
+
+    def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
+        """Ends the transaction; the version moves if every announced weight landed."""
+
+    def abort_weight_update(self) -> bool:
+        """Ends the transaction on purpose: as before if nothing moved, else torn or restored."""
+        ...
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leaves the trainer's transfer and frees what it held; the trainer closes."""
+
+    def pause_generation(self, *, mode: PauseMode = ..., clear_cache: bool = ...) -> None:
+        """Pauses generation at a step boundary (`abort`, `wait` or `keep`)."""
+
+    def resume_generation(self) -> None:
+        """Resumes generation."""
+
+    def get_world_size(self) -> int:
+        """Transfer workers behind this engine: 1, or one per replica of a data-parallel server."""
+        ...
+
+
+def call_each(
+    engines: Sequence[_T],
+    call: Callable[[_T], Any],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S,
+    what: str = "the call",
+) -> list[Any]:
+    """Runs `call(engine)` for every engine at once and waits for all of them, `timeout_s` at most.
+
+    Engines are independent (data-parallel replicas, say), so one slow engine does not hold up
+    the others' calls; a broadcast receive needs exactly this, since every rank must be inside
+    the collective before any of them can leave it. Each call runs on a daemon thread: one that
+    never returns cannot keep the trainer from exiting.
+
+    Args:
+        engines: The engines (any objects `call` accepts).
+        call: What to do with each one.
+        timeout_s: Limit for all of them together, in seconds; keep it above the limit of what
+            the calls wait for (see `CLIENT_MARGIN_S`).
+        what: How the timeout's message names the call.
+
+    Returns:
+        The results, in the order of `engines`.
+
+    Raises:
+        WeightTransferTimeout: Some call did not return within `timeout_s`; the message lists
+            the engines (by index) still inside it.
+        Exception: When any call failed, after all of them ended: a `WeightValidationError` if
+            every failure was one (the update was rejected and nothing moved), else the first
+            other failure.
+
+    >>> call_each([1, 2, 3], lambda n: n * 10)
+    [10, 20, 30]
+    """
+    return _collect(_in_threads(engines, call), timeout_s=timeout_s, what=what)
+
+
+def _in_threads(engines: Sequence[_T], call: Callable[[_T], Any]) -> list[Future[Any]]:
+    """Starts `call(engine)` on a daemon thread per engine; returns their futures."""
+    futures: list[Future[Any]] = [Future() for _ in engines]
+
+    def run(engine: _T, future: Future[Any]) -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(call(engine))
+        except BaseException as exc:  # handed to the waiting thread, which re-raises it
+            future.set_exception(exc)
+
+    for engine, future in zip(engines, futures, strict=True):
+        name = "weightsync-call"
+        threading.Thread(target=run, args=(engine, future), name=name, daemon=True).start()
+    return futures
+
+
+def _collect(futures: Sequence[Future[Any]], *, timeout_s: float, what: str) -> list[Any]:
+    """Waits `timeout_s` at most for `_in_threads`' futures; results, or raises as `call_each`."""
+    _, pending = wait(futures, timeout=timeout_s)
+    if pending:
+        stuck = [i for i, f in enumerate(futures) if f in pending]
+        raise WeightTransferTimeout(
+            f"{what} did not return within {timeout_s:g} s (timeout_s) on engines {stuck}: "
+            "they are stuck or unreachable; the calls are abandoned, not stopped"
+        )
+    errors = [f.exception() for f in futures]
+    failures = [e for e in errors if e is not None]
+    if failures:
+        other = [e for e in failures if not isinstance(e, WeightValidationError)]
+        raise (other or failures)[0]
+    return [f.result() for f in futures]
+
+
+def _call_each_quietly(
+    engines: Sequence[_T], call: Callable[[_T], Any], *, timeout_s: float, what: str
+) -> None:
+    """`call_each` for a clean-up (an abort, a close): bounded, logs one line, never raises."""
+    try:
+        call_each(engines, call, timeout_s=timeout_s, what=what)
+    except Exception as exc:  # the caller's own error, or its close, is what must come through
+        logger.warning("%s failed on some engine: %s: %s", what, type(exc).__name__, exc)
+        logger.debug("%s failure", what, exc_info=True)
 
 
 class WeightSender(ABC):
@@ -103,7 +239,7 @@ class WeightSender(ABC):
         Every engine opens the transaction (`start_weight_update`) before any byte moves, and
         finishes it (`finish_weight_update`) once the transfer is done; if anything fails, every
         engine aborts it (`abort_weight_update`). The engines must be paused or idle (see
-        [`sync_weights`][weightsync.trainer.sync.sync_weights], which pauses them). Each one
+        [`sync_weights`][weightsync.trainer.senders.sync_weights], which pauses them). Each one
         validates the update against its model before any byte moves.
 
         Args:
@@ -140,22 +276,14 @@ class WeightSender(ABC):
                 what="finish_weight_update",
             )
         except BaseException:
-            self._abort(started)  # only what this send opened: never another caller's update
+            _call_each_quietly(  # only what this send opened: never another caller's update
+                [self.engines[index] for index in started],
+                lambda engine: engine.abort_weight_update(),
+                timeout_s=limit,
+                what="abort_weight_update",
+            )
             raise
         return stats
-
-    def _abort(self, indices: Sequence[int]) -> None:
-        """Ends the transaction on these engines where it is still open; never raises.
-
-        Bounded like every other round of calls: an engine that does not answer is logged and
-        left, since the error that brought us here is what the caller must see.
-        """
-        engines = [self.engines[index] for index in indices]
-        futures = in_threads(engines, lambda engine: engine.abort_weight_update())
-        try:
-            collect(futures, timeout_s=self.wire.client_timeout_s, what="abort_weight_update")
-        except Exception:
-            logger.exception("engines %s: abort_weight_update failed", list(indices))
 
     @abstractmethod
     def _transfer(
@@ -166,6 +294,15 @@ class WeightSender(ABC):
     @abstractmethod
     def close(self) -> None:
         """Releases the transfer's resources. Safe to call twice."""
+
+    def _leave_transfer(self) -> None:
+        """Has every engine free what it held for this transfer; bounded, never raises."""
+        _call_each_quietly(
+            self.engines,
+            lambda engine: engine.shutdown_weight_transfer_engine(),
+            timeout_s=self.wire.client_timeout_s,
+            what="shutdown_weight_transfer_engine",
+        )
 
     def _check_connected(self) -> None:
         if not self._connected:
@@ -254,18 +391,20 @@ class BroadcastWeightSender(WeightSender):
         group = trainer_init(world_size=1 + first, wire=self.wire, **self._group_kwargs)
         request = {"init_info": group.init_info}
         # Engines join on threads of their own while the trainer forms the group on this one.
-        joins = in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
+        joins = _in_threads(self.engines, lambda e: e.init_weight_transfer_engine(request))
         try:
             group.connect(joining=joins)  # a join that fails ends the wait with its error
         except Exception:
             group.close()  # engines still joining fail at once instead of at their timeout
             with contextlib.suppress(Exception):  # the group's error is the one to raise
-                collect(
+                _collect(
                     joins, timeout_s=self.wire.client_timeout_s, what="init_weight_transfer_engine"
                 )
             raise
         try:
-            collect(joins, timeout_s=self.wire.client_timeout_s, what="init_weight_transfer_engine")
+            _collect(
+                joins, timeout_s=self.wire.client_timeout_s, what="init_weight_transfer_engine"
+            )
         except Exception:
             group.close()
             raise
@@ -283,7 +422,7 @@ class BroadcastWeightSender(WeightSender):
         ).to_dict()
         request = {"update_info": update_info}
         # Engines receive on threads of their own while the trainer sends on this one.
-        receives = in_threads(self.engines, lambda e: e.update_weights(request))
+        receives = _in_threads(self.engines, lambda e: e.update_weights(request))
         try:
             # One call per rank: a data-parallel server's one call holds all of its ranks.
             per_rank = [
@@ -291,17 +430,14 @@ class BroadcastWeightSender(WeightSender):
             ]
             args = NCCLTrainerSendWeightsArgs(self.group, update_info, receiving=per_rank)
             stats = trainer_send_weights(pairs, args)
-        except WeightValidationError:
-            # Rejected in the handshake: nothing moved and the group stays usable.
-            with contextlib.suppress(Exception):
-                collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
-            raise
-        except Exception:
-            self._connected = False  # the group is closed after a failed send
+        except Exception as exc:
+            # Rejected in the handshake, nothing moved and the group stays usable; any other
+            # failure closed the group.
+            self._connected = isinstance(exc, WeightValidationError)
             with contextlib.suppress(Exception):  # the trainer's error is the one to raise
-                collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
+                _collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
             raise
-        collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
+        _collect(receives, timeout_s=self.wire.client_timeout_s, what="update_weights")
         return stats
 
     def close(self) -> None:
@@ -314,7 +450,7 @@ class BroadcastWeightSender(WeightSender):
         group, self.group = self.group, None
         if group is not None:
             group.close()
-            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
+            self._leave_transfer()
 
 
 class IPCWeightSender(WeightSender):
@@ -393,7 +529,7 @@ class IPCWeightSender(WeightSender):
         joined, self._connected = self._connected, False
         self.session.close()
         if joined:
-            release_transfers(self.engines, timeout_s=self.wire.client_timeout_s)
+            self._leave_transfer()
 
 
 def create_weight_sender(
@@ -423,3 +559,81 @@ def create_weight_sender(
         f"backend must be 'nccl', 'gloo' or 'ipc', got {backend!r}: broadcast to engines on "
         "other devices or hosts, ipc to engines on the same host"
     )
+
+
+def sync_weights(
+    sender: WeightSender,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    weight_version: WeightVersion | None = None,
+    mode: PauseMode = "keep",
+    clear_cache: bool = True,
+) -> TransferStats:
+    """Pauses the sender's engines, pushes `weights` into them, and resumes them.
+
+    Every engine pauses (all at once, and all at a step boundary) before any byte moves, and
+    resumes only after every engine holds the complete update. With `mode="keep"` (the default)
+    requests in flight freeze at a step boundary, take the new weights, and continue: the tokens
+    they generate afterwards carry the new weight version. With `clear_cache=True` (the default)
+    their KV is recomputed with the new weights on resume, so each token comes from exactly one
+    version of the weights.
+
+    Args:
+        sender: A connected sender; its engines are the ones paused and updated.
+        weights: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
+        weight_version: The label of the new weights (the trainer's step); None counts updates.
+        mode: Pause mode: `keep` (requests continue with the new weights), `wait` (they finish
+            with the old ones first) or `abort` (they end now).
+        clear_cache: Drop the KV cache at the pause, so kept requests recompute it with the new
+            weights (False: they continue on KV of the old weights; faster, slightly stale).
+
+    Returns:
+        The trainer side's transfer stats.
+
+    Raises:
+        EngineBusyError: An engine could not pause in a way that stops its requests (a `wait`
+            pause still draining); nothing moved.
+        WeightSyncError: An engine failed to pause (unreachable, say); nothing moved, and every
+            engine is resumed.
+        WeightValidationError: An engine rejected the update; nothing moved. Every engine is
+            resumed on its unchanged weights and version, as before the call.
+        WeightTransferError: The transfer failed after bytes moved; every engine whose weights
+            are whole (untouched, or restored by staging) is resumed, and an engine with torn
+            weights stays paused until an update covering them lands.
+
+    >>> from weightsync.engine.llm_engine import LLMEngine
+    >>> from weightsync.engine.model import LlamaForCausalLM
+    >>> engine = LLMEngine("debug", seed=0)
+    >>> policy = LlamaForCausalLM.from_preset("debug", seed=1)
+    >>> with IPCWeightSender([engine]) as sender:
+    ...     stats = sync_weights(sender, policy.named_weights(), weight_version="step-1")
+    >>> engine.weight_version
+    'step-1'
+    """
+    start = time.perf_counter()
+    try:  # an engine that fails to pause must not leave the others paused for nothing
+        call_each(sender.engines, lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))
+        paused = time.perf_counter()
+        stats = sender.send(weights, weight_version=weight_version)
+    except BaseException:
+        _resume_whole(sender.engines)
+        raise
+    sent = time.perf_counter()
+    call_each(sender.engines, lambda e: e.resume_generation())
+    logger.info(
+        "synced %d engines to version %r: pause %.1f ms, %.1f MB in %.1f ms, resume %.1f ms",
+        len(sender.engines), weight_version, (paused - start) * 1e3, stats.num_bytes / 1e6,
+        (sent - paused) * 1e3, (time.perf_counter() - sent) * 1e3,
+    )  # fmt: skip
+    return stats
+
+
+def _resume_whole(engines: Sequence[EngineClient]) -> None:
+    """Resumes every engine whose weights are whole after a failed update; never raises."""
+    for index, engine in enumerate(engines):
+        try:
+            engine.resume_generation()
+        except TornWeightsError:
+            logger.error("engine %d keeps torn weights and stays paused", index)
+        except Exception:
+            logger.exception("engine %d could not resume after the failed update", index)

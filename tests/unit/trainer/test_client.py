@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.trainer.client import call_each
+from weightsync.trainer.senders import call_each
 
 
 def test_results_come_back_in_the_engines_order():

@@ -8,8 +8,7 @@ from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import WeightTransferError
-from weightsync.trainer.senders import IPCWeightSender, WeightSender
-from weightsync.trainer.sync import sync_weights
+from weightsync.trainer.senders import IPCWeightSender, WeightSender, sync_weights
 from weightsync.transfer.base import TransferStats, WeightValidationError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
