@@ -31,8 +31,8 @@ from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
 from weightsync.serve._control import Body
-from weightsync.serve._fleet import Fleet, Replica, raise_failures
 from weightsync.serve.config import ServerConfig
+from weightsync.serve.front._fleet import Fleet, Replica, raise_failures
 
 logger = logging.getLogger("weightsync.serve")
 
