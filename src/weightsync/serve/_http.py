@@ -22,12 +22,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.serve._auth import require_admin_key, require_api_key
-from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import error_body, install_error_handlers
 from weightsync.serve._fields import RequestFields
 from weightsync.serve._info import model_card, server_info
 from weightsync.serve._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.serve._rl_routes import router as rl_router
+from weightsync.serve._view import ControlSurface
 
 logger = logging.getLogger(__name__)
 

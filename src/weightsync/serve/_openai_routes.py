@@ -27,13 +27,13 @@ from weightsync import (
     WeightSyncError,
 )
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
 from weightsync.serve._fields import name_request
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import LogprobsFormat
 from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
+from weightsync.serve._view import EngineControl
 
 __all__ = ["router"]
 

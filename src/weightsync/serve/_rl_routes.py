@@ -25,10 +25,10 @@ from pydantic import Field, StrictInt, StrictStr
 
 from weightsync.engine.pause import PauseMode
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._control import Body as Answer
-from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import RequestRefused, error_body
 from weightsync.serve._fields import RequestBody
+from weightsync.serve._view import Body as Answer
+from weightsync.serve._view import ControlSurface
 
 
 class StopAnsweredRoute(APIRoute):

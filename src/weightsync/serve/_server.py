@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from weightsync.engine.async_engine import TRANSFER_THREAD_NAME
-from weightsync.serve._control import ControlSurface
+from weightsync.serve._view import ControlSurface
 
 logger = logging.getLogger("weightsync.serve")
 

@@ -20,13 +20,13 @@ from pydantic import Discriminator, Field, StrictInt, StrictStr, Tag, Validation
 
 from weightsync import CompletionOutput, InvalidRequestError, RequestOutput
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import written_logprob
 from weightsync.serve._openai_routes import _Run, _stream
 from weightsync.serve._protocol import ChatMessage, CompletionRequest, StreamOptions, _Body
 from weightsync.serve._sse import ChunkFrame, EventStream
+from weightsync.serve._view import EngineControl
 
 __all__ = ["router"]
 

@@ -30,7 +30,7 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
-from weightsync.serve._control import Body
+from weightsync.serve._view import Body
 from weightsync.serve.config import ServerConfig
 from weightsync.serve.front._fleet import Fleet, Replica, raise_failures
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Request
 
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._rl_routes import FinishWeightUpdateRequest
+from weightsync.serve._view import EngineControl
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=False)
 """Routes only a replica serves, for its front; they are not part of the public API."""
