@@ -389,7 +389,7 @@ class LiveWeights:
             self.check_idle("update_weights")
         except EngineBusyError as exc:
             if self._transfer is not None:  # a broadcast's trainer waits for our answer
-                self._transfer.refuse_update(update_info, exc)
+                self._transfer.refuse_update(update_info, exc)  # type: ignore[arg-type]
             raise
         running = self._running()
         try:

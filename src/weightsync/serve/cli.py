@@ -214,10 +214,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> None:
     """An exit when the parent that started this server dies; a replica's finish check."""
-    from weightsync.serve.front._replica import router
     from weightsync.trainer._serve_process import watch_parent
 
-    if replica:
+    if replica:  # the front's own route: imported only by a replica
+        from weightsync.serve.front._replica import router
+
         app.include_router(router)
     if parent_pid is not None:
         watch_parent(parent_pid)

@@ -297,6 +297,6 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
 
     control = FleetControl(fleet, config)
     return build_app(
-        control, [_v1, _tokens], close=close, start=control.watch_replicas,
+        control, control, [_v1, _tokens], close=close, start=control.watch_replicas,
         title="weightsync serve (data parallel)",
     )  # fmt: skip

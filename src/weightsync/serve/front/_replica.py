@@ -12,9 +12,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
 
+from weightsync.engine.async_engine import AsyncEngine
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._rl_routes import FinishWeightUpdateRequest
-from weightsync.serve._view import EngineControl
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=False)
 """Routes only a replica serves, for its front; they are not part of the public API."""
@@ -29,6 +29,6 @@ async def _prepare_weight_update(
     Read on the event loop, which no weight-update call runs on while it is read, so the check
     and the front's commit that follows see the same update (the front sends nothing between).
     """
-    control: EngineControl = request.app.state.serve
-    control.engine.check_finish_weight_update(body.weight_version if body else None)
+    engine: AsyncEngine = request.app.state.engine_client
+    engine.check_finish_weight_update(body.weight_version if body else None)
     return {"ready": True}
