@@ -217,7 +217,7 @@ def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> N
     from weightsync.trainer._serve_process import watch_parent
 
     if replica:  # the front's own route: imported only by a replica
-        from weightsync.serve.front._replica import router
+        from weightsync.serve._front.replica import router
 
         app.include_router(router)
     if parent_pid is not None:
@@ -228,9 +228,9 @@ def _serve_data_parallel(
     args: argparse.Namespace, transfer_config: WeightTransferConfig | None, sock: socket.socket
 ) -> int:
     """Starts `--data-parallel-size` replicas and serves the front over them until stopped."""
+    from weightsync.serve._front.app import create_fleet_app
+    from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
-    from weightsync.serve.front._app import create_fleet_app
-    from weightsync.serve.front._fleet import Fleet, replica_argv
 
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:

@@ -13,9 +13,9 @@ from weightsync import (
     WeightUpdateStateError,
     WeightValidationError,
 )
+from weightsync.serve._front.app import create_fleet_app
+from weightsync.serve._front.fleet import Fleet
 from weightsync.serve.config import ServerConfig
-from weightsync.serve.front._app import create_fleet_app
-from weightsync.serve.front._fleet import Fleet
 
 BARE_COMPLETE = {"explicit": False, "complete": True, "num_announced": 1, "num_landed": 1}
 BARE_OPEN = {**BARE_COMPLETE, "complete": False, "num_landed": 0}

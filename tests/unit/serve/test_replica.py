@@ -1,7 +1,7 @@
 """A replica of a data-parallel server takes the front's options, but its own address and rank."""
 
+from weightsync.serve._front.fleet import replica_argv, replica_device
 from weightsync.serve.cli import _parse_serve_args
-from weightsync.serve.front._fleet import replica_argv, replica_device
 
 
 def test_a_replica_takes_the_fronts_options_but_its_own_address_keys_and_index():

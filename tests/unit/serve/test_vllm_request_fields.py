@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from weightsync import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.serve import ServerConfig, create_app
+from weightsync.serve._front.fleet import replica_argv
 from weightsync.serve.cli import _parse_serve_args
-from weightsync.serve.front._fleet import replica_argv
 
 PROMPT = "The weights move"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._fields import IGNORED_FIELDS_HEADER as _IGNORED
+from weightsync.serve._front.control import FleetControl
+from weightsync.serve._front.fleet import Fleet, Replica
 from weightsync.serve._http import build_app, unless_disconnected
 from weightsync.serve.config import ServerConfig
-from weightsync.serve.front._control import FleetControl
-from weightsync.serve.front._fleet import Fleet, Replica
 
 logger = logging.getLogger("weightsync.serve")
 

@@ -24,11 +24,9 @@ router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=
 async def _prepare_weight_update(
     request: Request, body: Annotated[FinishWeightUpdateRequest | None, Body()] = None
 ) -> dict[str, Any]:
-    """Whether `/finish_weight_update` would succeed now: `ready`, or its error (nothing moves).
-
-    Read on the event loop, which no weight-update call runs on while it is read, so the check
-    and the front's commit that follows see the same update (the front sends nothing between).
-    """
+    """Whether `/finish_weight_update` would succeed now: `ready`, or its error (nothing moves)."""
+    # Read on the event loop, which no update call runs on meanwhile: the check and the front's
+    # commit that follows see the same update (the front sends nothing between).
     engine: AsyncEngine = request.app.state.engine_client
     engine.check_finish_weight_update(body.weight_version if body else None)
     return {"ready": True}

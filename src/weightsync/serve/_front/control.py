@@ -34,9 +34,9 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
+from weightsync.serve._front.fleet import Fleet, Replica, raise_failures
 from weightsync.serve._view import Body
 from weightsync.serve.config import ServerConfig
-from weightsync.serve.front._fleet import Fleet, Replica, raise_failures
 
 logger = logging.getLogger("weightsync.serve")
 
