@@ -25,6 +25,10 @@ or abort copies back the touched weights.
 An update is refused on a busy, unpaused engine (and a broadcast's trainer learns why); while a
 transaction is open or weights are torn the scheduler stays paused, and an engine that an update
 paused resumes once the update ends.
+
+One concept: the update transaction and what guards it. Its record, its refusals, the ends of an
+update (finished, refused at finish, failed, aborted, replaced) and the pause it holds are one
+state machine, read in one place; cut in two, each half would need the other's rules.
 """
 
 from __future__ import annotations
@@ -415,11 +419,7 @@ class LiveWeights:
         return self._update(transfer, own)
 
     def _directory_reader(self) -> WeightTransferEngine:
-        """The engine that loads a checkpoint directory, whatever backend the engine has.
-
-        The configured one when it is `disk`; else one of its own, so a directory (prime-rl's
-        `weight_dir`) loads beside a broadcast or IPC backend.
-        """
+        """The configured `disk` engine, else one of its own beside a broadcast or IPC backend."""
         if isinstance(self._transfer, DiskWeightTransferEngine):
             return self._transfer
         if self._disk is None:
@@ -463,11 +463,7 @@ class LiveWeights:
         return stats
 
     def _own_entry(self, update_infos: list[Any]) -> Any:
-        """This worker's entry of vLLM's data-parallel form: one update info per worker rank.
-
-        Raises:
-            WeightValidationError: No entry for this worker.
-        """
+        """This worker's entry of vLLM's data-parallel form: one update info per worker rank."""
         if len(update_infos) <= self.worker_index:
             raise WeightValidationError(
                 f"update_info is a list of {len(update_infos)} entries, one per worker rank, but "
@@ -479,10 +475,7 @@ class LiveWeights:
     def _transaction_for(
         self, transfer: WeightTransferEngine, info: WeightTransferUpdateInfo
     ) -> tuple[_Transaction, TransferStats | None]:
-        """The transaction a message belongs to, opened if none is open.
-
-        Also the stats of the message, when replacing an abandoned update received it already.
-        """
+        """The message's transaction (opened if none is); its stats if replacing received it."""
         update_id = getattr(info, "update_id", None)
         txn = self._transaction
         if txn is not None and txn.update_id is not None and update_id != txn.update_id:
@@ -505,11 +498,9 @@ class LiveWeights:
         return txn, None
 
     def _note_refusal(self, exc: WeightSyncError) -> None:
-        """Marks the open transaction when a message meant to fill it was refused (see `finish`).
-
-        Only while it has no update id: once an announcement with one was accepted, a refused
-        message is a stray, late or repeated one, which changes nothing.
-        """
+        """Marks the open transaction when a message meant to fill it was refused (see `finish`)."""
+        # Only while it has no update id: after an accepted announcement, a refused message is a
+        # stray, late or repeated one, which changes nothing.
         txn = self._transaction
         if txn is not None and txn.update_id is None:
             txn.refused = str(exc).splitlines()[0][:500]
@@ -637,11 +628,7 @@ class LiveWeights:
         return True
 
     def _end_refused(self, txn: _Transaction, call: str) -> list[str]:
-        """Ends a transaction a refused message left open, unapplied; the version stays.
-
-        Returns:
-            The names it leaves torn: those it landed, when nothing was staged to restore them.
-        """
+        """Ends, unapplied, a transaction a refused message left open; returns what it tears."""
         torn = sorted(txn.touched) if txn.staged is None else []
         self._end_failed(txn)
         logger.warning(
@@ -748,13 +735,8 @@ class LiveWeights:
                     txn.staged[name] = buffer.copy_(tensor)
 
     def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
-        """Closes a transaction that will not finish: restores or marks what it touched.
-
-        Args:
-            txn: The transaction.
-            forget_transfer: Tell the transfer engine to forget its update in progress (False
-                when it already follows another one).
-        """
+        """Closes a transaction that will not finish: restores or marks what it touched."""
+        # forget_transfer=False: the transfer engine already follows another update.
         self._transaction = None
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()

@@ -221,11 +221,9 @@ def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None)
 
 
 async def _stream(run: _Run, frame: ChunkFrame, choice: Any, include_usage: bool) -> EventStream:
-    """The run's server-sent events, once every request of it is in the engine.
-
-    An engine that refuses the run at once (asleep, shut down) raises here, so the refusal is
-    the answer's own status, as for a request that is not streamed.
-    """
+    """The run's server-sent events, once every request of it is in the engine."""
+    # An engine that refuses the run at once (asleep, shut down) raises here: the refusal is
+    # the answer's own status, as for a request that is not streamed.
     outputs = run.outputs(on_accepted=(-1, RequestOutput(run.id, None, [])))
     await anext(outputs)
     return EventStream(_events(run, outputs, frame, choice, include_usage))

@@ -3,7 +3,7 @@
 The RL routes call the engine's own methods for every call of an update (`EngineClient`, in
 `_rl_routes`). What the server answers of itself (the completions it runs, where its last pause
 fell, its state, counters and config) comes from a `ServerView`: `EngineView` is one engine's; a
-data-parallel front answers for all its replicas (`weightsync.serve.front`), adding each one's.
+data-parallel front answers for all its replicas (`weightsync.serve._front`), adding each one's.
 """
 
 from __future__ import annotations
