@@ -26,6 +26,7 @@ from weightsync.serve._errors import error_body, install_error_handlers
 from weightsync.serve._fields import RequestFields
 from weightsync.serve._info import model_card, server_info
 from weightsync.serve._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from weightsync.serve._rl_routes import EngineClient
 from weightsync.serve._rl_routes import router as rl_router
 from weightsync.serve._view import ServerView
 
@@ -62,7 +63,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     view: ServerView,
     routers: Sequence[APIRouter],
     *,

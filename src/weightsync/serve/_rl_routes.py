@@ -4,11 +4,10 @@ Paths, query parameters and success bodies are vLLM's, so a trainer written agai
 control plane drives this server unchanged. Each route checks its parameters and calls its
 engine client as vLLM's routes do: the `AsyncEngine` itself, or a data-parallel front's replicas
 behind the same calls (`EngineClient`); what the server answers of itself comes from its
-`ServerView`. The same routes serve both. Unlike vLLM's, every route takes
-the admin key when the server has one, and every failure is JSON naming the field and the
-weightsync error type with the status of its class (never a 500 for a known failure). Transfer
-calls block on a worker thread, never on the event loop, so streams keep flowing while a transfer
-waits for its trainer. IPC handles arrive as JSON records: nothing is unpickled.
+`ServerView`. Unlike vLLM's, every route takes the admin key when the server has one, and every
+failure is JSON naming the field and the weightsync error type with the status of its class
+(never a 500 for a known failure). Transfer calls block on a worker thread, never on the event
+loop, so streams keep flowing. IPC handles arrive as JSON records: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -342,11 +341,8 @@ async def _update(request: Request, message: dict[str, Any]) -> Answer:
         stats = dataclasses.asdict(dataclasses.replace(stats, loaded_names=None))
     if isinstance(status, WeightUpdateStatus):
         status = update_status(status)
-    return {
-        "message": "Weights updated",
-        "stats": dict(stats),
-        "weight_update": None if status is None else dict(status),
-    }
+    shown = None if status is None else dict(status)
+    return {"message": "Weights updated", "stats": dict(stats), "weight_update": shown}
 
 
 @router.post("/finish_weight_update", operation_id="finish_weight_update")
