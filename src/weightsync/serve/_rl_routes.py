@@ -31,7 +31,7 @@ from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import RequestRefused, error_body
 from weightsync.serve._fields import RequestBody
 from weightsync.serve._view import Body as Answer
-from weightsync.serve._view import ServerView, update_status
+from weightsync.serve._view import ServerView
 from weightsync.transfer.base import TransferStats
 
 
@@ -340,7 +340,7 @@ async def _update(request: Request, message: dict[str, Any]) -> Answer:
     if isinstance(stats, TransferStats):
         stats = dataclasses.asdict(dataclasses.replace(stats, loaded_names=None))
     if isinstance(status, WeightUpdateStatus):
-        status = update_status(status)
+        status = dataclasses.asdict(status)
     shown = None if status is None else dict(status)
     return {"message": "Weights updated", "stats": dict(stats), "weight_update": shown}
 

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.pause import PauseMode
-from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.serve import _info, _metrics
 from weightsync.serve.config import ServerConfig
 
@@ -97,11 +96,6 @@ class ServerView(Protocol):
         ...
 
 
-def update_status(status: WeightUpdateStatus | None) -> Body | None:
-    """The `weight_update` field of an answer (None: no update in progress)."""
-    return None if status is None else dataclasses.asdict(status)
-
-
 @dataclass
 class EngineView:
     """What a server of one engine answers of itself.
@@ -171,7 +165,7 @@ class EngineView:
 
     async def engine_stats(self) -> Body:
         """Requests in flight and rendering, pause, sleep, version, update, last pause."""
-        last = self.last_pause
+        last, update = self.last_pause, self.engine.weight_update
         return {
             "num_steps": self.engine.num_steps,
             "num_unfinished": self.engine.num_unfinished_requests(),
@@ -179,7 +173,7 @@ class EngineView:
             "is_paused": await self.engine.is_paused(),
             "is_sleeping": await self.engine.is_sleeping(),
             "weight_version": self.engine.weight_version,
-            "weight_update": update_status(self.engine.weight_update),
+            "weight_update": dataclasses.asdict(update) if update is not None else None,
             "last_pause": dataclasses.asdict(last) if last is not None else None,
         }
 
