@@ -4,10 +4,12 @@ A background task runs the [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]
 each forward pass runs on a dedicated worker thread, so the event loop keeps serving `generate`
 streams and control calls while the model computes. Control calls (`pause_generation`,
 `resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
-two steps: a pause waits for at most the step in flight.
+two steps: a pause waits for at most the step in flight. The weight-update calls go straight to
+the engine's [`LiveWeights`][weightsync.engine.weights.LiveWeights] (the transaction and what
+guards it); a transfer call runs on a thread of its own (`TRANSFER_THREAD_NAME`).
 
 One concept: the asyncio front of one engine, its step loop, its request streams and every
-control call between two steps; each call is a few lines over the `LLMEngine` call it orders.
+control call between two steps; each call is a few lines over the engine call it orders.
 """
 
 from __future__ import annotations
