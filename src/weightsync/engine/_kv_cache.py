@@ -45,11 +45,9 @@ def _chain_hash(previous: bytes, token_ids: list[int]) -> bytes:
 
 
 def _chain_start(seq: Sequence) -> bytes:
-    """What the first block's hash chains from: b"" unsalted, else the salt's own hash.
-
-    A salt's hash is 32 bytes and the unsalted start is empty, so no salt, whatever its text,
-    starts the chain of another salt or of the unsalted requests.
-    """
+    """What the first block's hash chains from: b"" unsalted, else the salt's own hash."""
+    # A salt's hash is 32 bytes and the unsalted start is empty, so no salt, whatever its text,
+    # starts the chain of another salt or of the unsalted requests.
     if seq.cache_salt is None:
         return b""
     return hashlib.sha256(b"cache_salt:" + seq.cache_salt.encode("utf-8", "surrogatepass")).digest()

@@ -4,10 +4,12 @@ A background task runs the [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine]
 each forward pass runs on a dedicated worker thread, so the event loop keeps serving `generate`
 streams and control calls while the model computes. Control calls (`pause_generation`,
 `resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
-two steps: a pause waits for at most the step in flight.
+two steps: a pause waits for at most the step in flight. The weight-update calls go straight to
+the engine's [`LiveWeights`][weightsync.engine.weights.LiveWeights] (the transaction and what
+guards it); a transfer call runs on a thread of its own (`TRANSFER_THREAD_NAME`).
 
 One concept: the asyncio front of one engine, its step loop, its request streams and every
-control call between two steps; each call is a few lines over the `LLMEngine` call it orders.
+control call between two steps; each call is a few lines over the engine call it orders.
 """
 
 from __future__ import annotations
@@ -15,24 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from weightsync.engine._stats import ServingStats
-from weightsync.engine._transfer_calls import (
-    TRANSFER_THREAD_NAME,
-    on_transfer_thread,
-    to_thread_uninterrupted,
-)
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt
-from weightsync.engine.weights import WeightUpdateStatus
+from weightsync.engine.weights import WeightUpdateStatus, unwrap_request, update_info_of
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
@@ -42,6 +40,55 @@ logger = logging.getLogger(__name__)
 
 
 _T = TypeVar("_T")
+
+
+TRANSFER_THREAD_NAME = "weightsync-transfer"
+"""The name of the thread each transfer-engine call of an `AsyncEngine` runs on.
+
+Such a call waits in torch (a rendezvous, a broadcast) up to its `timeout_s` and cannot be
+interrupted. It runs on a thread of its own rather than on asyncio's executor, whose threads the
+event loop's close waits for: a process that is stopping may then exit without waiting for it
+with `os._exit` (`weightsync serve` does, on SIGINT or SIGTERM). The interpreter's own exit
+still waits for it, as for any thread: torch must not be torn down under a call in progress."""
+
+
+async def _on_transfer_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs `fn(*args)` on a thread named `TRANSFER_THREAD_NAME`; returns its result."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task, raised there
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one awaits it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=TRANSFER_THREAD_NAME).start()
+    return await done
+
+
+async def _to_thread_uninterrupted(fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs `fn` on a transfer thread; a cancelled caller still waits for `fn` to end."""
+    # A transfer cannot be interrupted halfway, so the locks its caller holds stay held until it
+    # ends: otherwise a step could run on half-written weights.
+    work = asyncio.ensure_future(_on_transfer_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        logger.info("cancelled during %s: waiting for it to end first", fn.__name__)
+        await asyncio.wait([work])
+        raise
 
 
 class _Closed(Exception):
@@ -79,10 +126,15 @@ class AsyncEngine:
 
     def _init(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._weights = engine.weights  # the transaction and what guards it: called directly
         self.stats = ServingStats()  # requests, pauses and updates, for a metrics page
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-step")
         self._lock = asyncio.Lock()  # held by each step and by each control call
         self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
+        # One weight-update call (or sleep, wake-up) at a time, taken before the others: an
+        # answer read right after a call describes the update as the call left it, and no update
+        # opens while a sleep's `wait` pause drains.
+        self._update_calls = asyncio.Lock()
         self._wake = asyncio.Event()
         self._step_done = asyncio.Event()
         self._idle_waiters: list[asyncio.Future[None]] = []  # see wait_until_idle
@@ -353,20 +405,19 @@ class AsyncEngine:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
         self._start()
-        # Checked before the pause, which may end requests. An update opened by another task
-        # while a `wait` pause drains is still refused below, after the pause: the server's
-        # routes exclude that by running sleep and the update calls one at a time.
-        level = self.engine.check_sleep(level, mode)
-        await self.pause_generation(mode=mode, clear_cache=level >= 1)
-        async with self._lock:
-            self.engine.sleep(level, mode="keep")  # paused already: nothing more is aborted
-            self._dispatch(self.engine.step())  # delivers what the pause ended
+        # Checked before the pause, which may end requests.
+        async with self._update_calls:  # no update opens while a `wait` pause drains
+            level = self.engine.check_sleep(level, mode)
+            await self.pause_generation(mode=mode, clear_cache=level >= 1)
+            async with self._lock:
+                self.engine.sleep(level, mode="keep")  # paused already: nothing more is aborted
+                self._dispatch(self.engine.step())  # delivers what the pause ended
         self._wake.set()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wakes `tags` (all when None); see `LLMEngine.wake_up`."""
         self._start()
-        async with self._lock:
+        async with self._update_calls, self._lock:
             self.engine.wake_up(tags)
         self._wake.set()
 
@@ -431,18 +482,20 @@ class AsyncEngine:
     async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins a trainer's transfer group (`{"init_info": {...}}`), off the event loop.
 
-        Steps continue meanwhile: joining touches no weights.
+        Steps continue meanwhile: joining touches no weights. See
+        `LLMEngine.init_weight_transfer_engine`.
         """
         self._start()
+        init_info = unwrap_request(request, "init_info", "init_weight_transfer_engine")
         async with self._transfer_lock:
-            await to_thread_uninterrupted(self.engine.init_weight_transfer_engine, request)
+            await _to_thread_uninterrupted(self._weights.init_transfer_engine, init_info)
 
     async def start_weight_update(self) -> None:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
         self._start()
-        async with self._lock:
+        async with self._update_calls, self._lock:
             with self.stats.counting_update_failures():
-                self.engine.start_weight_update()
+                self._weights.start()
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`), off the event loop.
@@ -451,17 +504,18 @@ class AsyncEngine:
         what a failure leaves behind.
         """
         self._start()
+        update_info = update_info_of(request)
         try:
-            async with self._transfer_lock, self._lock:
-                bare = self.engine.weight_update is None
+            async with self._update_calls, self._transfer_lock, self._lock:
+                bare = self._weights.status() is None
                 self._updating = True
                 try:
                     with self.stats.counting_update_failures():
-                        stats = await to_thread_uninterrupted(self.engine.update_weights, request)
+                        stats = await _to_thread_uninterrupted(self._weights.update, update_info)
                 finally:
                     self._updating = False
                 self.stats.record_update_message(stats.num_bytes, stats.seconds)
-                if bare and self.engine.weight_update is None:  # a whole update, finished
+                if bare and self._weights.status() is None:  # a whole update, finished
                     self.stats.weight_updates += 1
                 return stats
         finally:
@@ -475,9 +529,9 @@ class AsyncEngine:
         """
         self._start()
         try:
-            async with self._lock:
+            async with self._update_calls, self._lock:
                 with self.stats.counting_update_failures():
-                    applied = self.engine.finish_weight_update(weight_version)
+                    applied = self._weights.finish(weight_version)
                 if applied:
                     self.stats.weight_updates += 1
                 return applied
@@ -487,29 +541,29 @@ class AsyncEngine:
     async def abort_weight_update(self) -> bool:
         """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""
         self._start()
-        async with self._lock:
-            aborted = self.engine.abort_weight_update()
+        async with self._update_calls, self._lock:
+            aborted = self._weights.abort()
         self._wake.set()
         return aborted
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update` would raise now; see `LLMEngine`'s."""
-        self.engine.check_finish_weight_update(weight_version)
+        self._weights.check_finish(weight_version)
 
     @property
     def weight_update(self) -> WeightUpdateStatus | None:
         """The weight update in progress, or None; see `LLMEngine.weight_update`."""
-        return self.engine.weight_update
+        return self._weights.status()
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         """Relabels the current weights; see `LLMEngine.update_weight_version`."""
-        async with self._lock:
-            self.engine.update_weight_version(new_version)
+        async with self._update_calls, self._lock:
+            self._weights.relabel(new_version)
 
     async def reset_weights(self) -> None:
         """Writes zeros over every weight; see `LLMEngine.reset_weights`."""
         self._start()
-        async with self._lock:
+        async with self._update_calls, self._lock:
             self.engine.reset_weights()
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -525,8 +579,8 @@ class AsyncEngine:
     async def shutdown_weight_transfer_engine(self) -> None:
         """Leaves the trainer's transfer; see `LLMEngine.shutdown_weight_transfer_engine`."""
         self._start()
-        async with self._transfer_lock, self._lock:
-            await asyncio.to_thread(self.engine.shutdown_weight_transfer_engine)
+        async with self._update_calls, self._transfer_lock, self._lock:
+            await asyncio.to_thread(self._weights.release_transfer_engine)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -546,7 +600,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._executor.shutdown, wait=True)
         # A transfer call still waiting in torch holds the transfer engine until its timeout_s;
         # shutting it down waits for that, off the event loop (a caller may bound it).
-        await on_transfer_thread(self.engine.shutdown)
+        await _on_transfer_thread(self.engine.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

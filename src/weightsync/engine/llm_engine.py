@@ -9,8 +9,8 @@ torn weights) is described on
 [`update_weights`][weightsync.engine.llm_engine.LLMEngine.update_weights].
 
 One concept: the engine a caller drives, vLLM's `LLMEngine`. Its length is its public methods'
-docstrings (they are the API reference); the work is in the scheduler, the model runner, the
-update gate and the live weights it delegates to.
+docstrings (they are the API reference); the work is in the scheduler, the model runner and the
+live weights it delegates to.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from weightsync.engine._processing import InputProcessor, OutputProcessor
 from weightsync.engine._scheduler import Scheduler, check_pause_mode
 from weightsync.engine._sequence import Sequence as Seq
 from weightsync.engine._sleep import Sleep
-from weightsync.engine._update_gate import UpdateGate, unwrap_request
 from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.loader import load_model
 from weightsync.engine.model import LlamaForCausalLM
@@ -41,11 +40,15 @@ from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import ByteTokenizer, Prompt, Tokenizer
-from weightsync.engine.weights import LiveWeights, WeightUpdateStatus
+from weightsync.engine.weights import (
+    LiveWeights,
+    WeightUpdateStatus,
+    unwrap_request,
+    update_info_of,
+)
 from weightsync.errors import EngineStateError, InvalidRequestError, TornWeightsError
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
-from weightsync.transfer.disk import WeightDir
 
 __all__ = ["LLMEngine"]
 
@@ -131,8 +134,8 @@ class LLMEngine:
             refuse_non_finite=config.refuse_non_finite_weights,
             finish_bare_updates=finish_bare_updates,
             on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
+            scheduler=self.scheduler,
         )
-        self._gate = UpdateGate(self.scheduler, self.weights)
         self._sleep = Sleep(self.runner, self.weights)
         self.num_steps = 0
         # Callers on other threads only touch these inboxes, which each step drains first.
@@ -287,7 +290,7 @@ class LLMEngine:
             InvalidRequestError: A bad prompt or sampling parameters.
         """
         self._check_not_shut_down("generate")
-        self._gate.check_can_generate("generate()")
+        self.weights.check_can_generate("generate()")
         batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
@@ -296,7 +299,7 @@ class LLMEngine:
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             if not self.has_work():
-                self._gate.check_can_generate("generate()")
+                self.weights.check_can_generate("generate()")
                 raise EngineStateError("generate() cannot make progress: the engine was paused")
             for output in self.step():
                 if output.request_id not in ids:
@@ -318,7 +321,7 @@ class LLMEngine:
         """
         self.check_pause_mode(mode)
         self._drain_inbox()
-        self._gate.caller_paused()  # the caller owns this pause now, not an update
+        self.weights.caller_paused()  # the caller owns this pause now, not an update
         armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
         aborted = self.scheduler.pause(mode)
         if armed is not None and armed.on_pause is not None:
@@ -428,7 +431,7 @@ class LLMEngine:
             WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
         self._sleep.check_awake("resume_generation()")
-        self._gate.check_can_generate("resume_generation()")
+        self.weights.check_can_generate("resume_generation()")
         self._clear_cache_after_drain = False
         self.scheduler.resume()
 
@@ -551,7 +554,7 @@ class LLMEngine:
             WeightUpdateStateError: A transaction is already open.
         """
         self._check_not_shut_down("start_weight_update")
-        self._gate.start()
+        self.weights.start()
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -579,13 +582,7 @@ class LLMEngine:
             WeightTransferError: The transfer failed (see `partially_applied`).
         """
         self._check_not_shut_down("update_weights")
-        if (
-            isinstance(request, Mapping)
-            and "weight_dir" in request
-            and "update_info" not in request
-        ):
-            return self._gate.update(WeightDir(path=request["weight_dir"]))
-        return self._gate.update(unwrap_request(request, "update_info", "update_weights"))
+        return self.weights.update(update_info_of(request))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> bool:
         """Ends the open transaction and moves the weight version, as vLLM's call of that name.
@@ -614,7 +611,7 @@ class LLMEngine:
             WeightValidationError: `weight_version` is not a string of at most 256 characters
                 or a 64-bit int.
         """
-        return self._gate.finish(weight_version)
+        return self.weights.finish(weight_version)
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update(weight_version)` would raise now; changes nothing.
@@ -651,7 +648,7 @@ class LLMEngine:
             WeightUpdateStateError: A weight update is in progress.
             EngineStateError: The weights are asleep.
         """
-        self._gate.check_idle("weight_checker reset")
+        self.weights.check_idle("weight_checker reset")
         self.weights.reset()
 
     def weight_checksums(self) -> dict[str, str]:
@@ -685,7 +682,7 @@ class LLMEngine:
         Returns:
             Whether a transaction was open.
         """
-        return self._gate.abort()
+        return self.weights.abort()
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Leaves the trainer's transfer and frees what it held, as vLLM's call of that name.

@@ -41,14 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 def _read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields the `(name, tensor)` pairs of a safetensors file, one tensor read at a time.
-
-    The whole header is checked before any tensor is read (`read_header`).
-
-    Raises:
-        EngineConfigError: The file is not valid safetensors (bad header, offsets or dtype);
-            one line naming the file, the tensor and what is wrong.
-    """
+    """A safetensors file's `(name, tensor)` pairs, read one at a time once its header passed."""
+    # A file that is not valid safetensors raises EngineConfigError, one line naming it.
     try:
         entries = read_header(path)
         with open_regular(path) as f:

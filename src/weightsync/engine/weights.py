@@ -2,8 +2,9 @@
 
 This is the one rulebook of weight updates: one engine runs it, and so does every replica behind
 a data-parallel front, which only asks its replicas (`check_finish`, `status`) and fans their
-answers in. It owns the receiver side of a transfer backend (see `weightsync.transfer`) and the
-update transaction, vLLM's four calls as one state machine:
+answers in. It owns the receiver side of a transfer backend (see `weightsync.transfer`), the
+update transaction (vLLM's four calls as one state machine) and what guards it against the
+scheduler (who may update, who may generate, what pause follows):
 
 ```
 idle --start()--> open --update()*--> open --finish(version)--> idle   (version moves)
@@ -17,13 +18,17 @@ announced landed (or, with `finish_bare_updates=False`, waits for `finish()`, so
 commit every replica at once). The version moves only at finish, when every announced weight
 landed, no message of the transaction was refused, and no weight is torn; a finish (or a new
 start) after a refused message ends the transaction unapplied, as an abort would, so that a client
-that knows only vLLM's four calls gets back to serving. Weights a failed
-transaction may have half-written are *torn* (no generation) until a transaction covers them;
-with staging, a failure or abort copies back the touched weights.
+that knows only vLLM's four calls gets back to serving. Weights a failed transaction may have
+half-written are *torn* (no generation) until a transaction covers them; with staging, a failure
+or abort copies back the touched weights.
 
-One concept: the update transaction. Its record, its refusals and the ends of an update
-(finished, refused at finish, failed, aborted, replaced) are one state machine, read in one
-place; cut in two, each half would need the other's rules.
+An update is refused on a busy, unpaused engine (and a broadcast's trainer learns why); while a
+transaction is open or weights are torn the scheduler stays paused, and an engine that an update
+paused resumes once the update ends.
+
+One concept: the update transaction and what guards it. Its record, its refusals, the ends of an
+update (finished, refused at finish, failed, aborted, replaced) and the pause it holds are one
+state machine, read in one place; cut in two, each half would need the other's rules.
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ from typing import Any
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._scheduler import Scheduler
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
+from weightsync.engine.pause import PauseState
 from weightsync.errors import (
+    EngineBusyError,
     EngineStateError,
     IncompleteWeightUpdateError,
+    InvalidRequestError,
     NonFiniteWeightsError,
     TornWeightsError,
     WeightSyncError,
@@ -61,7 +70,7 @@ from weightsync.transfer.disk import (
     WeightDir,
 )
 
-__all__ = ["LiveWeights", "WeightUpdateStatus"]
+__all__ = ["LiveWeights", "WeightUpdateStatus", "unwrap_request", "update_info_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +97,9 @@ class WeightUpdateStatus:
 class _Transaction:
     """One weight update in progress: what it announced, what landed, what it may have written.
 
-    Attributes:
-        explicit: Opened by `start()` (ended by `finish()` or `abort()`); else opened by a bare
-            `update()`.
-        update_id: The transfer's own id of the update, from its first message that has one;
-            a message with another id belongs to another update.
-        announced: Names the transaction's messages said they deliver.
-        landed: Names delivered completely.
-        touched: Names whose bytes may have been written, completely or not.
-        refused: Why a message meant for this update was refused, until one is accepted again.
-        label: The `weight_version` the messages carry, if any.
-        staged: Copies of the weights taken before they were touched (staging only).
+    `touched` holds names whose bytes may have been written (completely or not); `refused` says
+    why a message meant for this update was refused, until one is accepted again; `update_id` is
+    the transfer's own id of the update, from its first message that has one.
     """
 
     explicit: bool
@@ -134,6 +135,25 @@ def _check_label(value: object, *, param: str) -> None:
     )
 
 
+def unwrap_request(request: Any, key: str, method: str) -> Any:
+    """Takes `key` out of a vLLM-style request envelope (`{"update_info": {...}}`)."""
+    if isinstance(request, Mapping) and key in request:
+        return request[key]
+    if not isinstance(request, Mapping) and hasattr(request, key):
+        return getattr(request, key)
+    got = sorted(request) if isinstance(request, Mapping) else type(request).__name__
+    raise InvalidRequestError(
+        f"{method} expects {{'{key}': {{...}}}} as in vLLM's LLM.{method}; got {got}"
+    )
+
+
+def update_info_of(request: Mapping[str, Any]) -> Any:
+    """The update info of an `update_weights` request: vLLM's envelope, or prime-rl's `weight_dir`."""
+    if isinstance(request, Mapping) and "weight_dir" in request and "update_info" not in request:
+        return WeightDir(path=request["weight_dir"])
+    return unwrap_request(request, "update_info", "update_weights")
+
+
 def _info_field(info: Any, key: str) -> Any:
     """Reads `key` from an info given as a dict or a dataclass; None when absent."""
     if isinstance(info, Mapping):
@@ -142,11 +162,8 @@ def _info_field(info: Any, key: str) -> Any:
 
 
 def _non_finite_names(weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> list[str]:
-    """The names among `names` whose tensor holds a NaN or an infinity, sorted.
-
-    One flag per tensor is computed on the tensor's device and the flags are read back at once,
-    so a model on a GPU pays one synchronization, not one per tensor.
-    """
+    """The names among `names` whose tensor holds a NaN or an infinity, sorted."""
+    # One flag per tensor, read back at once: a model on a GPU pays one synchronization.
     checked = [(name, tensor) for name, tensor in weights if name in names]
     if not checked:
         return []
@@ -172,6 +189,9 @@ class LiveWeights:
             (False: it waits for `finish()`, as a replica behind a data-parallel front does).
         on_write: Called whenever weight bytes change (a message landed, a failed update was
             restored): what was computed with the old weights, cached KV say, is stale.
+        scheduler: The scheduler these weights guard: an update needs it paused or idle, and
+            it stays paused while an update is open or weights are torn. None: no scheduler
+            (the weights alone, as a test drives them).
     """
 
     def __init__(
@@ -185,8 +205,11 @@ class LiveWeights:
         refuse_non_finite: bool = False,
         finish_bare_updates: bool = True,
         on_write: Callable[[], None] | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.model = model
+        self.scheduler = scheduler
+        self._resume_when_done = False  # an update paused the running engine
         self.transfer_config = transfer_config
         self.worker_index = worker_index
         self.staging = staging
@@ -315,16 +338,6 @@ class LiveWeights:
             )
         return self._transfer
 
-    def refuse(
-        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
-    ) -> None:
-        """Tells the trainer that the engine refuses this update, before anything moves.
-
-        The caller raises `reason` afterwards; see `WeightTransferEngine.refuse_update`.
-        """
-        if self._transfer is not None:
-            self._transfer.refuse_update(update_info, reason)
-
     # --- the transaction ----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -337,12 +350,17 @@ class LiveWeights:
         as `abort` would end it: a client that knows only vLLM's calls starts again after a
         refusal, and vLLM's own start begins afresh.
 
+        An idle, unpaused engine pauses for the transaction and resumes after it.
+
         Raises:
+            EngineBusyError: Requests are in flight and the engine is not paused.
             EngineStateError: The weights are asleep.
             WeightUpdateStateError: A transaction is already open (and no message of it was
                 refused); it is left as it was.
         """
         self._require_awake("start_weight_update")
+        self.check_idle("start_weight_update")
+        running = self._running()
         txn = self._transaction
         if txn is not None and txn.refused is None:
             raise WeightUpdateStateError(
@@ -352,6 +370,7 @@ class LiveWeights:
         if txn is not None:
             self._end_refused(txn, "start_weight_update")
         self._transaction = _Transaction(explicit=True)
+        self._settle(running)
 
     def update(
         self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir | list[Any]
@@ -368,11 +387,29 @@ class LiveWeights:
         accepted again.
 
         Raises:
+            EngineBusyError: Requests are in flight and the engine is not paused; the trainer
+                learns it too (a broadcast's handshake fails with this reason on every rank).
             EngineStateError: No transfer engine was initialized.
             WeightValidationError: The message was refused; nothing moved.
             WeightTransferError: The transfer failed after bytes moved; the transaction is
                 over, its weights torn (or restored, with staging).
         """
+        try:
+            self.check_idle("update_weights")
+        except EngineBusyError as exc:
+            if self._transfer is not None:  # a broadcast's trainer waits for our answer
+                self._transfer.refuse_update(update_info, exc)  # type: ignore[arg-type]
+            raise
+        running = self._running()
+        try:
+            return self._update_message(update_info)
+        finally:
+            self._settle(running)
+
+    def _update_message(
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir | list[Any]
+    ) -> TransferStats:
+        """`update`, on an engine that may take it."""
         self._require_awake("update_weights")
         if isinstance(update_info, WeightDir):  # the disk backend's update info, as a dict
             return self._update(self._directory_reader(), dataclasses.asdict(update_info))
@@ -387,11 +424,7 @@ class LiveWeights:
         return self._update(transfer, own)
 
     def _directory_reader(self) -> WeightTransferEngine:
-        """The engine that loads a checkpoint directory, whatever backend the engine has.
-
-        The configured one when it is `disk`; else one of its own, so a directory (prime-rl's
-        `weight_dir`) loads beside a broadcast or IPC backend.
-        """
+        """The configured `disk` engine, else one of its own beside a broadcast or IPC backend."""
         if isinstance(self._transfer, DiskWeightTransferEngine):
             return self._transfer
         if self._disk is None:
@@ -431,15 +464,11 @@ class LiveWeights:
         if info.weight_version is not None:
             txn.label = info.weight_version
         if not txn.explicit and txn.complete and self.finish_bare_updates:
-            self.finish(None)
+            self._finish(None)
         return stats
 
     def _own_entry(self, update_infos: list[Any]) -> Any:
-        """This worker's entry of vLLM's data-parallel form: one update info per worker rank.
-
-        Raises:
-            WeightValidationError: No entry for this worker.
-        """
+        """This worker's entry of vLLM's data-parallel form: one update info per worker rank."""
         if len(update_infos) <= self.worker_index:
             raise WeightValidationError(
                 f"update_info is a list of {len(update_infos)} entries, one per worker rank, but "
@@ -451,10 +480,7 @@ class LiveWeights:
     def _transaction_for(
         self, transfer: WeightTransferEngine, info: WeightTransferUpdateInfo
     ) -> tuple[_Transaction, TransferStats | None]:
-        """The transaction a message belongs to, opened if none is open.
-
-        Also the stats of the message, when replacing an abandoned update received it already.
-        """
+        """The message's transaction (opened if none is); its stats if replacing received it."""
         update_id = getattr(info, "update_id", None)
         txn = self._transaction
         if txn is not None and txn.update_id is not None and update_id != txn.update_id:
@@ -477,11 +503,9 @@ class LiveWeights:
         return txn, None
 
     def _note_refusal(self, exc: WeightSyncError) -> None:
-        """Marks the open transaction when a message meant to fill it was refused (see `finish`).
-
-        Only while it has no update id: once an announcement with one was accepted, a refused
-        message is a stray, late or repeated one, which changes nothing.
-        """
+        """Marks the open transaction when a message meant to fill it was refused (see `finish`)."""
+        # Only while it has no update id: after an accepted announcement, a refused message is a
+        # stray, late or repeated one, which changes nothing.
         txn = self._transaction
         if txn is not None and txn.update_id is None:
             txn.refused = str(exc).splitlines()[0][:500]
@@ -578,6 +602,12 @@ class LiveWeights:
                 an infinity; the transaction ends as a failed one (restored with staging, else
                 torn) and the version stays.
         """
+        try:
+            return self._finish(weight_version)
+        finally:
+            self._settle(running=False)  # back to the pause state the engine had before
+
+    def _finish(self, weight_version: WeightVersion | None) -> bool:
         txn = self._finishable(weight_version)
         if txn.refused is not None:
             torn = self._end_refused(txn, "finish_weight_update")
@@ -603,11 +633,7 @@ class LiveWeights:
         return True
 
     def _end_refused(self, txn: _Transaction, call: str) -> list[str]:
-        """Ends a transaction a refused message left open, unapplied; the version stays.
-
-        Returns:
-            The names it leaves torn: those it landed, when nothing was staged to restore them.
-        """
+        """Ends, unapplied, a transaction a refused message left open; returns what it tears."""
         torn = sorted(txn.touched) if txn.staged is None else []
         self._end_failed(txn)
         logger.warning(
@@ -676,10 +702,12 @@ class LiveWeights:
             Whether a transaction was open.
         """
         txn = self._transaction
-        if txn is None:
-            return False
-        self._end_failed(txn)
-        return True
+        try:
+            if txn is not None:
+                self._end_failed(txn)
+        finally:
+            self._settle(running=False)
+        return txn is not None
 
     def relabel(self, new_version: WeightVersion) -> None:
         """Gives the current weights a new version label; no byte changes.
@@ -712,13 +740,8 @@ class LiveWeights:
                     txn.staged[name] = buffer.copy_(tensor)
 
     def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
-        """Closes a transaction that will not finish: restores or marks what it touched.
-
-        Args:
-            txn: The transaction.
-            forget_transfer: Tell the transfer engine to forget its update in progress (False
-                when it already follows another one).
-        """
+        """Closes a transaction that will not finish: restores or marks what it touched."""
+        # forget_transfer=False: the transfer engine already follows another update.
         self._transaction = None
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
@@ -778,6 +801,75 @@ class LiveWeights:
         self._torn_by_sleep = set()
         self._on_write()
         logger.warning("every weight was reset to zero; version stays %r", self.weight_version)
+
+    # --- what guards it: the scheduler -------------------------------------------------------
+
+    def _running(self) -> bool:
+        return self.scheduler is not None and self.scheduler.state is PauseState.UNPAUSED
+
+    def caller_paused(self) -> None:
+        """The caller paused the engine: the pause is theirs, and no update's end resumes it."""
+        self._resume_when_done = False
+
+    def _settle(self, running: bool) -> None:
+        """Pauses while an update is open or weights are torn; resumes what an update paused."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        in_update, torn = self.in_update, self.is_torn
+        if in_update or torn:
+            if scheduler.state is not PauseState.PAUSED:
+                scheduler.pause("keep")  # queued and frozen requests wait for the update
+                self._resume_when_done = running and in_update
+            if torn:
+                self._resume_when_done = False  # a torn engine resumes only when asked to
+                logger.error("weights are torn: the engine stays paused")
+        elif self._resume_when_done:
+            self._resume_when_done = False
+            scheduler.resume()
+
+    def check_idle(self, call: str) -> None:
+        """Raises `EngineBusyError` when requests run on an engine that is not paused."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        # Requests still in the inbox have not started: they will simply run on the new weights.
+        # While the weights hold generation (an open update, torn weights) nothing computes.
+        state = scheduler.state
+        busy = state is not PauseState.PAUSED and not self.holds_generation
+        if busy and scheduler.num_unfinished:
+            what = (
+                "a wait-mode pause is still draining"
+                if state is PauseState.DRAINING
+                else "it is not paused"
+            )
+            raise EngineBusyError(
+                f"{call} needs a paused or idle engine, but {scheduler.num_unfinished} "
+                f"requests are in flight and {what}: call pause_generation(mode='keep', 'wait' or "
+                f"'abort') first, then {call}, then resume_generation()"
+            )
+
+    def check_can_generate(self, call: str) -> None:
+        """Raises when `call` (`generate()` or `resume_generation()`) could not generate."""
+        if self.is_torn:
+            raise TornWeightsError(
+                f"{call}: {self.torn_cause()}, so the engine does not generate: land an "
+                "update that covers them with update_weights(...) first"
+            )
+        if self.in_update:
+            raise WeightUpdateStateError(
+                f"{call}: a weight update is in progress: finish_weight_update(...) or "
+                "abort_weight_update() first"
+            )
+        if (
+            call == "generate()"
+            and self.scheduler is not None
+            and self.scheduler.state is PauseState.PAUSED
+        ):
+            raise EngineStateError(
+                "the engine is paused, so generate() would wait forever: call "
+                "resume_generation() first"
+            )
 
     # --- sleep --------------------------------------------------------------------------------
 

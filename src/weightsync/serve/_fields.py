@@ -36,12 +36,8 @@ _MAX_NAME_CHARS = 64  # nor one key of a megabyte a header of a megabyte
 
 
 def _shown(name: str) -> str:
-    """A field name or a request id as the header and the log line show it: ASCII, bounded.
-
-    Both come from the client: a CR or LF in one would end the header line (the server then
-    drops the answer) and forge log lines, so every character outside printable ASCII is
-    written as its escape.
-    """
+    """A field name or a request id as the header and the log line show it: ASCII, bounded."""
+    # Both come from the client: a CR or LF would end the header line and forge log lines.
     shown = name.encode("unicode_escape").decode("ascii")
     return shown if len(shown) <= _MAX_NAME_CHARS else shown[:_MAX_NAME_CHARS] + "..."
 

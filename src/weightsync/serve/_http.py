@@ -1,7 +1,7 @@
 """What every weightsync HTTP app shares: its assembly, the server routes, the size limit.
 
-The assembly is around a control surface; the server routes are `/health`, `/version`,
-`/v1/models`, `/metrics` and `/server_info`.
+The assembly is around an engine client and the server's view of itself; the server routes are
+`/health`, `/version`, `/v1/models`, `/metrics` and `/server_info`.
 
 [`create_app`][weightsync.serve.app.create_app] (one engine) and a data-parallel front build
 their apps here, so both answer the same RL routes with the same errors.
@@ -22,12 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.serve._auth import require_admin_key, require_api_key
-from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import error_body, install_error_handlers
 from weightsync.serve._fields import RequestFields
 from weightsync.serve._info import model_card, server_info
 from weightsync.serve._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from weightsync.serve._rl_routes import EngineClient
 from weightsync.serve._rl_routes import router as rl_router
+from weightsync.serve._view import ServerView
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +63,20 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(
-    surface: ControlSurface,
+    engine: EngineClient,
+    view: ServerView,
     routers: Sequence[APIRouter],
     *,
     close: Callable[[], Awaitable[None]],
     title: str,
     start: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The app of one control surface: its RL routes, the generation routes, the server routes.
+    """The app of one engine client: its RL routes, the generation routes, the server routes.
 
     Args:
-        surface: What the RL routes act on (one engine, or a front's replicas).
+        engine: What the RL routes call (an `AsyncEngine`, or a front's replicas behind the
+            same calls; see `EngineClient`).
+        view: What the server answers of itself (see `ServerView`).
         routers: The generation routes, `/v1` completions and the token routes (the engine's
             own, or a front's relay).
         close: Run when the app stops, after every running request was aborted.
@@ -87,7 +91,7 @@ def build_app(
         try:
             yield
         finally:
-            await surface.abort_all()
+            await view.abort_all()
             await close()
 
     app = FastAPI(
@@ -97,11 +101,12 @@ def build_app(
         "completions, and vLLM's RL routes for pause, resume and weight transfer.",
         lifespan=lifespan,
     )
-    app.state.serve = surface
+    app.state.engine_client = engine
+    app.state.serve = view
     app.state.stopping = asyncio.Event()  # set by the server at SIGINT/SIGTERM
     install_error_handlers(app)
-    app.add_middleware(RequestFields, strict=surface.config.strict_request_fields)
-    app.add_middleware(_BodyLimit, max_bytes=surface.config.max_request_bytes)
+    app.add_middleware(RequestFields, strict=view.config.strict_request_fields)
+    app.add_middleware(_BodyLimit, max_bytes=view.config.max_request_bytes)
     app.include_router(_server_router)
     app.include_router(_models_router)
     app.include_router(_info_router)
@@ -135,7 +140,7 @@ _info_router = APIRouter(tags=["server"], dependencies=[Depends(require_admin_ke
 @_models_router.get("/models", operation_id="list_models")
 async def _list_models(request: Request) -> dict[str, Any]:
     """The one model this server serves, as vLLM's model card (`max_model_len`, `root`, ...)."""
-    surface: ControlSurface = request.app.state.serve
+    surface: ServerView = request.app.state.serve
     max_model_len = (await surface.vllm_config())["model_config"]["max_model_len"]
     return {"object": "list", "data": [model_card(surface.config, max_model_len)]}
 
@@ -146,7 +151,7 @@ async def _metrics_page(request: Request) -> Response:
 
     No key needed, as vLLM's: it says how much was served, nothing of what.
     """
-    surface: ControlSurface = request.app.state.serve
+    surface: ServerView = request.app.state.serve
     return Response(await surface.metrics(), media_type=METRICS_CONTENT_TYPE)
 
 
@@ -159,7 +164,7 @@ async def _server_info(
     TRL reads `vllm_config.model_config.dtype`, `weight_transfer_config` and
     `parallel_config.data_parallel_size` before it syncs.
     """
-    surface: ControlSurface = request.app.state.serve
+    surface: ServerView = request.app.state.serve
     return server_info(await surface.vllm_config(), config_format)
 
 

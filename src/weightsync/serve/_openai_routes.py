@@ -27,13 +27,13 @@ from weightsync import (
     WeightSyncError,
 )
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused, error_body, status_of
 from weightsync.serve._fields import name_request
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import LogprobsFormat
 from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
+from weightsync.serve._view import EngineView
 
 __all__ = ["router"]
 
@@ -44,7 +44,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 class _Run:
     """The engine requests of one completion request: started together, streamed together."""
 
-    def __init__(self, state: EngineControl, body: _SamplingFields, prompts: list[str | list[int]],
+    def __init__(self, state: EngineView, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
         if body.model is not None and body.model != state.config.model_name:
             raise RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
@@ -221,11 +221,9 @@ def _extensions(out: CompletionOutput, start: int, prompt_ids: list[int] | None)
 
 
 async def _stream(run: _Run, frame: ChunkFrame, choice: Any, include_usage: bool) -> EventStream:
-    """The run's server-sent events, once every request of it is in the engine.
-
-    An engine that refuses the run at once (asleep, shut down) raises here, so the refusal is
-    the answer's own status, as for a request that is not streamed.
-    """
+    """The run's server-sent events, once every request of it is in the engine."""
+    # An engine that refuses the run at once (asleep, shut down) raises here: the refusal is
+    # the answer's own status, as for a request that is not streamed.
     outputs = run.outputs(on_accepted=(-1, RequestOutput(run.id, None, [])))
     await anext(outputs)
     return EventStream(_events(run, outputs, frame, choice, include_usage))
@@ -272,7 +270,7 @@ async def _events(
 @router.post("/completions", response_model=None, operation_id="create_completion")
 async def _create_completion(body: CompletionRequest, request: Request) -> Response | EventStream:
     """Completes each prompt (`n` choices each); streams server-sent events with `stream`."""
-    state: EngineControl = request.app.state.serve
+    state: EngineView = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
     base = {"id": run.id, "object": "text_completion", "created": run.created,
             "model": state.config.model_name}  # fmt: skip
@@ -333,7 +331,7 @@ async def _create_chat_completion(
     body: ChatCompletionRequest, request: Request
 ) -> Response | EventStream:
     """Replies to a conversation (`n` choices); streams server-sent events with `stream`."""
-    state: EngineControl = request.app.state.serve
+    state: EngineView = request.app.state.serve
     _check_supported(body)
     messages = [m.template_fields() for m in body.messages]
     try:  # the model's own template, or the documented default

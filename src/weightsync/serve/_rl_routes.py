@@ -1,34 +1,66 @@
 """vLLM's RL routes: pause and resume, the weight-update transaction, versions and checksums.
 
 Paths, query parameters and success bodies are vLLM's, so a trainer written against vLLM's HTTP
-control plane drives this server unchanged. Each route checks its parameters and calls the
-server's `ControlSurface` (one engine, or the
-replicas of a data-parallel front): the same routes serve both. Unlike vLLM's, every route takes
-the admin key when the server has one, and every failure is JSON naming the field and the
-weightsync error type with the status of its class (never a 500 for a known failure). Transfer
-calls block on a worker thread, never on the event loop, so streams keep flowing while a transfer
-waits for its trainer. IPC handles arrive as JSON records: nothing is unpickled.
+control plane drives this server unchanged. Each route checks its parameters and calls its
+engine client as vLLM's routes do: the `AsyncEngine` itself, or a data-parallel front's replicas
+behind the same calls (`EngineClient`); what the server answers of itself comes from its
+`ServerView`. Unlike vLLM's, every route takes the admin key when the server has one, and every
+failure is JSON naming the field and the weightsync error type with the status of its class
+(never a 500 for a known failure). Transfer calls block on a worker thread, never on the event
+loop, so streams keep flowing. IPC handles arrive as JSON records: nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import Field, StrictInt, StrictStr
 
+from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
+from weightsync.engine.weights import WeightUpdateStatus
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._control import Body as Answer
-from weightsync.serve._control import ControlSurface
 from weightsync.serve._errors import RequestRefused, error_body
 from weightsync.serve._fields import RequestBody
+from weightsync.serve._view import Body as Answer
+from weightsync.serve._view import ServerView
+from weightsync.transfer.base import TransferStats
+
+
+class EngineClient(Protocol):
+    """The calls the RL routes make, named and typed as `AsyncEngine`'s, which implements them.
+
+    A data-parallel front implements them over its replicas; where it answers with its replicas'
+    own answers (`update_weights`' stats, `weight_update`), those pass on as JSON.
+    """
+
+    async def arm_pause(
+        self, after_tokens: int, *, mode: PauseMode = ..., clear_cache: bool = ...
+    ) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None: ...
+    async def shutdown_weight_transfer_engine(self) -> None: ...
+    async def start_weight_update(self) -> None: ...
+    async def update_weights(
+        self, request: Mapping[str, Any]
+    ) -> TransferStats | Mapping[str, Any]: ...
+    @property
+    def weight_update(self) -> WeightUpdateStatus | Mapping[str, Any] | None: ...
+    async def finish_weight_update(self, weight_version: WeightVersion | None = ...) -> bool: ...
+    async def abort_weight_update(self) -> bool: ...
+    async def update_weight_version(self, new_version: WeightVersion) -> None: ...
+    async def reset_weights(self) -> None: ...
+    async def sleep(self, level: int = ..., *, mode: PauseMode = ...) -> None: ...
+    async def wake_up(self, tags: list[str] | None = ...) -> None: ...
+    async def reset_prefix_cache(self) -> bool: ...
 
 
 class StopAnsweredRoute(APIRoute):
@@ -133,9 +165,14 @@ class WeightCheckerRequest(_Body):
     baseline: dict[str, str] | None = Field(None, description="name -> SHA-256 hex (compare).")
 
 
-def _surface(request: Request) -> ControlSurface:
-    surface: ControlSurface = request.app.state.serve
-    return surface
+def _engine(request: Request) -> EngineClient:
+    engine: EngineClient = request.app.state.engine_client
+    return engine
+
+
+def _view(request: Request) -> ServerView:
+    view: ServerView = request.app.state.serve
+    return view
 
 
 def _pause_mode(mode: str) -> PauseMode:
@@ -180,7 +217,7 @@ async def _pause(
             f"query parameter 'timeout_s' must be a number of seconds > 0, got {timeout_s!r}",
             param="timeout_s",
         )
-    return await _surface(request).pause(pause_mode, clear_cache, timeout_s)
+    return await _view(request).pause(pause_mode, clear_cache, timeout_s)
 
 
 @router.post("/arm_pause", operation_id="arm_pause")
@@ -197,19 +234,21 @@ async def _arm_pause(
         raise RequestRefused(
             400, f"after_tokens must be an int >= 0, got {after_tokens}", param="after_tokens"
         )
-    return await _surface(request).arm_pause(after_tokens, pause_mode, clear_cache)
+    await _engine(request).arm_pause(after_tokens, mode=pause_mode, clear_cache=clear_cache)
+    return {"status": "armed"}
 
 
 @router.post("/resume", operation_id="resume")
 async def _resume(request: Request) -> Answer:
     """Resumes generation; kept requests continue."""
-    return await _surface(request).resume()
+    await _engine(request).resume_generation()
+    return {"status": "resumed"}
 
 
 @router.get("/is_paused", operation_id="is_paused")
 async def _is_paused(request: Request) -> Answer:
     """Whether generation is paused."""
-    return await _surface(request).is_paused()
+    return await _view(request).is_paused()
 
 
 @router.post("/abort_requests", operation_id="abort_requests")
@@ -228,7 +267,7 @@ async def _abort_requests(
             "{} to abort every one",
             param="body",
         )
-    return await _surface(request).abort_requests(body.request_ids)
+    return await _view(request).abort_requests(body.request_ids)
 
 
 @router.post("/unfinished_requests", operation_id="unfinished_requests")
@@ -238,13 +277,14 @@ async def _unfinished_requests(request: Request, body: AbortRequestsRequest) -> 
     A completion that finished may still be on its way to its client; one listed here is
     queued, running or frozen by a pause.
     """
-    return await _surface(request).unfinished_requests(body.request_ids or [])
+    return await _view(request).unfinished_requests(body.request_ids or [])
 
 
 @router.post("/init_weight_transfer_engine", operation_id="init_weight_transfer_engine")
 async def _init_weight_transfer_engine(request: Request, body: InitWeightTransferRequest) -> Answer:
     """Joins the trainer's transfer; blocks (off the event loop) until it forms or times out."""
-    return await _surface(request).init_weight_transfer_engine(body.init_info)
+    await _engine(request).init_weight_transfer_engine({"init_info": body.init_info})
+    return {"message": "Weight transfer initialized"}
 
 
 @router.post("/start_weight_update", operation_id="start_weight_update")
@@ -259,7 +299,8 @@ async def _start_weight_update(
             "supported; send true or leave it out",
             param="is_checkpoint_format",
         )
-    return await _surface(request).start_weight_update()
+    await _engine(request).start_weight_update()
+    return {"message": "Weight update started"}
 
 
 @router.post("/update_weights", operation_id="update_weights")
@@ -283,12 +324,25 @@ async def _update_weights(request: Request, body: UpdateWeightsRequest) -> Answe
     if "weight_dir" in given:
         if body.weight_dir is None:  # prime-rl's NCCL mode: its bytes come another way
             return {"message": "weight_dir is null: nothing loaded, the weights are unchanged"}
-        return await _surface(request).update_weights_from_dir(body.weight_dir)
+        return await _update(request, {"weight_dir": body.weight_dir})
     if body.update_info is None:
         raise RequestRefused(
             400, "field 'update_info' is required (or 'weight_dir')", param="update_info"
         )
-    return await _surface(request).update_weights(body.update_info)
+    return await _update(request, {"update_info": body.update_info})
+
+
+async def _update(request: Request, message: dict[str, Any]) -> Answer:
+    """`/update_weights`' answer: the message's stats, and the update as the call left it."""
+    engine = _engine(request)
+    stats = await engine.update_weights(message)
+    status = engine.weight_update  # read at once: no other call ran since
+    if isinstance(stats, TransferStats):
+        stats = dataclasses.asdict(dataclasses.replace(stats, loaded_names=None))
+    if isinstance(status, WeightUpdateStatus):
+        status = dataclasses.asdict(status)
+    shown = None if status is None else dict(status)
+    return {"message": "Weights updated", "stats": dict(stats), "weight_update": shown}
 
 
 @router.post("/finish_weight_update", operation_id="finish_weight_update")
@@ -302,31 +356,35 @@ async def _finish_weight_update(
     it, with the previous weights and version; so vLLM's calls alone get a server back to
     serving after a refusal.
     """
-    return await _surface(request).finish_weight_update(body.weight_version if body else None)
+    applied = await _engine(request).finish_weight_update(body.weight_version if body else None)
+    return {"message": "Weight update finished", "applied": applied}
 
 
 @router.post("/abort_weight_update", operation_id="abort_weight_update")
 async def _abort_weight_update(request: Request) -> Answer:
     """Ends the transaction on purpose (a weightsync extension); `aborted`: one was open."""
-    return await _surface(request).abort_weight_update()
+    aborted = await _engine(request).abort_weight_update()
+    return {"message": "Weight update aborted", "aborted": aborted}
 
 
 @router.post("/shutdown_weight_transfer_engine", operation_id="shutdown_weight_transfer_engine")
 async def _shutdown_weight_transfer_engine(request: Request) -> Answer:
     """Leaves the trainer's transfer and frees what it held (vLLM's client calls it on close)."""
-    return await _surface(request).shutdown_weight_transfer_engine()
+    await _engine(request).shutdown_weight_transfer_engine()
+    return {"message": "Weight transfer shut down"}
 
 
 @router.post("/update_weight_version", operation_id="update_weight_version")
 async def _update_weight_version(request: Request, body: UpdateWeightVersionRequest) -> Answer:
     """Relabels the current weights; no byte changes."""
-    return await _surface(request).update_weight_version(body.new_version)
+    await _engine(request).update_weight_version(body.new_version)
+    return {"success": True, "new_version": body.new_version}
 
 
 @router.get("/weight_info", operation_id="weight_info")
 async def _weight_info(request: Request) -> Answer:
     """The current weight version."""
-    return await _surface(request).weight_info()
+    return await _view(request).weight_info()
 
 
 @router.post("/weight_checker", operation_id="weight_checker")
@@ -343,12 +401,13 @@ async def _weight_checker(request: Request, body: WeightCheckerRequest) -> Answe
     `baseline` (compare) or from replica 0's (checksum).
     """
     if body.action == "reset":
-        return await _surface(request).reset_weights()
+        await _engine(request).reset_weights()
+        return {"status": "reset"}
     if body.action == "compare" and body.baseline is None:
         raise RequestRefused(
             400, "field 'baseline' is required with action 'compare'", param="baseline"
         )
-    sums = await _surface(request).weight_checksums()
+    sums = await _view(request).weight_checksums()
     baseline = {_VLLM_KEY.sub("", key): digest for key, digest in (body.baseline or {}).items()}
     reference = baseline if body.action == "compare" else sums[0]
     differing = [
@@ -375,7 +434,7 @@ async def _engine_stats(request: Request) -> Answer:
     `is_sleeping` says whether anything sleeps, `weight_update` is the update in progress (as
     `/update_weights` answers it) or null.
     """
-    return await _surface(request).engine_stats()
+    return await _view(request).engine_stats()
 
 
 @router.get("/get_world_size", operation_id="get_world_size")
@@ -385,7 +444,7 @@ async def _get_world_size(request: Request, include_dp: bool = True) -> Answer:
     With `include_dp=false`, the workers of one replica (always 1 here: no tensor or pipeline
     parallelism).
     """
-    return {"world_size": _surface(request).config.world_size if include_dp else 1}
+    return {"world_size": _view(request).config.world_size if include_dp else 1}
 
 
 @router.post("/sleep", operation_id="sleep")
@@ -400,7 +459,8 @@ async def _sleep(request: Request, level: int = 1, mode: str = "abort") -> Answe
         raise RequestRefused(
             400, f"query parameter 'level' must be 0, 1 or 2, got {level!r}", param="level"
         )
-    return await _surface(request).sleep(level, _pause_mode(mode))
+    await _engine(request).sleep(level, mode=_pause_mode(mode))
+    return {"status": "sleeping", "level": level}
 
 
 @router.post("/wake_up", operation_id="wake_up")
@@ -410,19 +470,21 @@ async def _wake_up(request: Request, tags: Annotated[list[str] | None, Query()] 
     `status` is `awake` once nothing sleeps, else `sleeping`. Waking `weights` alone lets an
     update land before the KV cache comes back; an unknown tag is a 400 (vLLM wakes everything).
     """
-    return await _surface(request).wake_up(tags)
+    await _engine(request).wake_up(tags)
+    asleep = (await _view(request).is_sleeping())["is_sleeping"]
+    return {"status": "sleeping" if asleep else "awake", "tags": tags}
 
 
 @router.get("/is_sleeping", operation_id="is_sleeping")
 async def _is_sleeping(request: Request) -> Answer:
     """Whether any part of the server sleeps."""
-    return await _surface(request).is_sleeping()
+    return await _view(request).is_sleeping()
 
 
 @router.post("/reset_prefix_cache", operation_id="reset_prefix_cache")
 async def _reset_prefix_cache(request: Request) -> Answer:
     """Forgets every cached prompt prefix; requests running keep their KV."""
-    return await _surface(request).reset_prefix_cache()
+    return {"success": await _engine(request).reset_prefix_cache()}
 
 
 @router.post("/start_draft_weight_update", operation_id="start_draft_weight_update")

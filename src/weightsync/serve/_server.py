@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from weightsync.engine.async_engine import TRANSFER_THREAD_NAME
-from weightsync.serve._control import ControlSurface
+from weightsync.serve._view import ServerView
 
 logger = logging.getLogger("weightsync.serve")
 
@@ -153,7 +153,7 @@ class _Server(uvicorn.Server):
         self, config: uvicorn.Config, app: FastAPI, on_signal: Callable[[], None] | None
     ) -> None:
         super().__init__(config)
-        self._state: ControlSurface = app.state.serve
+        self._state: ServerView = app.state.serve
         self._stopping: asyncio.Event = app.state.stopping
         self._on_signal = on_signal
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -20,13 +20,13 @@ from pydantic import Discriminator, Field, StrictInt, StrictStr, Tag, Validation
 
 from weightsync import CompletionOutput, InvalidRequestError, RequestOutput
 from weightsync.serve._auth import require_api_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import written_logprob
 from weightsync.serve._openai_routes import _Run, _stream
 from weightsync.serve._protocol import ChatMessage, CompletionRequest, StreamOptions, _Body
 from weightsync.serve._sse import ChunkFrame, EventStream
+from weightsync.serve._view import EngineView
 
 __all__ = ["router"]
 
@@ -191,7 +191,7 @@ def _refuse_chat_fields(body: TokenizeChatRequest) -> None:
         )
 
 
-def _check_model(state: EngineControl, model: str | None) -> None:
+def _check_model(state: EngineView, model: str | None) -> None:
     if model is not None and model != state.config.model_name:
         raise RequestRefused(
             404,
@@ -208,7 +208,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
     `return_token_strs` adds each token's text, as the tokenizer decodes it alone.
     """
-    state: EngineControl = request.app.state.serve
+    state: EngineView = request.app.state.serve
     _check_model(state, body.model)
     llm = state.engine.engine
     tokenizer = llm.tokenizer
@@ -247,7 +247,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 @router.post("/detokenize", operation_id="detokenize")
 async def _detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     """The text of token ids (`{"prompt": ...}`), special tokens written out, as vLLM's."""
-    state: EngineControl = request.app.state.serve
+    state: EngineView = request.app.state.serve
     _check_model(state, body.model)
     tokenizer = state.engine.engine.tokenizer
     vocab_size = tokenizer.vocab_size
@@ -293,7 +293,7 @@ async def _generate(body: GenerateRequest, request: Request) -> Response | Event
     (the id `/abort_requests` takes), `usage`, and vLLM's `prompt_logprobs` (with
     `sampling_params.prompt_logprobs`, else null).
     """
-    state: EngineControl = request.app.state.serve
+    state: EngineView = request.app.state.serve
     body.refuse_what_is_not_honoured()
     completion = body.as_completion(state.engine.max_model_len)
     run = _Run(state, completion, completion.prompts(), completion.max_tokens,

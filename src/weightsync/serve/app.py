@@ -17,9 +17,9 @@ import logging
 from fastapi import FastAPI
 
 from weightsync.engine.async_engine import AsyncEngine
-from weightsync.serve._control import EngineControl
 from weightsync.serve._http import build_app
 from weightsync.serve._server import ENGINE_SHUTDOWN_TIMEOUT_S
+from weightsync.serve._view import EngineView
 from weightsync.serve.config import ServerConfig
 
 __all__ = ["create_app"]
@@ -59,5 +59,5 @@ def create_app(
             return
         logger.info("engine shut down")
 
-    control = EngineControl(engine, config or ServerConfig())
-    return build_app(control, [completions, tokens], close=close, title="weightsync serve")
+    view = EngineView(engine, config or ServerConfig())
+    return build_app(engine, view, [completions, tokens], close=close, title="weightsync serve")

@@ -214,10 +214,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _serve_as_child(app: FastAPI, parent_pid: int | None, *, replica: bool) -> None:
     """An exit when the parent that started this server dies; a replica's finish check."""
-    from weightsync.serve._replica import router
     from weightsync.trainer._serve_process import watch_parent
 
-    if replica:
+    if replica:  # the front's own route: imported only by a replica
+        from weightsync.serve._front.replica import router
+
         app.include_router(router)
     if parent_pid is not None:
         watch_parent(parent_pid)
@@ -227,8 +228,8 @@ def _serve_data_parallel(
     args: argparse.Namespace, transfer_config: WeightTransferConfig | None, sock: socket.socket
 ) -> int:
     """Starts `--data-parallel-size` replicas and serves the front over them until stopped."""
-    from weightsync.serve._fleet import Fleet, replica_argv
-    from weightsync.serve._front import create_fleet_app
+    from weightsync.serve._front.app import create_fleet_app
+    from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
 
     size, cores = args.data_parallel_size, os.cpu_count() or 2

@@ -161,7 +161,7 @@ def test_a_cancelled_update_still_blocks_steps_until_the_transfer_ends(local_sou
             stream = start_streams(engine, 1, 4)[0]
             cancelled = asyncio.Event()
             handler = _OnMessage("cancelled during", cancelled.set)
-            logger = logging.getLogger("weightsync.engine._transfer_calls")
+            logger = logging.getLogger("weightsync.engine.async_engine")
             logger.addHandler(handler)
             level = logger.level
             logger.setLevel(logging.INFO)

@@ -13,8 +13,8 @@ from weightsync import (
     WeightUpdateStateError,
     WeightValidationError,
 )
-from weightsync.serve._fleet import Fleet
-from weightsync.serve._front import create_fleet_app
+from weightsync.serve._front.app import create_fleet_app
+from weightsync.serve._front.fleet import Fleet
 from weightsync.serve.config import ServerConfig
 
 BARE_COMPLETE = {"explicit": False, "complete": True, "num_announced": 1, "num_landed": 1}

@@ -1,6 +1,6 @@
 """A replica of a data-parallel server takes the front's options, but its own address and rank."""
 
-from weightsync.serve._fleet import replica_argv, replica_device
+from weightsync.serve._front.fleet import replica_argv, replica_device
 from weightsync.serve.cli import _parse_serve_args
 
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from weightsync import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from weightsync.engine.chat_template import ChatTemplate
 from weightsync.serve import ServerConfig, create_app
-from weightsync.serve._fleet import replica_argv
+from weightsync.serve._front.fleet import replica_argv
 from weightsync.serve.cli import _parse_serve_args
 
 PROMPT = "The weights move"

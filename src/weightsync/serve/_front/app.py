@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._fields import IGNORED_FIELDS_HEADER as _IGNORED
-from weightsync.serve._fleet import Fleet, Replica
-from weightsync.serve._fleet_control import FleetControl
+from weightsync.serve._front.control import FleetControl
+from weightsync.serve._front.fleet import Fleet, Replica
 from weightsync.serve._http import build_app, unless_disconnected
 from weightsync.serve.config import ServerConfig
 
@@ -297,6 +297,6 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
 
     control = FleetControl(fleet, config)
     return build_app(
-        control, [_v1, _tokens], close=close, start=control.watch_replicas,
+        control, control, [_v1, _tokens], close=close, start=control.watch_replicas,
         title="weightsync serve (data parallel)",
     )  # fmt: skip

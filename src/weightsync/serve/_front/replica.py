@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
 
+from weightsync.engine.async_engine import AsyncEngine
 from weightsync.serve._auth import require_admin_key
-from weightsync.serve._control import EngineControl
 from weightsync.serve._rl_routes import FinishWeightUpdateRequest
 
 router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=False)
@@ -24,11 +24,9 @@ router = APIRouter(dependencies=[Depends(require_admin_key)], include_in_schema=
 async def _prepare_weight_update(
     request: Request, body: Annotated[FinishWeightUpdateRequest | None, Body()] = None
 ) -> dict[str, Any]:
-    """Whether `/finish_weight_update` would succeed now: `ready`, or its error (nothing moves).
-
-    Read on the event loop, which no weight-update call runs on while it is read, so the check
-    and the front's commit that follows see the same update (the front sends nothing between).
-    """
-    control: EngineControl = request.app.state.serve
-    control.engine.check_finish_weight_update(body.weight_version if body else None)
+    """Whether `/finish_weight_update` would succeed now: `ready`, or its error (nothing moves)."""
+    # Read on the event loop, which no update call runs on meanwhile: the check and the front's
+    # commit that follows see the same update (the front sends nothing between).
+    engine: AsyncEngine = request.app.state.engine_client
+    engine.check_finish_weight_update(body.weight_version if body else None)
     return {"ready": True}

@@ -1,4 +1,7 @@
-"""The control surface of a data-parallel front: each call acts on every replica, or on none.
+"""A data-parallel front's engine calls and answers: each call acts on every replica, or on none.
+
+`FleetControl` implements the calls the RL routes make (`EngineClient`, as `AsyncEngine` names
+them) and what the server answers of itself (`ServerView`), over the replicas.
 
 The rules of an update are each replica's own ([`LiveWeights`][weightsync.engine.weights.LiveWeights],
 the same as one engine's): every replica gets every message, and decides as one engine would. The
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +34,8 @@ from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
-from weightsync.serve._control import Body
-from weightsync.serve._fleet import Fleet, Replica, raise_failures
+from weightsync.serve._front.fleet import Fleet, Replica, raise_failures
+from weightsync.serve._view import Body
 from weightsync.serve.config import ServerConfig
 
 logger = logging.getLogger("weightsync.serve")
@@ -39,7 +43,7 @@ logger = logging.getLogger("weightsync.serve")
 
 @dataclass
 class FleetControl:
-    """The control surface over the replicas of a data-parallel front.
+    """The engine calls and the answers of a data-parallel front, over its replicas.
 
     Attributes:
         fleet: The replicas.
@@ -53,6 +57,7 @@ class FleetControl:
     # Serializes the weight-update calls (and a replica's death), so a finish's check and commit
     # see the same updates.
     _updates: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _weight_update: Body | None = None  # replica 0's, as the last update_weights left it
 
     def watch_replicas(self) -> None:
         """From now on, a replica's death ends the update on the others (call on the loop)."""
@@ -94,7 +99,9 @@ class FleetControl:
         await self.fleet.all("POST", "/pause", params=params, timeout_s=timeout)
         return {"status": "paused"}
 
-    async def arm_pause(self, after_tokens: int, mode: PauseMode, clear_cache: bool) -> Body:
+    async def arm_pause(
+        self, after_tokens: int, *, mode: PauseMode = "keep", clear_cache: bool = True
+    ) -> None:
         """Arms the same pause on every replica."""
         params = {
             "after_tokens": after_tokens,
@@ -102,12 +109,10 @@ class FleetControl:
             "clear_cache": str(clear_cache).lower(),
         }
         await self.fleet.all("POST", "/arm_pause", params=params)
-        return {"status": "armed"}
 
-    async def resume(self) -> Body:
+    async def resume_generation(self) -> None:
         """Resumes every replica."""
         await self.fleet.all("POST", "/resume")
-        return {"status": "resumed"}
 
     async def is_paused(self) -> Body:
         """Whether every replica is paused; `replicas` gives each one's answer."""
@@ -161,18 +166,16 @@ class FleetControl:
 
     # --- the weight update ------------------------------------------------------------------
 
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Body:
+    async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins every replica to the trainer's transfer, each as its own rank."""
-        await self.fleet.all("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
-        return {"message": "Weight transfer initialized"}
+        await self.fleet.all("POST", "/init_weight_transfer_engine", body=dict(request))
 
-    async def shutdown_weight_transfer_engine(self) -> Body:
+    async def shutdown_weight_transfer_engine(self) -> None:
         """Every replica leaves the trainer's transfer."""
         async with self._updates:
             await self.fleet.all("POST", "/shutdown_weight_transfer_engine")
-        return {"message": "Weight transfer shut down"}
 
-    async def start_weight_update(self) -> Body:
+    async def start_weight_update(self) -> None:
         """Opens the transaction on every replica; if one refuses, none keeps it open."""
         async with self._updates:
             self.fleet.require_alive()
@@ -183,26 +186,18 @@ class FleetControl:
                 # Nothing moved yet: ending the ones this call opened leaves all as they were.
                 await self.fleet.each("POST", "/abort_weight_update", replicas=opened)
             raise_failures(outcomes)
-        return {"message": "Weight update started"}
 
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> Body:
+    async def update_weights(self, request: Mapping[str, Any]) -> Body:
         """Delivers one update message to every replica at once (a broadcast needs them all).
 
         A bare update's transaction finishes on every replica, or on none, once its last
-        message landed everywhere. `stats` are replica 0's.
+        message landed everywhere; so does a `weight_dir`, which each replica checks against
+        its model and loads as a bare update.
+
+        Returns:
+            Replica 0's stats, as it answered them.
         """
-        return await self._deliver({"update_info": update_info})
-
-    async def update_weights_from_dir(self, weight_dir: str) -> Body:
-        """Every replica loads the directory; the version moves on all of them, or on none.
-
-        Each replica checks the directory against its model and loads it as a bare update,
-        then the front commits them together, as for any bare update.
-        """
-        return await self._deliver({"weight_dir": weight_dir})
-
-    async def _deliver(self, body: dict[str, Any]) -> Body:
-        """`update_weights` of one message body, as every replica takes it."""
+        body = dict(request)
         async with self._updates:
             self.fleet.require_alive()
             outcomes = await self.fleet.each("POST", "/update_weights", body=body)
@@ -218,18 +213,21 @@ class FleetControl:
             if all(s is not None and not s["explicit"] and s["complete"] for s in states):
                 await self._commit(None)
                 states = [None]
-        return {
-            "message": "Weights updated",
-            "stats": answers[0]["stats"],
-            "weight_update": states[0],
-        }
+            self._weight_update = states[0]
+        stats: Body = answers[0]["stats"]
+        return stats
 
-    async def finish_weight_update(self, weight_version: WeightVersion | None) -> Body:
+    @property
+    def weight_update(self) -> Body | None:
+        """The update in progress as replica 0 answered the last `update_weights`, or None."""
+        return self._weight_update
+
+    async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> bool:
         """Moves the version on every replica, or on none: each is checked before any commits."""
         async with self._updates:
             self.fleet.require_alive()
-            applied = await self._commit(weight_version)
-        return {"message": "Weight update finished", "applied": applied}
+            self._weight_update = None
+            return await self._commit(weight_version)
 
     async def _commit(self, weight_version: WeightVersion | None) -> bool:
         """The two-phase commit of the update in progress (see the module docstring).
@@ -257,24 +255,24 @@ class FleetControl:
         """Ends the update on every live replica (each restores or marks what it touched)."""
         await self.fleet.each("POST", "/abort_weight_update", replicas=self.fleet.live())
 
-    async def abort_weight_update(self) -> Body:
-        """Ends the transaction on every live replica; `aborted`: one was open somewhere.
+    async def abort_weight_update(self) -> bool:
+        """Ends the transaction on every live replica; returns whether one was open somewhere.
 
         Answers even when a replica is gone: its survivors are the ones to end it on.
         """
         async with self._updates:
+            self._weight_update = None
             answers = raise_failures(
                 await self.fleet.each("POST", "/abort_weight_update", replicas=self.fleet.live())
             )
-        return {"message": "Weight update aborted", "aborted": any(a["aborted"] for a in answers)}
+        return any(a["aborted"] for a in answers)
 
-    async def update_weight_version(self, new_version: WeightVersion) -> Body:
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
         """Relabels the weights of every replica."""
         async with self._updates:
             await self.fleet.all(
                 "POST", "/update_weight_version", body={"new_version": new_version}
             )
-        return {"success": True, "new_version": new_version}
 
     async def weight_info(self) -> Body:
         """The weight version (replica 0's); `replicas` gives each one's."""
@@ -286,35 +284,31 @@ class FleetControl:
         body = {"action": "checksum"}
         return [a["checksums"] for a in await self.fleet.all("POST", "/weight_checker", body=body)]
 
-    async def reset_weights(self) -> Body:
+    async def reset_weights(self) -> None:
         """Writes zeros over every replica's weights."""
         async with self._updates:
             await self.fleet.all("POST", "/weight_checker", body={"action": "reset"})
-        return {"status": "reset"}
 
-    async def sleep(self, level: int, mode: PauseMode) -> Body:
+    async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
         """Puts every replica to sleep."""
         async with self._updates:
             await self.fleet.all("POST", "/sleep", params={"level": level, "mode": mode})
-        return {"status": "sleeping", "level": level}
 
-    async def wake_up(self, tags: list[str] | None) -> Body:
-        """Wakes `tags` on every replica; `status` says whether anything still sleeps."""
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes `tags` on every replica."""
         params = [("tags", tag) for tag in tags or []]
         async with self._updates:
-            answers = await self.fleet.all("POST", "/wake_up", params=params)
-        asleep = any(a["status"] == "sleeping" for a in answers)
-        return {"status": "sleeping" if asleep else "awake", "tags": tags}
+            await self.fleet.all("POST", "/wake_up", params=params)
 
     async def is_sleeping(self) -> Body:
         """Whether any replica sleeps; `replicas` gives each one's answer."""
         each = [bool(a["is_sleeping"]) for a in await self.fleet.all("GET", "/is_sleeping")]
         return {"is_sleeping": any(each), "replicas": each}
 
-    async def reset_prefix_cache(self) -> Body:
+    async def reset_prefix_cache(self) -> bool:
         """Forgets every replica's cached prompt prefixes."""
         answers = await self.fleet.all("POST", "/reset_prefix_cache")
-        return {"success": all(a["success"] for a in answers)}
+        return all(a["success"] for a in answers)
 
     async def engine_stats(self) -> Body:
         """Each replica's counters, and their sums."""
