@@ -15,9 +15,9 @@ from weightsync.errors import EngineBusyError, WeightValidationError
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender
 from weightsync.trainer.sync import sync_weights
-from weightsync.transfer._handshake import LATEST
 from weightsync.transfer.base import WeightTransferUpdateInfo
-from weightsync.transfer.nccl_trainer import (
+from weightsync.transfer.nccl import (
+    LATEST,
     NCCLTrainerSendWeightsArgs,
     trainer_init,
     trainer_send_weights,

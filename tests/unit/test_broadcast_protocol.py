@@ -5,8 +5,8 @@ The handshake that opens every update has its own tests (test_handshake.py)."""
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout
-from weightsync.transfer._broadcast import abort, peer_reasons, plan, transfer_failed
 from weightsync.transfer.base import TensorSpec
+from weightsync.transfer.nccl import abort, peer_reasons, plan, transfer_failed
 from weightsync.transfer.wire import WireParams
 
 SPECS = [

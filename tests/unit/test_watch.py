@@ -7,8 +7,7 @@ import torch
 from test_ipc_handles import Rig
 
 from weightsync import GlooWeightTransferEngine
-from weightsync.transfer._watch import Watch
-from weightsync.transfer.nccl_trainer import trainer_init
+from weightsync.transfer.nccl import Watch, trainer_init
 
 SWEEP_S = 10.0  # a sweep comes every second: this bound fails a watch that never sweeps
 

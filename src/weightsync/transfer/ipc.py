@@ -51,7 +51,6 @@ from weightsync.transfer import _shm as shm
 from weightsync.transfer._cuda_ipc import synchronize
 from weightsync.transfer._ipc_records import IPCHandle
 from weightsync.transfer._ipc_regions import RegionCache
-from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -60,6 +59,7 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from weightsync.transfer.nccl import Watch
 from weightsync.transfer.wire import DEFAULT_TIMEOUT_S
 
 __all__ = [
