@@ -430,9 +430,7 @@ QUOTED = {
         "no update of the trainer's arrived",
         "the trainer decided nothing",
         "send both sides the same update_info",
-    ],
-    nccl: ["init_info disagrees with the trainer's group"],
-    nccl: [
+        "init_info disagrees with the trainer's group",
         "weight transfer failed on the ",
         "the group is closed: initialize a new one before the next update",
         " aborted: ",
