@@ -51,11 +51,11 @@ _FILES_KEPT_FREE = 64
 # A store call gets its own limit plus this, so that torch's own timeout and message come first.
 _STORE_GRACE_S = 1.0
 # The largest value a rank takes from the store; a weightsync rank writes a few refusals at most.
-MAX_VALUE_BYTES = 1 << 20
-MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
+_MAX_VALUE_BYTES = 1 << 20
+_MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
 
 
-def torch_message(exc: BaseException) -> str:
+def _torch_message(exc: BaseException) -> str:
     """The first line of a torch failure's message (below it come C++ frames)."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else ""
@@ -71,11 +71,11 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
     ):
         return WeightTransferTimeout(
             f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
-            f"was never told to take part; {type(exc).__name__}: {torch_message(exc)}"
+            f"was never told to take part; {type(exc).__name__}: {_torch_message(exc)}"
         )
     return WeightTransferError(
         f"{what} failed, most likely because a peer process died or closed the group; "
-        f"{type(exc).__name__}: {torch_message(exc)}"
+        f"{type(exc).__name__}: {_torch_message(exc)}"
     )
 
 
@@ -290,8 +290,8 @@ class BroadcastGroup:
     def _value(self, key: str, raw: object) -> Any:
         """The JSON value stored under `key`, its size and form checked before use."""
         data = bytes(raw)  # type: ignore[call-overload]
-        if len(data) > MAX_VALUE_BYTES:
-            raise self.malformed(key, f"{len(data)} bytes, more than {MAX_VALUE_BYTES}")
+        if len(data) > _MAX_VALUE_BYTES:
+            raise self.malformed(key, f"{len(data)} bytes, more than {_MAX_VALUE_BYTES}")
         try:
             return json.loads(data)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -377,7 +377,7 @@ class BroadcastGroup:
         def read() -> list[Any]:
             if not self._store.check([key]):
                 return []
-            text = bytes(self._store.get(key))[:MAX_LIST_BYTES].decode("utf-8", "replace")
+            text = bytes(self._store.get(key))[:_MAX_LIST_BYTES].decode("utf-8", "replace")
             values = []
             for line in text.splitlines():
                 with contextlib.suppress(ValueError, RecursionError):

@@ -3,9 +3,9 @@
 Both backends speak one protocol over a group of their own (rank 0 the trainer, workers from
 `rank_offset`); only the communicator differs. One update, as this file reads top to bottom:
 
-1. The trainer announces it in the group's store (`open_update`).
+1. The trainer announces it in the group's store (`_open_update`).
 2. Every worker checks its own message and answers, ready or refused and why
-   (`WorkerHandshake`); a refusing worker never waits.
+   (`_WorkerHandshake`); a refusing worker never waits.
 3. The trainer decides: a refusal anywhere stops everyone before any tensor byte moves.
 4. The buckets are broadcast ([`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights]),
    at most `num_buffers` in flight; packed, or one broadcast per tensor.
@@ -16,6 +16,8 @@ Both backends speak one protocol over a group of their own (rank 0 the trainer, 
 On a failure mid-transfer a rank writes its reason to the store and closes the group; its peers'
 next collective then fails at once and they report that reason. docs/transfer/broadcast.md gives
 the handshake's rules and every interleaving.
+
+One concept: the broadcast protocol, both of its ends, so that one update reads in one file.
 """
 
 from __future__ import annotations
@@ -228,13 +230,13 @@ def _without_vllm_wire_keys(update_info: Mapping[str, Any], wire: WireParams) ->
 _VLLM_WIRE_KEYS = frozenset(_VLLM_UPDATE_WIRE_KEYS)
 
 
-def metadata_digest(specs: Sequence[TensorSpec]) -> int:
+def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
     """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
     text = json.dumps([[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def send_identity(update_info: object) -> str:
+def _send_identity(update_info: object) -> str:
     """Which send a message belongs to (16 hex digits): its `send_id`, else its content."""
     # A message mangled on its way keeps its send; a stray one has another.
     data: Any = update_info.to_dict() if isinstance(update_info, WeightTransferUpdateInfo) else None
@@ -275,14 +277,14 @@ def send_identity(update_info: object) -> str:
 #   DECIDED   join goes on to n + 1, unless n was S's and this worker took no part in it (the
 #             message is late: refused);  refuse of S's unanswered update says nothing more
 
-LATEST = "update/latest"
-REASON_CHARS = 4000  # a reason is cut to this in the store (a refusal may list every tensor)
+_LATEST = "update/latest"
+_REASON_CHARS = 4000  # a reason is cut to this in the store (a refusal may list every tensor)
 _EARLY_KEPT = 8
 # The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 _PEER_REASON_CHARS = 1000  # of a peer's abort note, in an error message
 
-answered_hook: Callable[[int], None] | None = None
+_answered_hook: Callable[[int], None] | None = None
 """Test hook: called on a worker with `n` once it answered update `n` ready, before it waits for
 the decision (fault tests stop the trainer there)."""
 
@@ -310,7 +312,7 @@ def _early_key(rank: int) -> str:
 
 
 def _cut(reason: str) -> str:
-    return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
+    return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
 
 
 def _checked(
@@ -344,7 +346,7 @@ def _rejected(reasons: str) -> WeightValidationError:
     return WeightValidationError(f"update rejected before any byte moved by {reasons}")
 
 
-def open_update(
+def _open_update(
     group: BroadcastGroup,
     n: int,
     send: str,
@@ -364,11 +366,11 @@ def open_update(
         problem = problem or WeightValidationError("the trainer has no tensors to send")
         _decide(group, n, {"refused": f"rank 0: {_cut(str(problem))}"})  # first: none answers it
         group.set(_update_key(n), {"send": send, "refused": _cut(str(problem))})
-        group.set(LATEST, n)
+        group.set(_LATEST, n)
         raise problem
-    digest = metadata_digest(specs)
+    digest = _metadata_digest(specs)
     group.set(_update_key(n), {"send": send, "tensors": len(specs), "digest": digest})
-    group.set(LATEST, n)
+    group.set(_LATEST, n)
     answers = _collect(group, n, send, digest, receiving, rank_offset)
     silent = [rank for rank in range(1, group.world_size) if rank not in answers]
     refusals = [
@@ -457,7 +459,7 @@ def _early_refusal(group: BroadcastGroup, rank: int, n: int, send: str, digest: 
     return None
 
 
-class WorkerHandshake:
+class _WorkerHandshake:
     """One worker's side of the handshake, for the life of its group."""
 
     def __init__(self, group: BroadcastGroup) -> None:
@@ -466,9 +468,9 @@ class WorkerHandshake:
         self._went = 0  # the last update this worker received: nothing more to read about it
 
     def _latest(self) -> int:
-        n = self._group.lookup(LATEST)
+        n = self._group.lookup(_LATEST)
         if n is not None and (not is_int(n) or n < 1):
-            raise self._group.malformed(LATEST, f"{n!r:.100}")
+            raise self._group.malformed(_LATEST, f"{n!r:.100}")
         return n or 0
 
     def _phase(
@@ -528,7 +530,7 @@ class WorkerHandshake:
             n, group.lookup(_update_key(n)) if n == latest else None
         )
         if phase is _Phase.AWAITED and n == latest:  # the trainer writes update/{n} before latest
-            raise group.malformed(LATEST, f"{n}, but update {n} was never announced")
+            raise group.malformed(_LATEST, f"{n}, but update {n} was never announced")
         while True:
             if phase is _Phase.AWAITED:
                 value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
@@ -553,7 +555,7 @@ class WorkerHandshake:
         """OPEN -> answered: answers update `n`, then waits for its decision."""
         group, key = self._group, _answer_key(n, self._group.rank)
         problem = None
-        if announced["tensors"] != len(specs) or announced["digest"] != metadata_digest(specs):
+        if announced["tensors"] != len(specs) or announced["digest"] != _metadata_digest(specs):
             problem = WeightValidationError(
                 f"the update info this worker got ({len(specs)} tensors) differs from what the "
                 f"trainer sends ({announced['tensors']} tensors): send both sides the same "
@@ -568,8 +570,8 @@ class WorkerHandshake:
             raise _rejected(f"rank {group.rank}: {_cut(answer['refused'])}")
         if problem is not None:
             raise problem
-        if answered_hook is not None:
-            answered_hook(n)
+        if _answered_hook is not None:
+            _answered_hook(n)
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
         decision = _checked(group, _decision_key(n), value, _decided)
         if decision is None:  # a JSON null under the key: not the trainer's
@@ -594,7 +596,7 @@ class WorkerHandshake:
     def trainer_is_gone(self) -> bool:
         """Whether the trainer's store stopped answering (it closed its group or died)."""
         try:
-            self._group.has([LATEST])  # reaches the store without reading what another wrote
+            self._group.has([_LATEST])  # reaches the store without reading what another wrote
         except WeightTransferError as exc:  # expected when a trainer is done: one line
             logger.info("rank %d: the trainer closed its group or stopped (%s); its connections "
                         "are released, and the next trainer joins with "
@@ -617,7 +619,7 @@ def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
         reason = decided.get("refused") or decided.get("timeout") or reason
     raise WeightValidationError(
         f"update #{n}, which this message belongs to, was refused "
-        f"({str(reason)[:REASON_CHARS]}): nothing moved; send the update again"
+        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
     )
 
 
@@ -625,7 +627,7 @@ def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
 
 
 @dataclass
-class InFlight:
+class _InFlight:
     """One posted broadcast of a bucket, and what to do once it lands."""
 
     work: BroadcastWork | None  # None: a bucket of empty tensors, nothing on the wire
@@ -637,21 +639,21 @@ class InFlight:
     keepalive: Sequence[torch.Tensor] = ()  # tensors that must live until it is done
 
 
-def plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
+def _plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
     """The buckets of one update: packed per `bucket_size_bytes`, or one per tensor."""
     if wire.packed:
         return plan_buckets(specs, wire.bucket_size_bytes)
     return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
 
 
-def abort(group: BroadcastGroup, reason: BaseException) -> None:
+def _abort(group: BroadcastGroup, reason: BaseException) -> None:
     """Publishes why this rank gives up on the group, then closes it."""
     with contextlib.suppress(Exception):  # the store may be gone with the trainer
         group.set(f"abort/{group.rank}", f"{type(reason).__name__}: {reason}")
     group.close()
 
 
-def peer_reasons(group: BroadcastGroup) -> str:
+def _peer_reasons(group: BroadcastGroup) -> str:
     """The reasons peers published when aborting, for an error message."""
     found = []
     for rank in range(group.world_size):
@@ -660,12 +662,12 @@ def peer_reasons(group: BroadcastGroup) -> str:
     return "; ".join(found)
 
 
-def transfer_failed(
+def _transfer_failed(
     group: BroadcastGroup, exc: Exception, *, partially_applied: bool
 ) -> WeightTransferError:
     """Closes the group after a failure past the handshake; returns the error to raise."""
-    abort(group, exc)
-    reasons = peer_reasons(group)
+    _abort(group, exc)
+    reasons = _peer_reasons(group)
     side = "trainer" if group.rank == 0 else f"worker rank {group.rank}"
     message = f"weight transfer failed on the {side}: {exc}"
     if reasons:
@@ -761,7 +763,7 @@ class TrainerGroup:
         """One update: the handshake (steps 1-3), then the buckets (step 4); see trainer_send_weights."""
         self.connect()
         start = time.perf_counter()
-        window: Window[InFlight] | None = None
+        window: Window[_InFlight] | None = None
         sent = -1  # tensors taken from the iterator; -1: the handshake has not said go
         try:
             specs: list[TensorSpec] | None = None
@@ -773,11 +775,11 @@ class TrainerGroup:
             except WeightValidationError as exc:
                 problem = exc  # told to the workers in the handshake, then raised
             self._seq += 1
-            open_update(self._group, self._seq, send_identity(args.update_info), specs, problem,
+            _open_update(self._group, self._seq, _send_identity(args.update_info), specs, problem,
                         receiving=args.receiving, rank_offset=self._info.rank_offset)  # fmt: skip
             assert specs is not None
             sent = 0  # from the first tensor on, workers may hold new bytes
-            buckets = plan(specs, self._wire)
+            buckets = _plan(specs, self._wire)
             tensors = AnnouncedTensors(iter(iterator), args.post_iter_func)
             stats = TransferStats(
                 num_tensors=len(specs),
@@ -813,28 +815,28 @@ class TrainerGroup:
         # A pending wait in the traceback's frames holds its work, which pins the sockets.
         traceback.clear_frames(exc.__traceback__)
         self._closed = True
-        error = transfer_failed(self._group, exc, partially_applied=partially_applied)
+        error = _transfer_failed(self._group, exc, partially_applied=partially_applied)
         # A tensor that differs from the announcement stays a validation error; a timeout stays one.
         return (
             WeightValidationError(str(error)) if isinstance(exc, WeightValidationError) else error
         )
 
-    def _post(self, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats) -> InFlight:
+    def _post(self, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats) -> _InFlight:
         """Starts broadcasting `bucket`: from the tensors' memory when it is one region, else packed."""
         group = self._group
         what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         region = _direct_region(bucket, tensors) if tensors[0].device == group.device else None
         if region is not None:
             stats.direct_buckets += 1
-            return InFlight(
+            return _InFlight(
                 group.broadcast(region.data, what), bucket, region.data, keepalive=tensors
             )
         index, buffer = self._pool.take(bucket.nbytes)
         with torch.no_grad():  # parameters that require grad are copied as plain bytes
             data = pack_bucket(bucket, tensors, buffer[: bucket.nbytes])
-        return InFlight(group.broadcast(data, what), bucket, data, index)
+        return _InFlight(group.broadcast(data, what), bucket, data, index)
 
-    def _land(self, item: InFlight) -> None:
+    def _land(self, item: _InFlight) -> None:
         assert item.work is not None
         item.work.wait()
         if item.buffer_index is not None:
@@ -959,12 +961,12 @@ def trainer_send_weights(
 
 # --- the workers' end -----------------------------------------------------------------------------
 
-RELEASE_PERIOD_S = 1.0
+_RELEASE_PERIOD_S = 1.0
 """How often, in seconds, a receiver looks for what its trainer left behind."""
 _STOP_WAIT_S = 5.0
 
 
-class Watch:
+class _Watch:
     """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False.
 
     A trainer may go away between two calls, leaving what the receiver still holds (its group's
@@ -972,7 +974,7 @@ class Watch:
     """
 
     def __init__(
-        self, sweep: Callable[[], bool], *, name: str, period_s: float = RELEASE_PERIOD_S
+        self, sweep: Callable[[], bool], *, name: str, period_s: float = _RELEASE_PERIOD_S
     ) -> None:
         self._sweep, self._period_s = sweep, period_s
         self._stopped = threading.Event()
@@ -1003,7 +1005,7 @@ class Watch:
             self._thread.join(_STOP_WAIT_S)
 
     @staticmethod
-    def stop_if_any(watch: Watch | None) -> None:
+    def stop_if_any(watch: _Watch | None) -> None:
         """Stops `watch`, if there is one."""
         if watch is not None:
             watch.stop()
@@ -1018,7 +1020,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def exclusive(method: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
+def _exclusive(method: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
     """Runs a receiver's method holding its `_busy` lock (a sweep finding it held skips its turn)."""
 
     def run(self: _W, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -1060,8 +1062,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._info: NCCLWeightTransferInitInfo | None = None
         self._wire = _DEFAULT_WIRE  # the group's, once joined
         self._pool: BufferPool[torch.Tensor] | None = None
-        self._handshake: WorkerHandshake | None = None
-        self._watch: Watch | None = None  # frees what a trainer left, between updates
+        self._handshake: _WorkerHandshake | None = None
+        self._watch: _Watch | None = None  # frees what a trainer left, between updates
         self._busy = threading.RLock()  # held by every call that uses the group
         self._claimant = uuid.uuid4().hex  # the same engine retrying its join may claim again
 
@@ -1087,7 +1089,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             update_info = _without_vllm_wire_keys(update_info, self._wire)
         return super().parse_update_info(update_info)
 
-    @exclusive
+    @_exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
@@ -1148,11 +1150,11 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             group.close()
             raise
         self._group, self._info, self._wire = group, info, info.wire
-        self._handshake = WorkerHandshake(group)
-        self._watch = Watch(self._release_gone, name="weightsync-group-watch")
+        self._handshake = _WorkerHandshake(group)
+        self._watch = _Watch(self._release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
-    @exclusive
+    @_exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -1177,10 +1179,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         except WeightValidationError as exc:
             self._refuse(update_info, str(exc))
             raise
-        window: Window[InFlight] | None = None
+        window: Window[_InFlight] | None = None
         touched = False  # whether any byte of the model may have been overwritten
         try:
-            handshake.join(send_identity(update_info), specs)
+            handshake.join(_send_identity(update_info), specs)
             stats = TransferStats(
                 num_tensors=len(specs),
                 num_bytes=sum(s.nbytes for s in specs),
@@ -1189,7 +1191,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             if self._pool is None:
                 self._pool = byte_buffers(info.num_buffers, group.device)
             self._pool.reset()
-            buckets = plan(specs, self._wire)
+            buckets = _plan(specs, self._wire)
             window = Window(info.num_buffers, lambda item: self._land(item, load_weights, stats))
             for bucket in buckets:
                 touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
@@ -1204,14 +1206,14 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 raise  # refused in the handshake: nothing moved, the group stays usable
             if window is not None:
                 window.clear()  # in-flight work pins the group's connections open
-            raise transfer_failed(group, exc, partially_applied=touched) from exc
+            raise _transfer_failed(group, exc, partially_applied=touched) from exc
         stats.num_buckets = len(buckets)
         stats.seconds = time.perf_counter() - start
         logger.info("received %d tensors, %.1f MB in %.3f s (%.2f GB/s)", stats.num_tensors,
                     stats.num_bytes / 1e6, stats.seconds, stats.gbps)  # fmt: skip
         return stats
 
-    @exclusive
+    @_exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -1228,16 +1230,16 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         if self._handshake is None:
             return
         try:  # what the message lists, so that only an update announcing it takes the refusal
-            digest: int | None = metadata_digest(self.parse_update_info(update_info).specs())
+            digest: int | None = _metadata_digest(self.parse_update_info(update_info).specs())
         except WeightValidationError:
             digest = None  # it lists nothing readable: no update announces it
-        if not self._handshake.refuse(send_identity(update_info), reason, digest):
+        if not self._handshake.refuse(_send_identity(update_info), reason, digest):
             self.shutdown()  # the trainer is gone: leave its group
 
-    def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
+    def _post(self, group: BroadcastGroup, bucket: Bucket) -> _InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
         if bucket.nbytes == 0:
-            return InFlight(None, bucket)
+            return _InFlight(None, bucket)
         region = None
         if self.params is not None:
             targets = [self.params.get(slot.spec.name) for slot in bucket.slots]
@@ -1246,15 +1248,15 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         if region is not None:
             saved = region.save_gaps()
-            return InFlight(
+            return _InFlight(
                 group.broadcast(region.data, what), bucket, region.data, None, region, saved
             )
         assert self._pool is not None
         index, buffer = self._pool.take(bucket.nbytes)
         data = buffer[: bucket.nbytes]
-        return InFlight(group.broadcast(data, what), bucket, data, index)
+        return _InFlight(group.broadcast(data, what), bucket, data, index)
 
-    def _land(self, item: InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
+    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
         """Waits for a posted bucket, then loads it (unless it landed in place)."""
         if item.work is not None:
             item.work.wait()
@@ -1281,10 +1283,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         finally:
             self._busy.release()
 
-    @exclusive
+    @_exclusive
     def shutdown(self) -> None:
         """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
-        Watch.stop_if_any(self._watch)
+        _Watch.stop_if_any(self._watch)
         self._watch = None
         self._leave()
 
