@@ -171,7 +171,7 @@ def test_trainer_stopped_while_a_receiver_waits_for_its_decision(rig, no_leftove
         joining.join(REPLY_S)
         assert engine.is_initialized
         # Where the interleaving happens: the answer is in the store, the decision is not read.
-        monkeypatch.setattr(nccl, "answered_hook", lambda n: os.kill(doomed.pid, signal.SIGSTOP))
+        monkeypatch.setattr(nccl, "_answered_hook", lambda n: os.kill(doomed.pid, signal.SIGSTOP))
         doomed.start("send", seed=12)
 
         def receive() -> None:

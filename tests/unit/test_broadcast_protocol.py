@@ -6,7 +6,10 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout
 from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.nccl import abort, peer_reasons, plan, transfer_failed
+from weightsync.transfer.nccl import _abort as abort
+from weightsync.transfer.nccl import _peer_reasons as peer_reasons
+from weightsync.transfer.nccl import _plan as plan
+from weightsync.transfer.nccl import _transfer_failed as transfer_failed
 from weightsync.transfer.wire import WireParams
 
 SPECS = [

@@ -160,7 +160,7 @@ def test_the_store_keys_table_names_every_key_the_code_writes():
     from_code = {
         "wire",
         _group.INIT_ERRORS,
-        nccl.LATEST,
+        nccl._LATEST,
         nccl._update_key("{n}"),  # type: ignore[arg-type]
         nccl._answer_key("{n}", "{rank}"),  # type: ignore[arg-type]
         nccl._decision_key("{n}"),  # type: ignore[arg-type]
@@ -171,7 +171,7 @@ def test_the_store_keys_table_names_every_key_the_code_writes():
     }
     assert documented == from_code
     aborting = _NoteTakingGroup(rank=3)
-    nccl.abort(aborting, WeightValidationError("no"))
+    nccl._abort(aborting, WeightValidationError("no"))
     assert aborting.written == {"abort/3": "WeightValidationError: no"} and aborting.closed
 
 
@@ -217,7 +217,7 @@ def _run_updates() -> tuple[dict[str, bytes], str, list[TensorSpec]]:
         engine.shutdown()
         group.close()
     specs = WeightTransferUpdateInfo(**{k: infos[2][k] for k in ("names", "dtype_names", "shapes")})
-    return held, nccl.send_identity(infos[2]), specs.specs()
+    return held, nccl._send_identity(infos[2]), specs.specs()
 
 
 def test_the_store_holds_what_the_page_says_after_real_updates():
@@ -231,7 +231,7 @@ def test_the_store_holds_what_the_page_says_after_real_updates():
     assert json.loads(held["update/3"]) == {
         "send": third_send,
         "tensors": 2,
-        "digest": nccl.metadata_digest(third_specs),
+        "digest": nccl._metadata_digest(third_specs),
     }
     assert json.loads(held["update/3/answer/1"]) == {"ok": True}
     assert json.loads(held["update/3/decision"]) == {"go": True}
@@ -259,7 +259,7 @@ def test_the_page_digest_recipe_is_the_code_byte_for_byte(specs):
     tensor_specs = [
         TensorSpec(name, _WIRE_DTYPES[dtype], tuple(shape)) for name, dtype, shape in specs
     ]
-    assert RECIPES["metadata_digest"](specs) == nccl.metadata_digest(tensor_specs)
+    assert RECIPES["metadata_digest"](specs) == nccl._metadata_digest(tensor_specs)
 
 
 _VALUES = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=5))
@@ -273,12 +273,12 @@ _VALUES = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=5))
     )
 )
 def test_the_page_send_recipe_is_the_code_for_any_json_object(info):
-    assert RECIPES["send_identity"](info) == nccl.send_identity(info)
+    assert RECIPES["send_identity"](info) == nccl._send_identity(info)
 
 
 def test_a_message_and_its_parsed_info_have_the_send_the_page_computes():
     info = WeightTransferUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[2]])
-    assert RECIPES["send_identity"](info.to_dict()) == nccl.send_identity(info)
+    assert RECIPES["send_identity"](info.to_dict()) == nccl._send_identity(info)
 
 
 # --- the data -----------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def test_the_numbers_the_page_states_are_the_code_constants():
     from weightsync.transfer import _cuda_ipc
 
     stated = {
-        f"cut to {nccl.REASON_CHARS}": "reasons stored",
+        f"cut to {nccl._REASON_CHARS}": "reasons stored",
         f"last {nccl._EARLY_KEPT} such refusals": "refusals kept early",
         f"last {ipc._ANNOUNCED_IDS_KEPT} this worker": "announcements remembered",
         f"every {nccl._EAGER_PAUSE_S * 1000:g} ms for the": "eager polling",
@@ -415,7 +415,7 @@ def test_the_numbers_the_page_states_are_the_code_constants():
         f"holds {_cuda_ipc.REF_COUNTER_SLOTS} slots": "reference-count file",
         f"`timeout_s={wire.DEFAULT_TIMEOUT_S:g}`": "default timeout",
     }
-    assert nccl.RELEASE_PERIOD_S == 1.0 and "looks every second" in PROSE
+    assert nccl._RELEASE_PERIOD_S == 1.0 and "looks every second" in PROSE
     missing = [f"{what}: {phrase!r}" for phrase, what in stated.items() if phrase not in PROSE]
     assert not missing, missing
 

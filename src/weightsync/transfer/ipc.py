@@ -59,7 +59,7 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.transfer.nccl import Watch
+from weightsync.transfer.nccl import _Watch as Watch
 from weightsync.transfer.wire import DEFAULT_TIMEOUT_S
 
 __all__ = [
