@@ -144,33 +144,14 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
 
     @classmethod
-    def create(
-        cls,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        backend: str,
-        wire: WireParams,
-    ) -> NCCLWeightTransferInitInfo:
-        """The init info of a group with these wire parameters."""
-        return cls(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            backend=backend,
-            **wire.to_dict(),
-        )
+    def create(cls, *, wire: WireParams, **where: Any) -> NCCLWeightTransferInitInfo:
+        """The init info of a group (`master_address`, ...) with these wire parameters."""
+        return cls(**where, **wire.to_dict())
 
     @property
     def wire(self) -> WireParams:
         """The wire parameters, validated."""
-        return WireParams(
-            packed=self.packed,
-            bucket_size_bytes=self.bucket_size_bytes,
-            num_buffers=self.num_buffers,
-            timeout_s=self.timeout_s,
-        )
+        return WireParams(**{key: getattr(self, key) for key in _DEFAULT_WIRE.to_dict()})
 
     def wire_params(self) -> dict[str, object]:
         """Returns the parameters both sides must agree on."""
@@ -335,11 +316,7 @@ def _answered(v: dict[str, Any]) -> bool:
 
 
 def _decided(v: dict[str, Any]) -> bool:
-    return (
-        v.get("go") is True
-        or isinstance(v.get("refused"), str)
-        or isinstance(v.get("timeout"), str)
-    )
+    return v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
 
 
 def _rejected(reasons: str) -> WeightValidationError:
@@ -781,11 +758,8 @@ class TrainerGroup:
             sent = 0  # from the first tensor on, workers may hold new bytes
             buckets = _plan(specs, self._wire)
             tensors = AnnouncedTensors(iter(iterator), args.post_iter_func)
-            stats = TransferStats(
-                num_tensors=len(specs),
-                num_bytes=sum(s.nbytes for s in specs),
-                num_buckets=len(buckets),
-            )
+            nbytes = sum(s.nbytes for s in specs)
+            stats = TransferStats(len(specs), nbytes, num_buckets=len(buckets))
             self._pool.reset()
             window = Window(self._info.num_buffers, self._land)
             for first, bucket, bucket_tensors in announced_buckets(buckets, tensors, len(specs)):
@@ -817,9 +791,8 @@ class TrainerGroup:
         self._closed = True
         error = _transfer_failed(self._group, exc, partially_applied=partially_applied)
         # A tensor that differs from the announcement stays a validation error; a timeout stays one.
-        return (
-            WeightValidationError(str(error)) if isinstance(exc, WeightValidationError) else error
-        )
+        validation = isinstance(exc, WeightValidationError)
+        return WeightValidationError(str(error)) if validation else error
 
     def _post(self, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats) -> _InFlight:
         """Starts broadcasting `bucket`: from the tensors' memory when it is one region, else packed."""
