@@ -410,11 +410,11 @@ class BroadcastGroup:
                 what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
             )
             # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out) here.
-            options = dist.AllreduceOptions()
-            options.timeout = limit
+            probe = dist.AllreduceOptions()
+            probe.timeout = limit
             work = self._call(
                 "all-reduce",
-                lambda: self._pg.allreduce([torch.zeros(1, device=self.device)], options),
+                lambda: self._pg.allreduce([torch.zeros(1, device=self.device)], probe),
             )
             BroadcastWork(work, "all-reduce", limit_s).wait()
 
