@@ -80,12 +80,7 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
 
 
 def _check_world_size(world_size: object) -> int:
-    """Returns `world_size` after checking that a group of that size can exist here.
-
-    Raises:
-        WeightValidationError: Not an int >= 2, or larger than this process's open-file limit
-            allows (the message gives the limit and how to raise it).
-    """
+    """Returns `world_size` once a group that large can exist here (int >= 2, open-file limit)."""
     if not is_int(world_size) or world_size < 2:  # type: ignore[operator]
         raise WeightValidationError(
             f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"

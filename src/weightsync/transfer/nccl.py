@@ -333,12 +333,9 @@ def _open_update(
     receiving: Sequence[Future[Any]] = (),
     rank_offset: int = 1,
 ) -> None:
-    """The trainer's side: ANNOUNCE update `n`, COLLECT every answer, DECIDE (raises unless go).
-
-    `receiving`: the workers' calls delivering the message, from rank `rank_offset`, when this
-    process made them (one that failed is that worker's refusal). Raises WeightValidationError
-    (a refusal, naming each rank; nothing moved) or WeightTransferTimeout (a worker was silent).
-    """
+    """The trainer's side: ANNOUNCE update `n`, COLLECT every answer, DECIDE; raises unless go."""
+    # `receiving`: the workers' calls delivering the message (from rank `rank_offset`), when this
+    # process made them: one that failed is that worker's refusal.
     if specs is None or problem is not None:  # the trainer refuses its own update
         problem = problem or WeightValidationError("the trainer has no tensors to send")
         _decide(group, n, {"refused": f"rank 0: {_cut(str(problem))}"})  # first: none answers it
@@ -464,13 +461,10 @@ class _WorkerHandshake:
         return (_Phase.OPEN if decided is None else _Phase.DECIDED), announced, decided
 
     def refuse(self, send: str, reason: str, digest: int | None = None) -> bool:
-        """Refuses the message of `send` at once, never waiting for the trainer.
-
-        It answers the trainer's newest update if that is `send`'s and this worker has not
-        answered it; otherwise it is kept for the next update, which takes it only if of `send`
-        and announcing the tensors of `digest` (None: no update takes it). Returns False when
-        the store is gone, and the trainer's group with it.
-        """
+        """Refuses `send`'s message at once; returns False when the trainer's store is gone."""
+        # It answers the newest update if that is `send`'s and unanswered here; otherwise it is
+        # kept for the next update, which takes it only if of `send` and announcing the tensors
+        # of `digest` (None: no update takes it).
         group, reason = self._group, _cut(reason)
         try:
             n = self._latest()
@@ -489,12 +483,7 @@ class _WorkerHandshake:
         return True
 
     def join(self, send: str, specs: Sequence[TensorSpec]) -> None:
-        """Answers the trainer's update of an accepted message; returns once it is to go.
-
-        The message answers the newest undecided update, or the next to come; `timeout_s` in
-        all. Raises WeightValidationError (a refusal), WeightTransferTimeout or
-        WeightTransferError (the store is gone).
-        """
+        """Answers the newest undecided update (or the next) for an accepted message; returns on go."""
         group = self._group
         deadline = time.monotonic() + group.timeout_s
         kept = [entry for entry in self._early if entry["send"] != send]
@@ -940,11 +929,10 @@ _STOP_WAIT_S = 5.0
 
 
 class _Watch:
-    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False.
+    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False."""
 
-    A trainer may go away between two calls, leaving what the receiver still holds (its group's
-    connections and port, shared-memory mappings): the sweep releases them within about that long.
-    """
+    # A trainer may go away between two calls, leaving what the receiver still holds (its group's
+    # connections and port, shared-memory mappings): the sweep releases them within about that long.
 
     def __init__(
         self, sweep: Callable[[], bool], *, name: str, period_s: float = _RELEASE_PERIOD_S
