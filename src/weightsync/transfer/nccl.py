@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -972,23 +972,18 @@ class _Watch:
             watch.stop()
 
 
-class _Watched(Protocol):
-    _busy: threading.RLock
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-_W = TypeVar("_W", bound=_Watched)
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _exclusive(method: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
+def _exclusive(method: _F) -> _F:
     """Runs a receiver's method holding its `_busy` lock (a sweep finding it held skips its turn)."""
 
-    def run(self: _W, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self._busy:
             return method(self, *args, **kwargs)
 
-    return functools.wraps(method)(run)  # type: ignore[return-value]
+    return run  # type: ignore[return-value]
 
 
 class _BroadcastWeightTransferEngine(WeightTransferEngine):
