@@ -35,10 +35,10 @@ from _rigs import (
 )
 from model_specs import llama_like_specs
 from weightsync import weight_checksums
-from weightsync.transfer._group import BroadcastGroup
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.nccl import GlooWeightTransferEngine
-from weightsync.transfer.nccl_trainer import (
+from weightsync.transfer.group import BroadcastGroup
+from weightsync.transfer.nccl import (
+    GlooWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
     trainer_init,
     trainer_send_weights,

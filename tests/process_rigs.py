@@ -185,7 +185,7 @@ def _trainer_main(
     init_default_group: bool,
     device: str,
 ) -> None:
-    from weightsync.transfer.nccl_trainer import (
+    from weightsync.transfer.nccl import (
         NCCLTrainerSendWeightsArgs,
         TrainerGroup,
         trainer_init,

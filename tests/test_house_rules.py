@@ -107,14 +107,6 @@ def test_no_function_is_longer_than_the_limit(modules):
 
 INT_CHECK = "weightsync.transfer.base"
 """The one module that says what an integer is (`_is_int`: an int, and not a bool)."""
-_INT_CHECKS_BEING_MOVED = {
-    "weightsync.conformance._update_cases",
-    "weightsync.transfer._group",
-    "weightsync.transfer._handshake",
-    "weightsync.transfer._safetensors",
-    "weightsync.transfer.ipc",
-}
-"""Modules whose own copies are being replaced by the shared check; this set only shrinks."""
 
 
 def test_one_integer_check(modules):
@@ -123,7 +115,7 @@ def test_one_integer_check(modules):
     copies = {
         name: m["int_checks"]
         for name, m in modules.items()
-        if m["int_checks"] and name != INT_CHECK and name not in _INT_CHECKS_BEING_MOVED
+        if m["int_checks"] and name != INT_CHECK
     }
     assert not copies, (
         f"int checks spelled out inline (module: lines); call _is_int from {INT_CHECK}: {copies}"

@@ -73,11 +73,9 @@ from weightsync.transfer.ipc import (
 )
 from weightsync.transfer.nccl import (
     GlooWeightTransferEngine,
+    NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
     NCCLWeightTransferInitInfo,
-)
-from weightsync.transfer.nccl_trainer import (
-    NCCLTrainerSendWeightsArgs,
     TrainerGroup,
     trainer_init,
     trainer_send_weights,

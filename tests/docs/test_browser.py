@@ -67,9 +67,9 @@ def test_home_page_renders(page, site_url: str):
 
 
 def test_api_page_renders(page, site_url: str):
-    url = site_url + "reference/weightsync/transfer/nccl_trainer/"
+    url = site_url + "reference/weightsync/transfer/nccl/"
     page.goto(url)
-    heading = "document.getElementById('weightsync.transfer.nccl_trainer.trainer_init')"
+    heading = "document.getElementById('weightsync.transfer.nccl.trainer_init')"
     assert page.evaluate(f"{heading} !== null")
     signature = page.evaluate(
         f"{heading}.parentElement.querySelector('.doc-signature').textContent"

@@ -16,10 +16,9 @@ import torch
 from process_rigs import ReceiverProcess, TrainerProcess, WorkerProcessError, fill_tensors
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout
-from weightsync.transfer import _handshake
+from weightsync.transfer import nccl
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.nccl import GlooWeightTransferEngine
-from weightsync.transfer.nccl_trainer import trainer_init
+from weightsync.transfer.nccl import GlooWeightTransferEngine, trainer_init
 
 TIMEOUT_S = 3.0  # the transfer's limit in every case
 REPLY_S = 30.0  # the rigs' limit for a reply: well above it, to see the transfer's own error
@@ -172,9 +171,7 @@ def test_trainer_stopped_while_a_receiver_waits_for_its_decision(rig, no_leftove
         joining.join(REPLY_S)
         assert engine.is_initialized
         # Where the interleaving happens: the answer is in the store, the decision is not read.
-        monkeypatch.setattr(
-            _handshake, "answered_hook", lambda n: os.kill(doomed.pid, signal.SIGSTOP)
-        )
+        monkeypatch.setattr(nccl, "_answered_hook", lambda n: os.kill(doomed.pid, signal.SIGSTOP))
         doomed.start("send", seed=12)
 
         def receive() -> None:

@@ -15,9 +15,10 @@ from process_rigs import (
 from weightsync import weight_checksums
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
-from weightsync.transfer.nccl import GlooWeightTransferEngine, NCCLWeightTransferEngine
-from weightsync.transfer.nccl_trainer import (
+from weightsync.transfer.nccl import (
+    GlooWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
+    NCCLWeightTransferEngine,
     trainer_init,
     trainer_send_weights,
 )

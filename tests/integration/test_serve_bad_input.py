@@ -29,7 +29,7 @@ from weightsync import (
     trainer_send_weights,
 )
 from weightsync.serve._server import HEADER_TIMEOUT_S
-from weightsync.transfer._handshake import LATEST
+from weightsync.transfer.nccl import _LATEST as LATEST
 
 pytestmark = pytest.mark.reliability("bad-input")
 

@@ -14,13 +14,9 @@ from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import EngineBusyError, WeightValidationError
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender, sync_weights
-from weightsync.transfer._handshake import LATEST
 from weightsync.transfer.base import WeightTransferUpdateInfo
-from weightsync.transfer.nccl_trainer import (
-    NCCLTrainerSendWeightsArgs,
-    trainer_init,
-    trainer_send_weights,
-)
+from weightsync.transfer.nccl import _LATEST as LATEST
+from weightsync.transfer.nccl import NCCLTrainerSendWeightsArgs, trainer_init, trainer_send_weights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 TIMEOUT_S = 60.0

@@ -5,8 +5,11 @@ The handshake that opens every update has its own tests (test_handshake.py)."""
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout
-from weightsync.transfer._broadcast import abort, peer_reasons, plan, transfer_failed
 from weightsync.transfer.base import TensorSpec, WireParams
+from weightsync.transfer.nccl import _abort as abort
+from weightsync.transfer.nccl import _peer_reasons as peer_reasons
+from weightsync.transfer.nccl import _plan as plan
+from weightsync.transfer.nccl import _transfer_failed as transfer_failed
 
 SPECS = [
     TensorSpec("a", torch.float32, (3,)),

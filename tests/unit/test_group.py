@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._group import BroadcastGroup, check_backend, check_port
-from weightsync.transfer._group_store import translate
+from weightsync.transfer.group import BroadcastGroup, check_backend, check_port, translate
 
 
 def _group(**overrides):
@@ -176,7 +175,7 @@ def test_the_store_port_is_free_again_right_after_close():
 
 
 def test_trainer_init_close_releases_the_port():
-    from weightsync.transfer.nccl_trainer import trainer_init
+    from weightsync.transfer.nccl import trainer_init
 
     trainer = trainer_init(world_size=2, backend="gloo")
     port = trainer.init_info["master_port"]
@@ -233,8 +232,7 @@ def test_a_world_size_no_group_can_have_is_refused_at_once(record_property):
 
     from weightsync import GlooWeightTransferEngine
     from weightsync.transfer.base import WireParams
-    from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-    from weightsync.transfer.nccl_trainer import trainer_init
+    from weightsync.transfer.nccl import NCCLWeightTransferInitInfo, trainer_init
 
     start = time.monotonic()
     with pytest.raises(WeightValidationError, match=r"RLIMIT_NOFILE") as refused:
@@ -266,7 +264,7 @@ def test_connect_keeps_one_timeout_for_every_phase(record_property):
     import re
     import time
 
-    from weightsync.transfer.nccl_trainer import trainer_init
+    from weightsync.transfer.nccl import trainer_init
 
     with pytest.raises(WeightValidationError) as refused:
         trainer_init(world_size=10**9, backend="gloo")
@@ -294,7 +292,7 @@ def test_waiting_for_workers_and_the_rendezvous_share_one_timeout(record_propert
     import time
     from concurrent.futures import Future
 
-    from weightsync.transfer.nccl_trainer import trainer_init
+    from weightsync.transfer.nccl import trainer_init
 
     timeout_s = 2.0
     group = trainer_init(world_size=2, backend="gloo", timeout_s=timeout_s)

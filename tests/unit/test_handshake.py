@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer._handshake import LATEST, WorkerHandshake, open_update
-from weightsync.transfer._identity import metadata_digest, send_identity
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
+from weightsync.transfer.nccl import _LATEST as LATEST
+from weightsync.transfer.nccl import _metadata_digest as metadata_digest
+from weightsync.transfer.nccl import _open_update as open_update
+from weightsync.transfer.nccl import _send_identity as send_identity
+from weightsync.transfer.nccl import _WorkerHandshake as WorkerHandshake
 
 SPECS = [TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, (300,))]
 TIMEOUT_S = 30.0  # the handshake's limit: nothing here may come near it

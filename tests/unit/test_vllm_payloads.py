@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer._identity import send_identity
 from weightsync.transfer.base import WeightTransferUpdateInfo
 from weightsync.transfer.nccl import GlooWeightTransferEngine
+from weightsync.transfer.nccl import _send_identity as send_identity
 
 VLLM_INIT = {  # what vLLM 0.32's trainer sends its workers
     "master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2,

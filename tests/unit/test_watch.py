@@ -7,8 +7,8 @@ import torch
 from test_ipc_handles import Rig
 
 from weightsync import GlooWeightTransferEngine
-from weightsync.transfer._watch import Watch
-from weightsync.transfer.nccl_trainer import trainer_init
+from weightsync.transfer.base import _Watch as Watch
+from weightsync.transfer.nccl import trainer_init
 
 SWEEP_S = 10.0  # a sweep comes every second: this bound fails a watch that never sweeps
 

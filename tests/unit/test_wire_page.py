@@ -23,22 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync import GlooWeightTransferEngine, WeightTransferUpdateInfo, WeightValidationError
-from weightsync.transfer import (
-    _broadcast,
-    _group,
-    _group_store,
-    _handshake,
-    _identity,
-    _watch,
-    ipc,
-    nccl,
-    nccl_trainer,
-)
 from weightsync.transfer import base as wire
 from weightsync.transfer import buckets as packing
+from weightsync.transfer import group as _group
+from weightsync.transfer import ipc, nccl
 from weightsync.transfer.base import _WIRE_DTYPES, TensorSpec, dtype_name
 from weightsync.transfer.memory import _RECORD_KEYS, CUDAStorageHandle
-from weightsync.transfer.nccl_trainer import NCCLTrainerSendWeightsArgs, trainer_init
+from weightsync.transfer.nccl import NCCLTrainerSendWeightsArgs, trainer_init
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "transfer" / "wire.md"
 
@@ -166,18 +157,18 @@ def test_the_store_keys_table_names_every_key_the_code_writes():
     from_code = {
         "wire",
         _group.INIT_ERRORS,
-        _handshake.LATEST,
-        _handshake._update_key("{n}"),  # type: ignore[arg-type]
-        _handshake._answer_key("{n}", "{rank}"),  # type: ignore[arg-type]
-        _handshake._decision_key("{n}"),  # type: ignore[arg-type]
-        _handshake._early_key("{rank}"),  # type: ignore[arg-type]
+        nccl._LATEST,
+        nccl._update_key("{n}"),  # type: ignore[arg-type]
+        nccl._answer_key("{n}", "{rank}"),  # type: ignore[arg-type]
+        nccl._decision_key("{n}"),  # type: ignore[arg-type]
+        nccl._early_key("{rank}"),  # type: ignore[arg-type]
         "rank/{rank}",
         "abort/{rank}",
         "weightsync/...",
     }
     assert documented == from_code
     aborting = _NoteTakingGroup(rank=3)
-    _broadcast.abort(aborting, WeightValidationError("no"))
+    nccl._abort(aborting, WeightValidationError("no"))
     assert aborting.written == {"abort/3": "WeightValidationError: no"} and aborting.closed
 
 
@@ -206,7 +197,7 @@ def _run_updates() -> tuple[dict[str, bytes], str, list[TensorSpec]]:
     thread.start()
     try:
         for info in infos:
-            nccl_trainer.trainer_send_weights(
+            nccl.trainer_send_weights(
                 trainer_weights.items(), NCCLTrainerSendWeightsArgs(group, info)
             )
         thread.join(TIMEOUT_S)
@@ -216,16 +207,14 @@ def _run_updates() -> tuple[dict[str, bytes], str, list[TensorSpec]]:
         with pytest.raises(WeightValidationError, match="unknown name 'c'"):
             engine.receive_weights(refused, lambda pairs: None)  # before the trainer is there
         with pytest.raises(WeightValidationError, match="rejected before any byte moved by rank 1"):
-            nccl_trainer.trainer_send_weights(
-                stranger.items(), NCCLTrainerSendWeightsArgs(group, refused)
-            )
+            nccl.trainer_send_weights(stranger.items(), NCCLTrainerSendWeightsArgs(group, refused))
         store = group._group._store
         held = {key: bytes(store.get(key)) for key in store.list_keys()}
     finally:
         engine.shutdown()
         group.close()
     specs = WeightTransferUpdateInfo(**{k: infos[2][k] for k in ("names", "dtype_names", "shapes")})
-    return held, _identity.send_identity(infos[2]), specs.specs()
+    return held, nccl._send_identity(infos[2]), specs.specs()
 
 
 def test_the_store_holds_what_the_page_says_after_real_updates():
@@ -239,7 +228,7 @@ def test_the_store_holds_what_the_page_says_after_real_updates():
     assert json.loads(held["update/3"]) == {
         "send": third_send,
         "tensors": 2,
-        "digest": _identity.metadata_digest(third_specs),
+        "digest": nccl._metadata_digest(third_specs),
     }
     assert json.loads(held["update/3/answer/1"]) == {"ok": True}
     assert json.loads(held["update/3/decision"]) == {"go": True}
@@ -267,7 +256,7 @@ def test_the_page_digest_recipe_is_the_code_byte_for_byte(specs):
     tensor_specs = [
         TensorSpec(name, _WIRE_DTYPES[dtype], tuple(shape)) for name, dtype, shape in specs
     ]
-    assert RECIPES["metadata_digest"](specs) == _identity.metadata_digest(tensor_specs)
+    assert RECIPES["metadata_digest"](specs) == nccl._metadata_digest(tensor_specs)
 
 
 _VALUES = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=5))
@@ -281,12 +270,12 @@ _VALUES = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=5))
     )
 )
 def test_the_page_send_recipe_is_the_code_for_any_json_object(info):
-    assert RECIPES["send_identity"](info) == _identity.send_identity(info)
+    assert RECIPES["send_identity"](info) == nccl._send_identity(info)
 
 
 def test_a_message_and_its_parsed_info_have_the_send_the_page_computes():
     info = WeightTransferUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[2]])
-    assert RECIPES["send_identity"](info.to_dict()) == _identity.send_identity(info)
+    assert RECIPES["send_identity"](info.to_dict()) == nccl._send_identity(info)
 
 
 # --- the data -----------------------------------------------------------------------------------
@@ -411,25 +400,25 @@ def test_the_numbers_the_page_states_are_the_code_constants():
     from weightsync.transfer import memory as _cuda_ipc
 
     stated = {
-        f"cut to {_handshake.REASON_CHARS}": "reasons stored",
-        f"last {_handshake._EARLY_KEPT} such refusals": "refusals kept early",
+        f"cut to {nccl._REASON_CHARS}": "reasons stored",
+        f"last {nccl._EARLY_KEPT} such refusals": "refusals kept early",
         f"last {ipc._ANNOUNCED_IDS_KEPT} this worker": "announcements remembered",
-        f"every {_handshake._EAGER_PAUSE_S * 1000:g} ms for the": "eager polling",
-        f"first {_handshake._EAGER_FOR_S * 1000:g} ms": "eager period",
-        f"up to {_handshake._LONGEST_PAUSE_S * 1000:g} ms": "longest pause",
-        f"own limit + {_group_store._STORE_GRACE_S:g} s": "store read grace",
-        f"quotes the first {nccl_trainer._ERRORS_SHOWN} lines": "join errors shown",
+        f"every {nccl._EAGER_PAUSE_S * 1000:g} ms for the": "eager polling",
+        f"first {nccl._EAGER_FOR_S * 1000:g} ms": "eager period",
+        f"up to {nccl._LONGEST_PAUSE_S * 1000:g} ms": "longest pause",
+        f"own limit + {_group._STORE_GRACE_S:g} s": "store read grace",
+        f"quotes the first {nccl._ERRORS_SHOWN} lines": "join errors shown",
         f"below {_cuda_ipc.REF_COUNTER_SLOTS}": "reference-count slots",
         f"holds {_cuda_ipc.REF_COUNTER_SLOTS} slots": "reference-count file",
         f"`timeout_s={wire.DEFAULT_TIMEOUT_S:g}`": "default timeout",
     }
-    assert _watch.RELEASE_PERIOD_S == 1.0 and "looks every second" in PROSE
+    assert wire._RELEASE_PERIOD_S == 1.0 and "looks every second" in PROSE
     missing = [f"{what}: {phrase!r}" for phrase, what in stated.items() if phrase not in PROSE]
     assert not missing, missing
 
 
 QUOTED = {
-    _handshake: [
+    nccl: [
         "differs from what the trainer sends",
         "update rejected before any byte moved by ",
         "which this message belongs to, was refused",
@@ -438,9 +427,7 @@ QUOTED = {
         "no update of the trainer's arrived",
         "the trainer decided nothing",
         "send both sides the same update_info",
-    ],
-    nccl: ["init_info disagrees with the trainer's group"],
-    _broadcast: [
+        "init_info disagrees with the trainer's group",
         "weight transfer failed on the ",
         "the group is closed: initialize a new one before the next update",
         " aborted: ",

@@ -22,6 +22,7 @@ from weightsync.conformance._probe import (
     expect_ok,
     expect_refusal,
 )
+from weightsync.transfer.base import _is_int
 
 _STARTED = "Weight update started"
 _FINISHED = "Weight update finished"
@@ -177,7 +178,7 @@ def _version_missing(probe: Probe) -> str:
 
 def _weight_info(probe: Probe) -> str:
     version = expect_ok(probe.call("GET", "/weight_info"), weight_version=...)["weight_version"]
-    if version is not None and (not isinstance(version, str | int) or isinstance(version, bool)):
+    if version is not None and not (isinstance(version, str) or _is_int(version)):
         raise CaseFailed(f"weight_version {version!r} is neither a string, an int nor null")
     return f"weight_version {version!r}"
 

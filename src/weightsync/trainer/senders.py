@@ -45,7 +45,7 @@ from weightsync.transfer.ipc import (
     ipc_trainer_init,
     ipc_trainer_send_weights,
 )
-from weightsync.transfer.nccl_trainer import (
+from weightsync.transfer.nccl import (
     NCCLTrainerSendWeightsArgs,
     TrainerGroup,
     trainer_init,
@@ -327,7 +327,7 @@ class BroadcastWeightSender(WeightSender):
     a data-parallel server as many as its `get_world_size()` says (one per replica). So the
     engines before one hold its first worker index: an engine after two single engines was
     created with `worker_index=2`. Arguments after `engines` are those of
-    [`trainer_init`][weightsync.transfer.nccl_trainer.trainer_init].
+    [`trainer_init`][weightsync.transfer.nccl.trainer_init].
 
     Args:
         engines: The engines to update.

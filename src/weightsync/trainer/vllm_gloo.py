@@ -27,13 +27,13 @@ import torch
 from weightsync.errors import WeightValidationError
 from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
 from weightsync.transfer.base import _parse_info as parse_info
-from weightsync.transfer.nccl import NCCLWeightTransferInitInfo
-from weightsync.transfer.nccl_trainer import (
+from weightsync.transfer.nccl import (
     NCCLTrainerSendWeightsArgs,
+    NCCLWeightTransferInitInfo,
     TrainerGroup,
     trainer_send_weights,
 )
-from weightsync.transfer.nccl_trainer import trainer_init as _open_group
+from weightsync.transfer.nccl import trainer_init as _open_group
 
 __all__ = ["GlooTrainerCommunicator", "packed_nccl_broadcast_producer", "trainer_init"]
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import math
 import secrets
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from typing import Any, ClassVar, TypedDict, TypeGuard, TypeVar
 import torch
 
 from weightsync.errors import WeightSyncError, WeightValidationError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CLIENT_MARGIN_S",
@@ -342,6 +346,57 @@ def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tenso
 
 
 # --- what a backend implements -------------------------------------------------------------------
+
+
+# --- what a receiver holds between updates ---------------------------------------------------
+
+_RELEASE_PERIOD_S = 1.0
+"""How often, in seconds, a receiver looks for what its trainer left behind."""
+_STOP_WAIT_S = 5.0
+
+
+class _Watch:
+    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False."""
+
+    # A trainer may go away between two calls, leaving what the receiver still holds (its group's
+    # connections and port, shared-memory mappings): the sweep releases them within about that long.
+
+    def __init__(
+        self, sweep: Callable[[], bool], *, name: str, period_s: float = _RELEASE_PERIOD_S
+    ) -> None:
+        self._sweep, self._period_s = sweep, period_s
+        self._stopped = threading.Event()
+        self.swept = threading.Event()  # set after each sweep: a test waits on it, not a sleep
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            try:
+                going_on = self._sweep()
+            except Exception:  # a sweep must never take the receiver down with it
+                logger.exception("releasing what the trainer left behind failed")
+                going_on = True
+            self.swept.set()
+            if not going_on:
+                return
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stops the thread and waits for it (a sweep in progress ends first). Safe twice."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(_STOP_WAIT_S)
+
+    @staticmethod
+    def stop_if_any(watch: _Watch | None) -> None:
+        """Stops `watch`, if there is one."""
+        if watch is not None:
+            watch.stop()
 
 
 class WeightTransferEngine(ABC):

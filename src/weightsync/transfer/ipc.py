@@ -33,7 +33,6 @@ from torch import nn
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
 from weightsync.transfer import memory
-from weightsync.transfer._watch import Watch
 from weightsync.transfer.base import (
     DEFAULT_TIMEOUT_S,
     LoadWeightsFn,
@@ -47,6 +46,7 @@ from weightsync.transfer.base import (
 )
 from weightsync.transfer.base import _is_int as is_int
 from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.base import _Watch as Watch
 from weightsync.transfer.buckets import (
     Bucket,
     flat_layout,

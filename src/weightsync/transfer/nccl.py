@@ -1,33 +1,52 @@
-"""Trainer-rooted broadcast, worker side: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
+"""Trainer-rooted broadcast, both ends: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
 
-Both backends speak one protocol (a handshake, then the buckets) over a group of their own (rank
-0 the trainer, workers from `rank_offset`); only the communicator differs, so
-[`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine] and
-[`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine] are siblings over
-one private base. The trainer side is in
-[`weightsync.transfer.nccl_trainer`][weightsync.transfer.nccl_trainer].
+Both backends speak one protocol over a group of their own (rank 0 the trainer, workers from
+`rank_offset`); only the communicator differs. One update, as this file reads top to bottom:
+
+1. The trainer announces it in the group's store (`_open_update`).
+2. Every worker checks its own message and answers, ready or refused and why
+   (`_WorkerHandshake`); a refusing worker never waits.
+3. The trainer decides: a refusal anywhere stops everyone before any tensor byte moves.
+4. The buckets are broadcast ([`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights]),
+   at most `num_buffers` in flight; packed, or one broadcast per tensor.
+5. Each worker loads every bucket as it lands, or receives it straight into its parameters
+   ([`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine],
+   [`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine]).
+
+On a failure mid-transfer a rank writes its reason to the store and closes the group; its peers'
+next collective then fails at once and they report that reason. docs/transfer/broadcast.md gives
+the handshake's rules and every interleaving.
+
+One concept: the broadcast protocol, both of its ends, so that one update reads in one file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
+import hashlib
+import json
 import logging
+import secrets
 import threading
 import time
+import traceback
 import uuid
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
-from weightsync.errors import WeightSyncError, WeightTransferError, WeightValidationError
-from weightsync.transfer import _broadcast as broadcast
-from weightsync.transfer._broadcast import InFlight
-from weightsync.transfer._group import INIT_ERRORS, BroadcastGroup, check_backend, check_port
-from weightsync.transfer._handshake import WorkerHandshake
-from weightsync.transfer._identity import metadata_digest, send_identity
-from weightsync.transfer._watch import Watch, exclusive
+from weightsync.errors import (
+    WeightSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightValidationError,
+)
 from weightsync.transfer.base import (
     LoadWeightsFn,
     TensorSpec,
@@ -36,30 +55,63 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     WireParams,
+    _Watch,
+    _WireKeywords,
+    dtype_name,
 )
 from weightsync.transfer.base import _is_int as is_int
-from weightsync.transfer.buckets import Bucket, _direct_region, unpack_bucket
+from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.buckets import (
+    Bucket,
+    Slot,
+    _direct_region,
+    _DirectRegion,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
 from weightsync.transfer.buckets import _BufferPool as BufferPool
 from weightsync.transfer.buckets import _byte_buffers as byte_buffers
 from weightsync.transfer.buckets import _Window as Window
+from weightsync.transfer.group import (
+    INIT_ERRORS,
+    BroadcastGroup,
+    BroadcastWork,
+    check_backend,
+    check_port,
+)
+
+if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
+    from typing_extensions import Unpack
 
 __all__ = [
     "GlooWeightTransferEngine",
+    "NCCLTrainerSendWeightsArgs",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
+    "TrainerGroup",
+    "trainer_init",
+    "trainer_send_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_WIRE = WireParams()  # the one place the wire's defaults are set
 _WIRE_KEYS = ("backend", "world_size", *_DEFAULT_WIRE.to_dict())
+_ERRORS_SHOWN = 5  # join errors quoted when the group does not form
+_REPORT_READ_S = 1.0  # the reasons are in the trainer's own store: a read is instant
+
+
+# --- the init info: how a worker joins ----------------------------------------------------------
 
 
 @dataclass
 class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     """How a worker joins a trainer's broadcast group; built by the trainer, never by hand.
 
-    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl_trainer.TrainerGroup.init_info]:
+    Take it from [`TrainerGroup.init_info`][weightsync.transfer.nccl.TrainerGroup.init_info]:
     the wire parameters (`packed` to `timeout_s`) are decided by the trainer and checked again
     against the trainer's own copy when the worker joins.
 
@@ -98,54 +150,32 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
 
     @classmethod
-    def create(
-        cls,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        backend: str,
-        wire: WireParams,
-    ) -> NCCLWeightTransferInitInfo:
-        """The init info of a group with these wire parameters."""
-        return cls(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            backend=backend,
-            **wire.to_dict(),
-        )
+    def create(cls, *, wire: WireParams, **where: Any) -> NCCLWeightTransferInitInfo:
+        """The init info of a group (`master_address`, ...) with these wire parameters."""
+        return cls(**where, **wire.to_dict())
 
     @property
     def wire(self) -> WireParams:
         """The wire parameters, validated."""
-        return WireParams(
-            packed=self.packed,
-            bucket_size_bytes=self.bucket_size_bytes,
-            num_buffers=self.num_buffers,
-            timeout_s=self.timeout_s,
-        )
+        return WireParams(**{key: getattr(self, key) for key in _DEFAULT_WIRE.to_dict()})
 
     def wire_params(self) -> dict[str, object]:
         """Returns the parameters both sides must agree on."""
         return {key: getattr(self, key) for key in _WIRE_KEYS}
 
 
-# vLLM's worker init info names two wire parameters its own way, and names no backend (a
-# vLLM server takes its backend from its own configuration, as a weightsync engine may).
+# vLLM's worker init info names two wire parameters its own way and no backend (a vLLM server
+# takes it from its configuration); its update info of 0.16 to 0.25 repeated three wire
+# parameters, which TRL still sends to servers older than 0.28.
 _VLLM_INIT_KEYS = {
     "packed_buffer_size_bytes": "bucket_size_bytes",
     "packed_num_buffers": "num_buffers",
 }
+_VLLM_UPDATE_WIRE_KEYS = {"packed": "packed", **_VLLM_INIT_KEYS}
 
 
 def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any]:
-    """`init_info` with vLLM's key names translated, and this engine's backend if none is named.
-
-    Raises:
-        WeightValidationError: A vLLM key and its weightsync twin disagree, or vLLM's NCCL
-            unique-id rendezvous is asked for (weightsync's rendezvous is the trainer's store).
-    """
+    """`init_info` with vLLM's key names translated, and `backend` if it names none."""
     data = dict(init_info)
     unique_id = "nccl_unique_id_b64"
     if unique_id in data:
@@ -166,30 +196,13 @@ def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any
     return data
 
 
-# vLLM's update info of 0.16 to 0.25 carried three wire parameters, and TRL still sends them to
-# servers older than 0.28. Here the trainer decides them at init: the update info may repeat them.
-_VLLM_UPDATE_WIRE_KEYS = {
-    "packed": "packed",
-    "packed_buffer_size_bytes": "bucket_size_bytes",
-    "packed_num_buffers": "num_buffers",
-}
-
-
-def _without_vllm_wire_keys(
-    update_info: Mapping[str, Any], wire: WireParams | None
-) -> dict[str, Any]:
-    """`update_info` without vLLM's older wire keys, once each agrees with the group's `wire`.
-
-    Raises:
-        WeightValidationError: A key whose value differs from the group's (the two sides would
-            cut different buckets); nothing moved.
-    """
+def _without_vllm_wire_keys(update_info: Mapping[str, Any], wire: WireParams) -> dict[str, Any]:
+    """`update_info` without vLLM's older wire keys, once each agrees with the group's `wire`."""
     data = dict(update_info)
     for vllm_key, key in _VLLM_UPDATE_WIRE_KEYS.items():
         if vllm_key not in data:
             continue
-        value = data.pop(vllm_key)
-        expected = getattr(wire if wire is not None else _DEFAULT_WIRE, key)
+        value, expected = data.pop(vllm_key), getattr(wire, key)
         if type(value) is not type(expected) or value != expected:
             raise WeightValidationError(
                 f"update_info.{vllm_key} is {value!r}, but the group's wire parameters, decided "
@@ -197,6 +210,737 @@ def _without_vllm_wire_keys(
                 "update_info (vLLM 0.28 moved it to the init info), or give it the group's value"
             )
     return data
+
+
+# --- what ties a worker's answer to the trainer's update ----------------------------------------
+
+_VLLM_WIRE_KEYS = frozenset(_VLLM_UPDATE_WIRE_KEYS)
+
+
+def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
+    """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
+    text = json.dumps([[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _send_identity(update_info: object) -> str:
+    """Which send a message belongs to (16 hex digits): its `send_id`, else its content."""
+    # A message mangled on its way keeps its send; a stray one has another.
+    data: Any = update_info.to_dict() if isinstance(update_info, WeightTransferUpdateInfo) else None
+    if data is None and isinstance(update_info, Mapping):
+        data = dict(update_info)
+    if isinstance(data, dict) and isinstance(data.get("send_id"), str):
+        key: Any = ["send_id", data["send_id"]]
+    elif isinstance(data, dict):  # null fields are as good as absent (to_dict leaves them out)
+        # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
+        content = {k: v for k, v in data.items() if v is not None and k not in _VLLM_WIRE_KEYS}
+        key = ["content", content]
+    else:
+        key = ["content", update_info]
+    try:
+        text = json.dumps(key, sort_keys=True, default=repr)
+    except (TypeError, ValueError, RecursionError):  # keys of mixed types, a nesting too deep
+        text = secrets.token_hex(8)  # nothing to recognise it by: it pairs with nothing
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+# --- steps 1 to 3: the handshake, one small state machine held in the group's store -------------
+#
+# Keys of update n (n counts the trainer's updates from 1); every value read is checked for its
+# form, since any process that reaches the store can write into it:
+#   update/latest              trainer   n, written after update/{n}
+#   update/{n}                 trainer   {send, tensors, digest}, or {send, refused}: ANNOUNCED
+#   update/{n}/answer/{rank}   worker    {ok: true} or {refused}; set once. The trainer answers
+#                                        for a worker whose call failed ({refused, unseen}) or
+#                                        that kept a refusal for this very update
+#   update/{n}/decision        trainer   {go: true}, {refused} or {timeout}: DECIDED
+#   update/early/{rank}        worker    refusals that found no open update of theirs, kept
+#
+# The trainer: ANNOUNCE -> COLLECT answers (until all came or timeout_s) -> DECIDE, and forget
+# update n-2. A worker reads update n in one of the phases below, and a message of send S does:
+#   AWAITED   not announced yet:  join waits for it;  refuse keeps its refusal for it
+#   OPEN      announced, undecided:  join answers ready and waits for the decision (or refuses
+#             when the trainer announced other tensors);  refuse answers refused, if S's
+#   DECIDED   join goes on to n + 1, unless n was S's and this worker took no part in it (the
+#             message is late: refused);  refuse of S's unanswered update says nothing more
+
+_LATEST = "update/latest"
+_REASON_CHARS = 4000  # a reason is cut to this in the store (a refusal may list every tensor)
+_EARLY_KEPT = 8
+# The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
+_EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
+_PEER_REASON_CHARS = 1000  # of a peer's abort note, in an error message
+
+_answered_hook: Callable[[int], None] | None = None
+"""Test hook: called on a worker with `n` once it answered update `n` ready, before it waits for
+the decision (fault tests stop the trainer there)."""
+
+
+class _Phase(enum.Enum):
+    AWAITED = "not announced yet"
+    OPEN = "announced, undecided"
+    DECIDED = "decided"
+
+
+def _update_key(n: int) -> str:
+    return f"update/{n}"
+
+
+def _answer_key(n: int, rank: int) -> str:
+    return f"update/{n}/answer/{rank}"
+
+
+def _decision_key(n: int) -> str:
+    return f"update/{n}/decision"
+
+
+def _early_key(rank: int) -> str:
+    return f"update/early/{rank}"
+
+
+def _cut(reason: str) -> str:
+    return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
+
+
+def _checked(
+    group: BroadcastGroup, key: str, value: Any, form: Callable[[dict[str, Any]], bool]
+) -> Any:
+    """`value` read under `key` if None or a dict of the `form`; else the store is not to trust."""
+    if value is None or (isinstance(value, dict) and form(value)):
+        return value
+    raise group.malformed(key, f"{value!r:.100}")
+
+
+def _announced(v: dict[str, Any]) -> bool:
+    return isinstance(v.get("send"), str) and (
+        isinstance(v.get("refused"), str) or (is_int(v.get("tensors")) and is_int(v.get("digest")))
+    )
+
+
+def _answered(v: dict[str, Any]) -> bool:
+    return v.get("ok") is True or isinstance(v.get("refused"), str)
+
+
+def _decided(v: dict[str, Any]) -> bool:
+    return v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
+
+
+def _rejected(reasons: str) -> WeightValidationError:
+    return WeightValidationError(f"update rejected before any byte moved by {reasons}")
+
+
+def _open_update(
+    group: BroadcastGroup,
+    n: int,
+    send: str,
+    specs: Sequence[TensorSpec] | None,
+    problem: WeightValidationError | None,
+    *,
+    receiving: Sequence[Future[Any]] = (),
+    rank_offset: int = 1,
+) -> None:
+    """The trainer's side: ANNOUNCE update `n`, COLLECT every answer, DECIDE; raises unless go."""
+    # `receiving`: the workers' calls delivering the message (from rank `rank_offset`), when this
+    # process made them: one that failed is that worker's refusal.
+    if specs is None or problem is not None:  # the trainer refuses its own update
+        problem = problem or WeightValidationError("the trainer has no tensors to send")
+        _decide(group, n, {"refused": f"rank 0: {_cut(str(problem))}"})  # first: none answers it
+        group.set(_update_key(n), {"send": send, "refused": _cut(str(problem))})
+        group.set(_LATEST, n)
+        raise problem
+    digest = _metadata_digest(specs)
+    group.set(_update_key(n), {"send": send, "tensors": len(specs), "digest": digest})
+    group.set(_LATEST, n)
+    answers = _collect(group, n, send, digest, receiving, rank_offset)
+    silent = [rank for rank in range(1, group.world_size) if rank not in answers]
+    refusals = [
+        f"rank {r}: {_cut(a['refused'])}" for r, a in sorted(answers.items()) if "refused" in a
+    ]
+    if refusals:
+        if silent:
+            refusals.append(f"ranks {silent} did not answer within {group.timeout_s:g} s")
+        _decide(group, n, {"refused": _cut("; ".join(refusals))})
+        raise _rejected("; ".join(refusals))
+    if silent:
+        message = (
+            f"the update handshake timed out after {group.timeout_s:g} s (timeout_s): ranks "
+            f"{silent} never answered update #{n}: their engines got no update_weights call "
+            "for it, or are stuck"
+        )
+        _decide(group, n, {"timeout": message})
+        raise WeightTransferTimeout(message)
+    _decide(group, n, {"go": True})
+
+
+def _decide(group: BroadcastGroup, n: int, decision: dict[str, Any]) -> None:
+    """DECIDE: publishes the decision on `n`, then forgets update n-2, which no worker reads."""
+    group.set(_decision_key(n), decision)
+    if n > 2:
+        for key in (_update_key(n - 2), _decision_key(n - 2)):
+            group.delete(key)
+        for rank in range(1, group.world_size):
+            group.delete(_answer_key(n - 2, rank))
+
+
+def _collect(
+    group: BroadcastGroup,
+    n: int,
+    send: str,
+    digest: int,
+    receiving: Sequence[Future[Any]],
+    rank_offset: int,
+) -> dict[int, dict[str, Any]]:
+    """COLLECT: every worker's answer to `n` that came within `timeout_s`, by rank."""
+    answers: dict[int, dict[str, Any]] = {}
+    now = time.monotonic()
+    deadline, eager_until, pause = now + group.timeout_s, now + _EAGER_FOR_S, _EAGER_PAUSE_S
+    while True:
+        for rank in range(1, group.world_size):
+            key = _answer_key(n, rank)
+            value = None if rank in answers else group.lookup(key)
+            if rank not in answers and value is None:  # answered for it, or still awaited
+                call = (
+                    receiving[rank - rank_offset]
+                    if 0 <= rank - rank_offset < len(receiving)
+                    else None
+                )
+                if (early := _early_refusal(group, rank, n, send, digest)) is not None:
+                    value = group.set_once(key, {"refused": _cut(early)})
+                elif call is not None and call.done() and (error := call.exception()) is not None:
+                    failed = f"{type(error).__name__}: {error}"  # the worker never saw it: unseen
+                    value = group.set_once(key, {"refused": _cut(failed), "unseen": True})
+            if value is not None:
+                answers[rank] = _checked(group, key, value, _answered)
+        now = time.monotonic()
+        if len(answers) == group.world_size - 1 or now >= deadline:
+            return answers
+        calls = [call for call in receiving if not call.done()]
+        if calls:  # a call that fails wakes this up at once
+            wait(calls, timeout=pause, return_when=FIRST_COMPLETED)
+        else:
+            time.sleep(pause)
+        if now > eager_until:
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+
+
+def _early_refusal(group: BroadcastGroup, rank: int, n: int, send: str, digest: int) -> str | None:
+    """A refusal `rank` kept for update `n`, if it refused a message of `n`'s very tensors."""
+    # A refused message of the send listing other tensors (a stray or mangled copy) is no
+    # answer to this update, which waits for the worker's own.
+    key = _early_key(rank)
+    kept = group.lookup(key)
+    if kept is not None and not isinstance(kept, list):
+        raise group.malformed(key, f"{kept!r:.100}")
+    for entry in kept or ():
+        mine = isinstance(entry, dict) and (entry.get("update"), entry.get("send")) == (n, send)
+        mine = mine and is_int(entry.get("digest")) and entry.get("digest") == digest
+        if mine and isinstance(entry.get("refused"), str):
+            return entry["refused"]  # type: ignore[no-any-return]
+    return None
+
+
+class _WorkerHandshake:
+    """One worker's side of the handshake, for the life of its group."""
+
+    def __init__(self, group: BroadcastGroup) -> None:
+        self._group = group
+        self._early: deque[dict[str, Any]] = deque(maxlen=_EARLY_KEPT)
+        self._went = 0  # the last update this worker received: nothing more to read about it
+
+    def _latest(self) -> int:
+        n = self._group.lookup(_LATEST)
+        if n is not None and (not is_int(n) or n < 1):
+            raise self._group.malformed(_LATEST, f"{n!r:.100}")
+        return n or 0
+
+    def _phase(
+        self, n: int, raw: Any
+    ) -> tuple[_Phase, dict[str, Any] | None, dict[str, Any] | None]:
+        """The phase of update `n` (`raw`: its announcement as read), announcement and decision."""
+        group = self._group
+        announced = _checked(group, _update_key(n), raw, _announced)
+        if announced is None:
+            return _Phase.AWAITED, None, None
+        decided = _checked(group, _decision_key(n), group.lookup(_decision_key(n)), _decided)
+        if decided is None and "refused" in announced:  # the trainer refused its own
+            decided = {"refused": f"rank 0: {announced['refused']}"}
+        return (_Phase.OPEN if decided is None else _Phase.DECIDED), announced, decided
+
+    def refuse(self, send: str, reason: str, digest: int | None = None) -> bool:
+        """Refuses `send`'s message at once; returns False when the trainer's store is gone."""
+        # It answers the newest update if that is `send`'s and unanswered here; otherwise it is
+        # kept for the next update, which takes it only if of `send` and announcing the tensors
+        # of `digest` (None: no update takes it).
+        group, reason = self._group, _cut(reason)
+        try:
+            n = self._latest()
+            phase, announced, _ = self._phase(n, group.lookup(_update_key(n)) if n else None)
+            key = _answer_key(n, group.rank)
+            if announced is not None and announced["send"] == send and group.lookup(key) is None:
+                if phase is _Phase.OPEN:  # decided: the trainer went on without this rank
+                    group.set_once(key, {"refused": reason})
+                return True
+            self._early.append({"update": n + 1, "send": send, "digest": digest, "refused": reason})
+            group.set(_early_key(group.rank), list(self._early))
+        except WeightTransferError as exc:
+            logger.warning("rank %d refused an update, but the trainer's store is gone: %s",
+                           group.rank, str(exc).splitlines()[0][:300])  # fmt: skip
+            return False
+        return True
+
+    def join(self, send: str, specs: Sequence[TensorSpec]) -> None:
+        """Answers the newest undecided update (or the next) for an accepted message; returns on go."""
+        group = self._group
+        deadline = time.monotonic() + group.timeout_s
+        kept = [entry for entry in self._early if entry["send"] != send]
+        if len(kept) < len(self._early):  # this accepted message supersedes them
+            self._early = deque(kept, maxlen=_EARLY_KEPT)
+            group.set(_early_key(group.rank), kept)
+        latest = self._latest()
+        n = latest + 1 if latest == self._went else latest
+        phase, announced, decided = self._phase(
+            n, group.lookup(_update_key(n)) if n == latest else None
+        )
+        if phase is _Phase.AWAITED and n == latest:  # the trainer writes update/{n} before latest
+            raise group.malformed(_LATEST, f"{n}, but update {n} was never announced")
+        while True:
+            if phase is _Phase.AWAITED:
+                value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
+                if value is None:  # a JSON null under the key: not the trainer's
+                    raise group.malformed(_update_key(n), "None")
+                phase, announced, decided = self._phase(n, value)
+                continue
+            if phase is _Phase.OPEN:
+                assert announced is not None
+                return self._answer(n, announced, specs, deadline)
+            assert announced is not None
+            if announced["send"] == send:  # raises when this message is late for its update
+                mine = group.lookup(_answer_key(n, group.rank))
+                _refuse_again(
+                    n, _checked(group, _answer_key(n, group.rank), mine, _answered), decided
+                )
+            n, phase = n + 1, _Phase.AWAITED
+
+    def _answer(
+        self, n: int, announced: dict[str, Any], specs: Sequence[TensorSpec], deadline: float
+    ) -> None:
+        """OPEN -> answered: answers update `n`, then waits for its decision."""
+        group, key = self._group, _answer_key(n, self._group.rank)
+        problem = None
+        if announced["tensors"] != len(specs) or announced["digest"] != _metadata_digest(specs):
+            problem = WeightValidationError(
+                f"the update info this worker got ({len(specs)} tensors) differs from what the "
+                f"trainer sends ({announced['tensors']} tensors): send both sides the same "
+                "update_info"
+            )
+        mine = {"refused": _cut(str(problem))} if problem else {"ok": True}
+        stored = group.set_once(key, mine)
+        if stored != mine:  # the trainer took a refusal kept for this update as the answer
+            answer = _checked(group, key, stored, _answered)
+            if answer is None or "refused" not in answer:
+                raise group.malformed(key, f"{stored!r:.100}")
+            raise _rejected(f"rank {group.rank}: {_cut(answer['refused'])}")
+        if problem is not None:
+            raise problem
+        if _answered_hook is not None:
+            _answered_hook(n)
+        value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
+        decision = _checked(group, _decision_key(n), value, _decided)
+        if decision is None:  # a JSON null under the key: not the trainer's
+            raise group.malformed(_decision_key(n), "None")
+        if decision.get("go") is True:
+            self._went = n
+            return
+        if isinstance(decision.get("refused"), str):
+            raise _rejected(_cut(decision["refused"]))
+        raise WeightTransferTimeout(_cut(decision["timeout"]))
+
+    def _wait(self, key: str, deadline: float, what: str) -> Any:
+        """Waits for `key` until `deadline`; a timeout names the whole handshake's limit."""
+        try:
+            return self._group.get(key, max(deadline - time.monotonic(), 0.001))
+        except WeightTransferTimeout:
+            raise WeightTransferTimeout(
+                f"the update handshake timed out after {self._group.timeout_s:g} s (timeout_s): "
+                f"{what}: the trainer did not call trainer_send_weights for this update, or is stuck"
+            ) from None
+
+    def trainer_is_gone(self) -> bool:
+        """Whether the trainer's store stopped answering (it closed its group or died)."""
+        try:
+            self._group.has([_LATEST])  # reaches the store without reading what another wrote
+        except WeightTransferError as exc:  # expected when a trainer is done: one line
+            logger.info("rank %d: the trainer closed its group or stopped (%s); its connections "
+                        "are released, and the next trainer joins with "
+                        "init_weight_transfer_engine", self._group.rank,
+                        str(exc)[:300])  # fmt: skip
+            logger.debug("rank %d: how the trainer's store failed", self._group.rank,
+                         exc_info=exc)  # fmt: skip
+            return True
+        return False
+
+
+def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
+    """Raises when a message of decided update `n` comes and this worker took no part in `n`."""
+    # Returns when this worker answered `n` itself: the message is for a later update of the
+    # same send (a retry, say). "unseen": only the trainer answered, for a call that failed.
+    if mine is not None and not mine.get("unseen"):
+        return
+    reason: object = mine["refused"] if mine is not None else None
+    if isinstance(decided, dict):
+        reason = decided.get("refused") or decided.get("timeout") or reason
+    raise WeightValidationError(
+        f"update #{n}, which this message belongs to, was refused "
+        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
+    )
+
+
+# --- steps 4 and 5: the buckets, and what a rank does when they fail ----------------------------
+
+
+@dataclass
+class _InFlight:
+    """One posted broadcast of a bucket, and what to do once it lands."""
+
+    work: BroadcastWork | None  # None: a bucket of empty tensors, nothing on the wire
+    bucket: Bucket
+    data: torch.Tensor | None = None  # the bytes on the wire (a pool buffer or tensor memory)
+    buffer_index: int | None = None
+    region: _DirectRegion | None = None  # the bucket lands in tensor memory
+    saved_gaps: list[torch.Tensor] | None = None  # the region's gaps, restored once it lands
+    keepalive: Sequence[torch.Tensor] = ()  # tensors that must live until it is done
+
+
+def _plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
+    """The buckets of one update: packed per `bucket_size_bytes`, or one per tensor."""
+    if wire.packed:
+        return plan_buckets(specs, wire.bucket_size_bytes)
+    return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
+
+
+def _abort(group: BroadcastGroup, reason: BaseException) -> None:
+    """Publishes why this rank gives up on the group, then closes it."""
+    with contextlib.suppress(Exception):  # the store may be gone with the trainer
+        group.set(f"abort/{group.rank}", f"{type(reason).__name__}: {reason}")
+    group.close()
+
+
+def _peer_reasons(group: BroadcastGroup) -> str:
+    """The reasons peers published when aborting, for an error message."""
+    found = []
+    for rank in range(group.world_size):
+        if rank != group.rank and (reason := group.try_get(f"abort/{rank}")) is not None:
+            found.append(f"rank {rank} aborted: {str(reason)[:_PEER_REASON_CHARS]}")
+    return "; ".join(found)
+
+
+def _transfer_failed(
+    group: BroadcastGroup, exc: Exception, *, partially_applied: bool
+) -> WeightTransferError:
+    """Closes the group after a failure past the handshake; returns the error to raise."""
+    _abort(group, exc)
+    reasons = _peer_reasons(group)
+    side = "trainer" if group.rank == 0 else f"worker rank {group.rank}"
+    message = f"weight transfer failed on the {side}: {exc}"
+    if reasons:
+        message += f" ({reasons})"
+    message += "; the group is closed: initialize a new one before the next update"
+    error_cls = type(exc) if isinstance(exc, WeightTransferError) else WeightTransferError
+    return error_cls(message, partially_applied=partially_applied)
+
+
+# --- the trainer's end ----------------------------------------------------------------------------
+
+
+class TrainerGroup:
+    """The trainer's end of a broadcast group, from [`trainer_init`][weightsync.transfer.nccl.trainer_init].
+
+    The store is bound at creation; the group itself forms on
+    [`connect`][weightsync.transfer.nccl.TrainerGroup.connect] (or the first send), once every
+    worker was given [`init_info`][weightsync.transfer.nccl.TrainerGroup.init_info].
+    """
+
+    def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
+        self._group, self._info = group, info
+        self._wire = info.wire
+        self._pool = byte_buffers(info.num_buffers, group.device)
+        self._seq = 0  # the number of the last update announced
+        self._closed = False
+
+    @property
+    def init_info(self) -> dict[str, Any]:
+        """The JSON-safe init info every worker passes to `init_transfer_engine`."""
+        return dict(vars(self._info))
+
+    @property
+    def world_size(self) -> int:
+        """1 + the number of workers."""
+        return self._info.world_size
+
+    def connect(self, *, joining: Sequence[Future[Any]] = ()) -> None:
+        """Blocks until every worker joined, `timeout_s` at most in all (idempotent).
+
+        Args:
+            joining: The workers' join calls, when this process made them (on threads, as
+                `BroadcastWeightSender` does): one that fails ends the wait at once, with its
+                error (a server that refused the join, or that nothing listens for).
+
+        Raises:
+            WeightTransferTimeout: Some worker did not join within `timeout_s`; the message
+                includes the errors workers reported while joining.
+            WeightTransferError: The group was closed after a failure.
+            Exception: A join call of `joining` failed; its error.
+        """
+        if self._closed:
+            raise WeightTransferError(
+                "this trainer group was closed after a failure: call trainer_init again"
+            )
+        if self._group.is_connected:
+            return
+        deadline = time.monotonic() + self._group.timeout_s  # for the workers and the rendezvous
+        try:
+            if joining:
+                self._await_workers(joining, deadline)
+            self._group.connect(timeout_s=deadline - time.monotonic())
+        except WeightTransferError as exc:
+            errors = [str(e) for e in self._group.read_list(INIT_ERRORS, _REPORT_READ_S)]
+            if errors:
+                more = len(errors) - _ERRORS_SHOWN
+                shown = "; ".join(errors[:_ERRORS_SHOWN]) + (
+                    f" (and {more} more)" if more > 0 else ""
+                )
+                raise type(exc)(f"{exc}; workers reported: {shown}") from exc
+            raise
+
+    def _await_workers(self, joining: Sequence[Future[Any]], deadline: float) -> None:
+        """Waits until every worker claimed its rank, or one of `joining` failed."""
+        # Forming the group blocks, uninterruptibly, until every rank is in: it starts only once
+        # every worker is at the rendezvous, so that a failed join fails this call at once.
+        keys = [f"rank/{rank}" for rank in range(1, self.world_size)]
+        while not self._group.has(keys):
+            for call in joining:
+                if call.done() and (error := call.exception()) is not None:
+                    raise error
+            if time.monotonic() > deadline:  # the same bound as the group's: not twice it
+                missing = [k for k in keys if not self._group.has([k])]
+                raise WeightTransferTimeout(
+                    f"forming the group timed out after {self._group.timeout_s:g} s (timeout_s): "
+                    f"{', '.join(missing)} never joined; those workers are stuck or unreachable"
+                )
+            wait(joining, timeout=0.02, return_when=FIRST_EXCEPTION)  # or a store check again
+
+    def _send(
+        self, iterator: Iterable[tuple[str, torch.Tensor]], args: NCCLTrainerSendWeightsArgs
+    ) -> TransferStats:
+        """One update: the handshake (steps 1-3), then the buckets (step 4); see trainer_send_weights."""
+        self.connect()
+        start = time.perf_counter()
+        window: Window[_InFlight] | None = None
+        sent = -1  # tensors taken from the iterator; -1: the handshake has not said go
+        try:
+            specs: list[TensorSpec] | None = None
+            problem: WeightValidationError | None = None
+            try:
+                specs = parse_info(
+                    WeightTransferUpdateInfo, args.update_info, what="update_info"
+                ).specs()
+            except WeightValidationError as exc:
+                problem = exc  # told to the workers in the handshake, then raised
+            self._seq += 1
+            _open_update(self._group, self._seq, _send_identity(args.update_info), specs, problem,
+                        receiving=args.receiving, rank_offset=self._info.rank_offset)  # fmt: skip
+            assert specs is not None
+            sent = 0  # from the first tensor on, workers may hold new bytes
+            buckets = _plan(specs, self._wire)
+            tensors = AnnouncedTensors(iter(iterator), args.post_iter_func)
+            nbytes = sum(s.nbytes for s in specs)
+            stats = TransferStats(len(specs), nbytes, num_buckets=len(buckets))
+            self._pool.reset()
+            window = Window(self._info.num_buffers, self._land)
+            for first, bucket, bucket_tensors in announced_buckets(buckets, tensors, len(specs)):
+                sent = first + len(bucket.slots)
+                if bucket.nbytes:
+                    window.make_room()
+                    window.push(self._post(bucket, bucket_tensors, stats))
+            window.drain()
+        except Exception as exc:
+            if sent < 0 and isinstance(exc, WeightValidationError):
+                raise  # refused before any byte moved: the group stays usable
+            if window is not None:
+                window.clear()  # in-flight work pins the group's connections open
+            # Raised without a local: it would hold the error in this frame, which its traceback
+            # holds, a cycle that keeps the group's sockets until a full collection.
+            raise self._failed(exc, partially_applied=sent > 0) from exc
+        stats.seconds = time.perf_counter() - start
+        logger.info(
+            "sent %d tensors, %.1f MB to %d workers in %.3f s (%.2f GB/s, %d of %d buckets in place)",
+            stats.num_tensors, stats.num_bytes / 1e6, self.world_size - 1, stats.seconds,
+            stats.gbps, stats.direct_buckets, stats.num_buckets,
+        )  # fmt: skip
+        return stats
+
+    def _failed(self, exc: Exception, *, partially_applied: bool) -> WeightSyncError:
+        """The error ladder: closes the group, and maps `exc` onto the error the send raises."""
+        # A pending wait in the traceback's frames holds its work, which pins the sockets.
+        traceback.clear_frames(exc.__traceback__)
+        self._closed = True
+        error = _transfer_failed(self._group, exc, partially_applied=partially_applied)
+        # A tensor that differs from the announcement stays a validation error; a timeout stays one.
+        validation = isinstance(exc, WeightValidationError)
+        return WeightValidationError(str(error)) if validation else error
+
+    def _post(self, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats) -> _InFlight:
+        """Starts broadcasting `bucket`: from the tensors' memory when it is one region, else packed."""
+        group = self._group
+        what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
+        region = _direct_region(bucket, tensors) if tensors[0].device == group.device else None
+        if region is not None:
+            stats.direct_buckets += 1
+            return _InFlight(
+                group.broadcast(region.data, what), bucket, region.data, keepalive=tensors
+            )
+        index, buffer = self._pool.take(bucket.nbytes)
+        with torch.no_grad():  # parameters that require grad are copied as plain bytes
+            data = pack_bucket(bucket, tensors, buffer[: bucket.nbytes])
+        return _InFlight(group.broadcast(data, what), bucket, data, index)
+
+    def _land(self, item: _InFlight) -> None:
+        assert item.work is not None
+        item.work.wait()
+        if item.buffer_index is not None:
+            self._pool.give_back(item.buffer_index)
+
+    def close(self) -> None:
+        """Closes the group and its store; workers blocked on it fail at once. Safe to call twice.
+
+        The store's port is free again when this returns.
+        """
+        self._closed = True
+        self._group.close(release_store=True)
+
+    def __enter__(self) -> TrainerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def trainer_init(
+    *,
+    world_size: int,
+    backend: str = "nccl",
+    master_address: str = "127.0.0.1",
+    master_port: int = 0,
+    wire: WireParams | None = None,
+    **wire_fields: Unpack[_WireKeywords],
+) -> TrainerGroup:
+    """Creates the trainer's end (rank 0) of a weight-transfer group and decides the wire parameters.
+
+    Binds the group's store and returns at once; pass `group.init_info` to every worker's
+    `init_transfer_engine`, then send. It never touches torch.distributed's default group.
+
+    Args:
+        world_size: 1 (this trainer) + the number of workers.
+        backend: `"nccl"` for CUDA tensors, `"gloo"` for CPU tensors.
+        master_address: Address workers reach this process at (loopback by default).
+        master_port: Port for the store; 0 picks a free one.
+        wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]:
+            packed or not, bucket size, buffers, timeout); the defaults when None.
+        **wire_fields: The same, as keywords (`bucket_size_bytes=256 << 20`), instead of `wire`.
+
+    Raises:
+        WeightValidationError: A bad argument, `nccl` without CUDA, or a `world_size` larger
+            than this process's open-file limit allows (every rank keeps up to two connections
+            per other rank); the message gives the limit.
+
+    >>> group = trainer_init(world_size=2, backend="gloo")
+    >>> sorted(group.init_info)[:3]
+    ['backend', 'bucket_size_bytes', 'master_address']
+    >>> group.close()
+    """
+    params = WireParams.build(wire, **wire_fields)
+    group = BroadcastGroup(
+        backend=backend,
+        master_address=master_address,
+        master_port=master_port,
+        rank=0,
+        world_size=world_size,
+        timeout_s=params.timeout_s,
+    )
+    info = NCCLWeightTransferInitInfo.create(
+        master_address=master_address,
+        master_port=group.port,
+        world_size=world_size,
+        backend=backend,
+        wire=params,
+    )
+    group.set("wire", info.wire_params())
+    group.claim_rank(uuid.uuid4().hex)  # the trainer's store is new: rank 0 is its own
+    return TrainerGroup(group, info)
+
+
+@dataclass
+class NCCLTrainerSendWeightsArgs:
+    """Arguments of [`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights].
+
+    Attributes:
+        group: The trainer's group from `trainer_init`.
+        update_info: The update info the workers were given (a dict or the dataclass); every
+            tensor the iterator yields is checked against it, in order.
+        post_iter_func: Optional map from each yielded `(name, tensor)` pair to the tensor to send
+            (e.g. to gather a sharded parameter); by default the pair's tensor.
+        receiving: The workers' calls that hand them `update_info` (their `update_weights`),
+            in worker order, when this process made them on threads: one that fails before
+            the worker answered the handshake is that worker's refusal, at once (a server that
+            refused the request itself, or that nothing listens for). Optional: a worker's own
+            refusal reaches the trainer through the group's store either way.
+    """
+
+    group: TrainerGroup
+    update_info: Mapping[str, Any] | WeightTransferUpdateInfo
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+    receiving: Sequence[Future[Any]] = ()
+
+
+def trainer_send_weights(
+    iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs
+) -> TransferStats:
+    """Broadcasts one update to every worker of the group.
+
+    The workers must be inside `receive_weights` with the same update info. Packed mode packs
+    bucket k+1 while bucket k is on the wire; a bucket whose tensors already sit in one storage at
+    the plan's offsets (see [`flatten_module`][weightsync.transfer.buckets.flatten_module]) is sent
+    from that memory without a copy.
+
+    Args:
+        iterator: `(name, tensor)` pairs in the announced order, e.g. `model.named_parameters()`.
+        trainer_args: The group and the announced update info.
+
+    Returns:
+        What was sent and how fast.
+
+    Raises:
+        WeightValidationError: A worker rejected the update (nothing moved), or a yielded tensor
+            differs from what was announced (the group is then closed and the workers fail too).
+        WeightTransferError: The transfer failed; the group is closed.
+    """
+    return trainer_args.group._send(iterator, trainer_args)
+
+
+# --- the workers' end -----------------------------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _exclusive(method: _F) -> _F:
+    """Runs a receiver's method holding its `_busy` lock (a sweep finding it held skips its turn)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._busy:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class _BroadcastWeightTransferEngine(WeightTransferEngine):
@@ -229,13 +973,12 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self.device = check_backend(self.backend)
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
+        self._wire = _DEFAULT_WIRE  # the group's, once joined
         self._pool: BufferPool[torch.Tensor] | None = None
-        self._handshake: WorkerHandshake | None = None
-        self._watch: Watch | None = None  # frees what a trainer left, between updates
-        # Held by every call that uses the group; the watch never waits for it.
-        self._busy = threading.RLock()
-        # Who claims this worker's rank: the same engine retrying its join may claim it again.
-        self._claimant = uuid.uuid4().hex
+        self._handshake: _WorkerHandshake | None = None
+        self._watch: _Watch | None = None  # frees what a trainer left, between updates
+        self._busy = threading.RLock()  # held by every call that uses the group
+        self._claimant = uuid.uuid4().hex  # the same engine retrying its join may claim again
 
     @property
     def is_initialized(self) -> bool:
@@ -256,11 +999,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         group's value, and refused by name otherwise.
         """
         if isinstance(update_info, Mapping):
-            wire = self._info.wire if self._info is not None else None
-            update_info = _without_vllm_wire_keys(update_info, wire)
+            update_info = _without_vllm_wire_keys(update_info, self._wire)
         return super().parse_update_info(update_info)
 
-    @exclusive
+    @_exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
 
@@ -303,17 +1045,14 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                     f"wire parameters (got {type(trainer_wire).__name__}): pass the worker the "
                     "init_info of a weightsync trainer group"
                 )
-            mismatched = {
-                k: (v, trainer_wire.get(k))
+            mismatched = ", ".join(
+                f"{k}: worker {v!r} vs trainer {trainer_wire.get(k)!r}"
                 for k, v in info.wire_params().items()
                 if trainer_wire.get(k) != v
-            }
+            )
             if mismatched:
-                details = ", ".join(
-                    f"{k}: worker {w!r} vs trainer {t!r}" for k, (w, t) in mismatched.items()
-                )
                 raise WeightValidationError(
-                    f"init_info disagrees with the trainer's group ({details}): pass the worker "
+                    f"init_info disagrees with the trainer's group ({mismatched}): pass the worker "
                     "the trainer's TrainerGroup.init_info unchanged"
                 )
             group.claim_rank(self._claimant)
@@ -323,11 +1062,12 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 group.append(INIT_ERRORS, f"rank {rank}: {type(exc).__name__}: {exc}"[:4000])
             group.close()
             raise
-        self._group, self._info, self._handshake = group, info, WorkerHandshake(group)
-        self._watch = Watch(self._release_gone, name="weightsync-group-watch")
+        self._group, self._info, self._wire = group, info, info.wire
+        self._handshake = _WorkerHandshake(group)
+        self._watch = _Watch(self._release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
-    @exclusive
+    @_exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -347,32 +1087,25 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 "call init_transfer_engine(init_info) first"
             )
         start = time.perf_counter()
-        send = send_identity(update_info)
         try:
             specs = self.check_update(self.parse_update_info(update_info))
         except WeightValidationError as exc:
             self._refuse(update_info, str(exc))
             raise
-        try:
-            handshake.join(send, specs)
-        except WeightValidationError:
-            raise
-        except WeightTransferError as exc:
-            raise broadcast.transfer_failed(group, exc, partially_applied=False) from exc
-        stats = TransferStats(
-            num_tensors=len(specs),
-            num_bytes=sum(s.nbytes for s in specs),
-            loaded_names=[s.name for s in specs],
-        )
-        if self._pool is None:
-            self._pool = byte_buffers(info.num_buffers, group.device)
-        self._pool.reset()
-        buckets = broadcast.plan(specs, info.wire)
-        window: Window[InFlight] = Window(
-            info.num_buffers, lambda item: self._land(item, load_weights, stats)
-        )
+        window: Window[_InFlight] | None = None
         touched = False  # whether any byte of the model may have been overwritten
         try:
+            handshake.join(_send_identity(update_info), specs)
+            stats = TransferStats(
+                num_tensors=len(specs),
+                num_bytes=sum(s.nbytes for s in specs),
+                loaded_names=[s.name for s in specs],
+            )
+            if self._pool is None:
+                self._pool = byte_buffers(info.num_buffers, group.device)
+            self._pool.reset()
+            buckets = _plan(specs, self._wire)
+            window = Window(info.num_buffers, lambda item: self._land(item, load_weights, stats))
             for bucket in buckets:
                 touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
                 window.make_room()
@@ -382,20 +1115,18 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             touched |= len(window) > 0
             window.drain()
         except Exception as exc:
-            window.clear()  # in-flight work pins the group's connections open
-            raise broadcast.transfer_failed(group, exc, partially_applied=touched) from exc
+            if window is None and isinstance(exc, WeightValidationError):
+                raise  # refused in the handshake: nothing moved, the group stays usable
+            if window is not None:
+                window.clear()  # in-flight work pins the group's connections open
+            raise _transfer_failed(group, exc, partially_applied=touched) from exc
         stats.num_buckets = len(buckets)
         stats.seconds = time.perf_counter() - start
-        logger.info(
-            "received %d tensors, %.1f MB in %.3f s (%.2f GB/s)",
-            stats.num_tensors,
-            stats.num_bytes / 1e6,
-            stats.seconds,
-            stats.gbps,
-        )
+        logger.info("received %d tensors, %.1f MB in %.3f s (%.2f GB/s)", stats.num_tensors,
+                    stats.num_bytes / 1e6, stats.seconds, stats.gbps)  # fmt: skip
         return stats
 
-    @exclusive
+    @_exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
@@ -412,16 +1143,16 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         if self._handshake is None:
             return
         try:  # what the message lists, so that only an update announcing it takes the refusal
-            digest: int | None = metadata_digest(self.parse_update_info(update_info).specs())
+            digest: int | None = _metadata_digest(self.parse_update_info(update_info).specs())
         except WeightValidationError:
             digest = None  # it lists nothing readable: no update announces it
-        if not self._handshake.refuse(send_identity(update_info), reason, digest):
+        if not self._handshake.refuse(_send_identity(update_info), reason, digest):
             self.shutdown()  # the trainer is gone: leave its group
 
-    def _post(self, group: BroadcastGroup, bucket: Bucket) -> InFlight:
+    def _post(self, group: BroadcastGroup, bucket: Bucket) -> _InFlight:
         """Starts receiving `bucket`, in place when the params allow it."""
         if bucket.nbytes == 0:
-            return InFlight(None, bucket)
+            return _InFlight(None, bucket)
         region = None
         if self.params is not None:
             targets = [self.params.get(slot.spec.name) for slot in bucket.slots]
@@ -430,17 +1161,17 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
         if region is not None:
             saved = region.save_gaps()
-            return InFlight(
+            return _InFlight(
                 group.broadcast(region.data, what), bucket, region.data, None, region, saved
             )
         assert self._pool is not None
         index, buffer = self._pool.take(bucket.nbytes)
         data = buffer[: bucket.nbytes]
-        return InFlight(group.broadcast(data, what), bucket, data, index)
+        return _InFlight(group.broadcast(data, what), bucket, data, index)
 
-    def _land(self, item: InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
+    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
         """Waits for a posted bucket, then loads it (unless it landed in place)."""
-        if item.work is not None:  # None: a bucket of empty tensors, nothing on the wire
+        if item.work is not None:
             item.work.wait()
         if item.region is not None:
             assert item.saved_gaps is not None
@@ -455,12 +1186,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             self._pool.give_back(item.buffer_index)
 
     def _release_gone(self) -> bool:
-        """The watch's: leaves the group if its trainer is gone, freeing its connections and port.
-
-        A call in progress finds out for itself: this never waits for it. Returns whether the
-        group is still joined.
-        """
-        if not self._busy.acquire(blocking=False):
+        """The watch's sweep: leaves the group if its trainer is gone; returns whether joined."""
+        if not self._busy.acquire(blocking=False):  # a call in progress finds out for itself
             return True
         try:
             if self._handshake is not None and self._handshake.trainer_is_gone():
@@ -469,10 +1196,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         finally:
             self._busy.release()
 
-    @exclusive
+    @_exclusive
     def shutdown(self) -> None:
         """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
-        Watch.stop_if_any(self._watch)
+        _Watch.stop_if_any(self._watch)
         self._watch = None
         self._leave()
 
@@ -480,6 +1207,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         if self._group is not None:
             self._group.close()
         self._group, self._info, self._pool, self._handshake = None, None, None, None
+        self._wire = _DEFAULT_WIRE
 
 
 class NCCLWeightTransferEngine(_BroadcastWeightTransferEngine):

@@ -1,0 +1,449 @@
+"""A broadcast group made only for weight transfer, its store folded in; every operation bounded.
+
+The group is built from its own `TCPStore` and a backend process group constructed directly
+(gloo or NCCL), so it never touches torch.distributed's default group: a trainer already running
+FSDP or DDP keeps its own. The trainer is rank 0 and hosts the store; every rank sends small
+JSON control messages through it (wire parameters, rank claims, the update handshake, abort
+notes). Every store call returns within `timeout_s` even when the store's host is stopped with
+its socket open; every value read is checked (size, then JSON) before use, since any process
+that reaches the port can write into the store; torch's failures come out as weightsync's errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import os
+import resource
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.transfer.base import WireParams
+from weightsync.transfer.base import _is_int as is_int
+
+__all__ = [
+    "INIT_ERRORS",
+    "BroadcastGroup",
+    "BroadcastWork",
+    "check_backend",
+    "check_port",
+    "translate",
+]
+
+_T = TypeVar("_T")
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
+
+INIT_ERRORS = "init_errors"
+"""Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
+
+# A rank keeps up to two connections per other rank: the store and the transfer link. A process
+# keeps this many files free for everything else it opens.
+_LINKS_PER_PEER = 2
+_FILES_KEPT_FREE = 64
+# A store call gets its own limit plus this, so that torch's own timeout and message come first.
+_STORE_GRACE_S = 1.0
+# The largest value a rank takes from the store; a weightsync rank writes a few refusals at most.
+_MAX_VALUE_BYTES = 1 << 20
+_MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
+
+
+def _torch_message(exc: BaseException) -> str:
+    """The first line of a torch failure's message (below it come C++ frames)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
+    """Maps a torch.distributed failure onto weightsync's error classes (one line, no C++ frames)."""
+    # torch reports timeouts as a RuntimeError saying so; another type naming a timeout (a
+    # constructor's TypeError about its `timeout` argument) is a failure.
+    text = str(exc).lower()
+    if isinstance(exc, TimeoutError) or (
+        isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+    ):
+        return WeightTransferTimeout(
+            f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
+            f"was never told to take part; {type(exc).__name__}: {_torch_message(exc)}"
+        )
+    return WeightTransferError(
+        f"{what} failed, most likely because a peer process died or closed the group; "
+        f"{type(exc).__name__}: {_torch_message(exc)}"
+    )
+
+
+def _check_world_size(world_size: object) -> int:
+    """Returns `world_size` once a group that large can exist here (int >= 2, open-file limit)."""
+    if not is_int(world_size) or world_size < 2:
+        raise WeightValidationError(
+            f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
+        )
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files == resource.RLIM_INFINITY:
+        files = 1 << 20  # the kernel's own ceiling on open files (fs.nr_open) by default
+    limit = 1 + max(0, (files - _FILES_KEPT_FREE) // _LINKS_PER_PEER)
+    if world_size > limit:
+        raise WeightValidationError(
+            f"world_size {world_size} is more than any group this process can be a rank of: a "
+            f"rank keeps up to {_LINKS_PER_PEER} connections per other rank (the group's store "
+            f"and its transfer link) and this process may open {files} files (RLIMIT_NOFILE), "
+            f"so world_size can be at most {limit}: use fewer workers, or raise the limit "
+            "(ulimit -n) on every host"
+        )
+    return world_size
+
+
+def check_backend(backend: str) -> torch.device:
+    """Returns the device a backend's tensors live on; `nccl` without CUDA is refused, never replaced."""
+    if backend not in _BACKEND_DEVICES:
+        raise WeightValidationError(
+            f"backend must be one of {sorted(_BACKEND_DEVICES)}, got {backend!r}"
+        )
+    if backend == "nccl":
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise WeightValidationError(
+                "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
+                "neither; use backend 'gloo' for CPU tensors"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_port(port: object, *, allow_zero: bool = True) -> int:
+    """Returns `port` after checking it is a TCP port (0, a free one, only when allowed)."""
+    low = 0 if allow_zero else 1
+    if not is_int(port) or not low <= port <= 65535:
+        raise WeightValidationError(f"master_port must be an int in {low}-65535, got {port!r}")
+    return port
+
+
+def _bind_listener(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address`:`port` only (port 0: a free one)."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError) as exc:
+        raise WeightTransferError(
+            f"master_address {address!r} does not resolve on this host: {exc}; give an address "
+            "of this machine that the workers can reach"
+        ) from exc
+    listener = socket.socket(family, kind, proto)
+    try:
+        # Closed connections linger in TIME_WAIT; they must not keep the port from being bound
+        # again right after close(). A live listener still refuses a second bind.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise WeightTransferError(
+            f"cannot listen on master_address {address!r}, master_port {port}: {exc}; pick a "
+            "free port (master_port=0 picks one) or an address of this machine"
+        ) from exc
+    return listener
+
+
+class BroadcastWork:
+    """A pending collective; `wait()` blocks at most the group's timeout and raises clearly."""
+
+    def __init__(self, work: Any, what: str, timeout_s: float) -> None:
+        self._work, self._what, self._timeout_s = work, what, timeout_s
+
+    def wait(self) -> None:
+        """Blocks until done; raises WeightTransferTimeout / WeightTransferError (a peer died)."""
+        try:
+            self._work.wait(datetime.timedelta(seconds=self._timeout_s))
+        except Exception as exc:
+            raise translate(self._what, exc, self._timeout_s) from exc
+
+
+class BroadcastGroup:
+    """One end of a trainer-rooted group (rank 0 the trainer, which hosts the store; 1..N workers).
+
+    Raises WeightValidationError (bad rank, world size, timeout, backend) or
+    WeightTransferTimeout (the store is not reached within `timeout_s`).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        _check_world_size(world_size)
+        if not is_int(rank) or not 0 <= rank < world_size:
+            raise WeightValidationError(
+                f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
+                "the trainer (rank 0) plus every worker (rank_offset + worker index)"
+            )
+        check_port(master_port)
+        WireParams(timeout_s=timeout_s)  # the one check of a timeout
+        self.backend, self.device = backend, check_backend(backend)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg: Any = None
+        self._store_stuck = False
+        self.where = f"the transfer store at {master_address}:{master_port}"
+        if rank == 0:
+            self._store = self._host_store(master_address, master_port)
+        else:
+            self._store = self._call(
+                f"connecting to the transfer store at {master_address}:{master_port}",
+                lambda: dist.TCPStore(  # type: ignore[attr-defined]
+                    master_address, master_port, world_size, False, timeout=self._timeout
+                ),
+            )
+        self.port: int = self._store.port
+        self.where = f"the transfer store at {master_address}:{self.port}"
+
+    def _host_store(self, address: str, port: int) -> Any:
+        """The trainer's store, listening on `address` only (torch alone takes every interface)."""
+        listener = _bind_listener(address, port)
+        bound_port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns the socket from here and closes it with itself
+        try:
+            return self._call(
+                f"starting the transfer store on {address}:{bound_port}",
+                lambda: dist.TCPStore(  # type: ignore[attr-defined]
+                    address,
+                    bound_port,
+                    self.world_size,
+                    True,
+                    timeout=self._timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                    use_libuv=False,  # the libuv server ignores a given socket
+                ),
+            )
+        except WeightTransferError:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except WeightTransferError:
+            raise
+        except Exception as exc:
+            raise translate(what, exc, self.timeout_s) from exc
+
+    # --- the store: every call bounded, every value checked ----------------------------------
+
+    def _bounded(self, what: str, fn: Callable[[], _T], limit_s: float | None = None) -> _T:
+        """Runs a store call on a daemon thread, `limit_s` (default: the group's) at most."""
+        # torch's store client waits for its host without a bound, and a call waits for the one
+        # before it on the same connection: a stopped trainer (SIGSTOP) whose socket is open
+        # would hang it forever. After a timeout the client is mid-conversation: never again.
+        limit_s = self.timeout_s if limit_s is None else limit_s
+        if self._store_stuck:
+            raise WeightTransferTimeout(
+                f"{what}: {self.where} stopped answering earlier (timeout_s): its host (the "
+                "trainer) is stopped or stuck"
+            )
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append((True, self._call(what, fn)))
+            except WeightTransferError as exc:
+                # A fresh error: this one's chain holds torch's frames, which hold the group
+                # and its socket for as long as a caller keeps the error.
+                box.append((False, type(exc)(str(exc))))
+            except BaseException as exc:  # handed to the waiting thread
+                box.append((False, exc.with_traceback(None)))
+            done.set()
+
+        threading.Thread(target=run, name="weightsync-store", daemon=True).start()
+        if not done.wait(limit_s + _STORE_GRACE_S):
+            self._store_stuck = True
+            raise WeightTransferTimeout(
+                f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
+                "trainer) does not answer: stopped, stuck or unreachable"
+            )
+        ok, value = box.pop()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value  # this frame is in the error's traceback: no cycle through it
+
+    def _value(self, key: str, raw: object) -> Any:
+        """The JSON value stored under `key`, its size and form checked before use."""
+        data = bytes(raw)  # type: ignore[call-overload]
+        if len(data) > _MAX_VALUE_BYTES:
+            raise self.malformed(key, f"{len(data)} bytes, more than {_MAX_VALUE_BYTES}")
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise self.malformed(key, f"not JSON: {type(exc).__name__}: {str(exc)[:100]}") from None
+
+    def malformed(self, key: str, detail: str) -> WeightTransferError:
+        """The error for a value under `key` that no weightsync rank wrote."""
+        return WeightTransferError(
+            f"{self.where} holds a malformed value under {key!r} ({detail}): it was not written "
+            "by a weightsync rank of this group; another process writes into the store, so "
+            "keep its port reachable by the group's ranks only"
+        )
+
+    def set(self, key: str, value: Any) -> None:
+        """Publishes a JSON-safe value under `key`."""
+        text = json.dumps(value)
+        self._bounded(f"writing {key!r} to {self.where}", lambda: self._store.set(key, text))
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+
+        def read() -> Any:
+            self._store.wait([key], datetime.timedelta(seconds=limit))
+            return self._store.get(key)
+
+        return self._value(key, self._bounded(f"reading {key!r} from {self.where}", read, limit))
+
+    def lookup(self, key: str) -> Any:
+        """The value under `key`, or None when there is none yet; never waits for one."""
+        raw = self._bounded(
+            f"reading {key!r} from {self.where}",
+            lambda: self._store.get(key) if self._store.check([key]) else None,
+        )
+        return None if raw is None else self._value(key, raw)
+
+    def try_get(self, key: str) -> Any:
+        """`lookup`, or None when the store is gone or stopped (the trainer took it along)."""
+        try:
+            return self.lookup(key)
+        except Exception:
+            return None
+
+    def set_once(self, key: str, value: Any) -> Any:
+        """Stores `value` under `key` unless one is there; returns the one stored (ranks agree)."""
+        text = json.dumps(value)
+        raw = self._bounded(
+            f"writing {key!r} to {self.where}", lambda: self._store.compare_set(key, "", text)
+        )
+        return self._value(key, raw)
+
+    def delete(self, key: str) -> None:
+        """Removes `key` (nothing happens when it is not there)."""
+        self._bounded(f"deleting {key!r} from {self.where}", lambda: self._store.delete_key(key))
+
+    def has(self, keys: list[str]) -> bool:
+        """Whether every key is in the store."""
+        return bool(self._bounded(f"checking {self.where}", lambda: self._store.check(keys)))
+
+    def claim_rank(self, claimant: str) -> None:
+        """Claims this rank for `claimant` (again, for the same one); another claimant is refused."""
+        key = f"rank/{self.rank}"
+        owner = self._bounded(
+            f"claiming {key!r} in {self.where}", lambda: self._store.compare_set(key, "", claimant)
+        )
+        if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
+            raise WeightValidationError(
+                f"rank {self.rank} was claimed by another process already ({key!r} in "
+                f"{self.where}): each worker needs a distinct worker_index (rank = rank_offset + "
+                "worker_index)"
+            )
+
+    def append(self, key: str, value: Any) -> None:
+        """Appends a JSON-safe value to the list under `key`."""
+        line = json.dumps(value) + "\n"
+        self._bounded(
+            f"appending to {key!r} in {self.where}", lambda: self._store.append(key, line)
+        )
+
+    def read_list(self, key: str, limit_s: float) -> list[Any]:
+        """The values appended under `key` (none if there are none or the store does not answer)."""
+
+        def read() -> list[Any]:
+            if not self._store.check([key]):
+                return []
+            text = bytes(self._store.get(key))[:_MAX_LIST_BYTES].decode("utf-8", "replace")
+            values = []
+            for line in text.splitlines():
+                with contextlib.suppress(ValueError, RecursionError):
+                    values.append(json.loads(line))
+            return values
+
+        try:
+            return self._bounded(f"reading {key!r} from {self.where}", read, limit_s)
+        except Exception:  # a dead or stopped store: nothing to read
+            return []
+
+    # --- collectives ---------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Forms the process group, within `timeout_s` (default: the group's); idempotent."""
+        if self._pg is not None:
+            return
+        limit_s = self.timeout_s if timeout_s is None else max(timeout_s, 0.001)
+        limit = datetime.timedelta(seconds=limit_s)
+        prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
+        what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
+        if self.backend == "gloo":  # gloo bounds its rendezvous by this; collectives pass theirs
+            self._pg = self._call(
+                what, lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
+            )
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+            self._pg = self._call(
+                what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
+            )
+            # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out) here.
+            probe = dist.AllreduceOptions()
+            probe.timeout = limit
+            work = self._call(
+                "all-reduce",
+                lambda: self._pg.allreduce([torch.zeros(1, device=self.device)], probe),
+            )
+            BroadcastWork(work, "all-reduce", limit_s).wait()
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the process group is formed and not closed."""
+        return self._pg is not None
+
+    def _require_pg(self) -> Any:
+        if self._pg is None:
+            raise WeightTransferError(
+                "the transfer group is not connected (never formed, or closed after a failure)"
+            )
+        return self._pg
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> BroadcastWork:
+        """Starts broadcasting `tensor` from rank 0 into the same-sized tensor on every rank."""
+        pg = self._require_pg()
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor, options.timeout = 0, 0, self._timeout
+        return BroadcastWork(
+            self._call(what, lambda: pg.broadcast([tensor], options)), what, self.timeout_s
+        )
+
+    def close(self, *, release_store: bool = False) -> None:
+        """Drops the process group (peers then fail fast); `release_store` drops the store too."""
+        if self._pg is not None:
+            # NCCL needs an abort to unblock peers; gloo's shutdown closes its sockets now, even
+            # while a failed collective's traceback references the group. A broken one may refuse.
+            with contextlib.suppress(Exception):
+                self._pg.abort() if self.backend == "nccl" else self._pg.shutdown()
+            self._pg = None
+            # A failed collective's exception chain is a young reference cycle holding the
+            # group's listening sockets until the collector runs.
+            gc.collect(1)
+        if release_store:  # the last reference: the store's thread stops, its port is free now
+            self._store = None
