@@ -103,6 +103,8 @@ class LLMEngine:
             tokenizer = tokenizer or own_tokenizer
         # Before LiveWeights: updates are received into these parameters, on the device.
         self.model = model.to(self.device).eval()
+        if config.prepack_linears:
+            model.pack_linears()  # LiveWeights repacks at each commit
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         self.tokenizer: Tokenizer = (tokenizer := tokenizer or ByteTokenizer())
         self.input_processor = InputProcessor(
