@@ -119,9 +119,10 @@ class _Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T + bias` for `x` (tokens, in_features), from the packed copy if any."""
-        if self.packed is None:
+        packed = self.packed  # read once: a repack swaps the attribute, never its contents
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
 class _RMSNorm(nn.Module):

@@ -14,14 +14,16 @@ import torch
 from engine_helpers import PROMPTS, greedy, small_config
 
 from model_dirs import FAMILIES
+from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.serve.cli import _engine_config, _parse_serve_args
+from weightsync.trainer.engine_process import _serve_args
 from weightsync.trainer.senders import BroadcastWeightSender, IPCWeightSender
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
-)
+# A torch build without oneDNN serves from the plain weights: the token checks hold all the same.
+PACKS = torch.backends.mkldnn.is_available()
 
 MAX_TOKENS = 12
 
@@ -59,15 +61,24 @@ def tokens_of_seed() -> dict[int, list[list[int]]]:
 def test_a_float32_engine_on_a_cpu_multiplies_by_packed_weights():
     engine = engine_with(0)
     copies = packed_copies(engine)
-    assert engine.model.linears_packed
     assert len(copies) == 2 * 4 + 1  # q/k/v and o, gate/up and down per layer; the LM head
-    assert all(copy is not None and copy.is_mkldnn for copy in copies.values())
+    assert engine.model.linears_packed == PACKS
+    assert all((copy is not None and copy.is_mkldnn) == PACKS for copy in copies.values())
     plain = engine_with(0, prepack_linears=False)
     assert not plain.model.linears_packed
     assert all(copy is None for copy in packed_copies(plain).values())
     # Where packing is not measured to win (float64 here), the plain weights serve.
     wide = LLMEngine(LlamaForCausalLM.from_preset("debug", dtype=torch.float64))
     assert not wide.model.linears_packed
+
+
+def test_the_command_line_turns_packing_off_and_a_child_server_gets_the_flag():
+    args, _ = _parse_serve_args(["serve", "debug", "--no-prepack-linears"])
+    assert _engine_config(args).prepack_linears is False
+    args, _ = _parse_serve_args(["serve", "debug"])
+    assert _engine_config(args).prepack_linears is True
+    assert "--no-prepack-linears" in _serve_args(EngineConfig(prepack_linears=False))
+    assert "--no-prepack-linears" not in _serve_args(EngineConfig())
 
 
 def test_packed_and_plain_weights_give_the_same_logits_and_tokens(tokens_of_seed):
@@ -96,7 +107,9 @@ def test_tokens_after_an_update_come_from_the_new_weights(backend, tokens_of_see
     with sender:
         sender.send(trainer.named_weights(), weight_version="step-1")
     assert engine.weight_version == "step-1"
-    assert all(packed_copies(engine)[name] is not copy for name, copy in before.items())
+    assert all(
+        packed_copies(engine)[name] is not copy or not PACKS for name, copy in before.items()
+    )
     assert greedy_tokens(engine) == tokens_of_seed[1]
 
 
@@ -163,7 +176,10 @@ def test_an_aborted_update_restores_the_weights_that_the_packed_copies_still_hol
 
 def test_a_reset_and_a_level_2_sleep_leave_no_stale_packed_copy(tokens_of_seed):
     engine = engine_with(0)
-    engine.reset_weights()  # every weight zero: every logit equal, token 0 each time
+    engine.reset_weights()  # every weight zero: so is every linear's output
+    for module in engine.model.modules():
+        if hasattr(module, "packed"):
+            assert not module(torch.randn(3, module.in_features)).any()
     assert all(tokens == [0] * MAX_TOKENS for tokens in greedy_tokens(engine))
     engine.sleep(level=2)
     assert all(copy is None for copy in packed_copies(engine).values())  # freed with the weights
@@ -172,7 +188,7 @@ def test_a_reset_and_a_level_2_sleep_leave_no_stale_packed_copy(tokens_of_seed):
     with IPCWeightSender([engine]) as sender:
         sender.send(trainer.named_weights(), weight_version=1)
     engine.resume_generation()
-    assert all(copy is not None for copy in packed_copies(engine).values())
+    assert all((copy is not None) == PACKS for copy in packed_copies(engine).values())
     assert greedy_tokens(engine) == tokens_of_seed[1]
 
 
@@ -182,7 +198,7 @@ def test_packed_float32_greedy_tokens_equal_transformers(family_dir, name):
     path = family_dir(name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = LLMEngine(str(path), dtype=torch.float32, engine_config=small_config())
-    assert engine.model.linears_packed
+    assert engine.model.linears_packed == PACKS
     prompts = ["The quick brown fox", "def main():\n", "the answer is"]
     outputs = engine.generate(prompts, greedy(16))
     for prompt, out in zip(prompts, outputs, strict=True):
