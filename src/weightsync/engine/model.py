@@ -92,7 +92,7 @@ def _packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
         return (
             f"only float32 on a CPU is packed, not {str(dtype).removeprefix('torch.')} on {device}"
         )
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     try:
         _pack_weight(torch.ones(1, 1))
@@ -103,7 +103,8 @@ def _packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
 
 def _pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A new oneDNN copy of `weight` (out_features, in_features) in the layout its matmul reads."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    return packed
 
 
 class _Linear(nn.Linear):
@@ -122,7 +123,8 @@ class _Linear(nn.Linear):
         packed = self.packed  # read once: a repack swaps the attribute, never its contents
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return out
 
 
 class _RMSNorm(nn.Module):
@@ -408,7 +410,7 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def repack_linears(self, names: Iterable[str] | None = None) -> None:
-        """Rebuilds the packed copies of the weights `names` (Hugging Face names) from the plain ones.
+        """Rebuilds the packed copies of the Hugging Face weights `names` from the plain weights.
 
         Only the linears holding one of `names` are rebuilt (a bias or a norm needs nothing:
         it is read live); None rebuilds every linear. Nothing happens while the linears are not
