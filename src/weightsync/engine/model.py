@@ -421,6 +421,10 @@ class LlamaForCausalLM(nn.Module):
         if not self._packing:
             return
         linears = self._linears_holding(names)
+        # oneDNN runs on OpenMP, whose thread count is per calling thread: a thread other than
+        # the one that called torch.set_num_threads (a transfer's worker, say) would pack on
+        # every core, several times slower on a busy machine. Pin it to torch's setting.
+        torch.set_num_threads(torch.get_num_threads())
         try:
             packed = [_pack_weight(linear.weight) for linear in linears]
         except (RuntimeError, MemoryError) as exc:
