@@ -98,11 +98,6 @@ SUMMARIES = {
         "64 concurrent streamed completions through `weightsync serve` against the same requests "
         "through `AsyncEngine` in process, and the steps a `keep` pause takes to land.",
     ),
-    "linear": (
-        "Prepacked linears, one matmul at a time",
-        "The `small` preset's linears at 1, 8 and 64 tokens: torch's float32 `F.linear` against "
-        "oneDNN and MKL prepacked weights (no charts: the figures are in the file).",
-    ),
     "prepack": (
         "Prepacked linears in the engine",
         "Decode throughput of an engine with prepacked linears and of one without, same weights "
