@@ -12,10 +12,8 @@ The forward pass works on a flat list of tokens from any number of sequences (th
 batch); attention finds each token's context through `AttentionMetadata`, or, without it, treats
 the tokens as one sequence with plain causal attention (the reference path).
 
-On a CPU in float32 the engine gives each linear a prepacked copy of its weight (oneDNN's
-blocked layout, `pack_linears`), which multiplies faster than the plain weight; the plain
-weights stay what every update writes into, and the copies are rebuilt from them when an update
-commits (`repack_linears`).
+On a CPU in float32 each linear multiplies by a prepacked copy of its weight (`pack_linears`),
+rebuilt from the plain weight, which updates write into, when an update commits.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
+from weightsync.engine._packed_linear import PackedLinear, pack_weight, packing_unavailable
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.base import TensorSpec
@@ -80,51 +79,6 @@ def _weight_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     rotary = 2 * config.max_position_embeddings * head_dim
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return (config.num_hidden_layers * per_layer + embeddings + rotary) * itemsize
-
-
-def _packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why linears on `device` in `dtype` cannot use prepacked weights; None when they can.
-
-    Measured to win only on a CPU in float32 (`benchmarks/bench_linear.py`); the ops come with
-    torch's CPU wheels built with oneDNN, and a build without them falls back to plain weights.
-    """
-    if device.type != "cpu" or dtype != torch.float32:
-        return (
-            f"only float32 on a CPU is packed, not {str(dtype).removeprefix('torch.')} on {device}"
-        )
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
-    try:
-        _pack_weight(torch.ones(1, 1))
-    except (AttributeError, RuntimeError, NotImplementedError) as exc:  # an op missing or refusing
-        return f"oneDNN's prepacked linear is unavailable ({type(exc).__name__}: {exc})"
-    return None
-
-
-def _pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A new oneDNN copy of `weight` (out_features, in_features) in the layout its matmul reads."""
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    return packed
-
-
-class _Linear(nn.Linear):
-    """`nn.Linear` that multiplies by a prepacked copy of its weight when it holds one.
-
-    `packed` is oneDNN's blocked copy of `weight` (None: none, the plain weight is read). The
-    plain weight stays the one updates write into; the copy is rebuilt from it by
-    `LlamaForCausalLM.repack_linears`, and read with plain input and output tensors, so a call
-    converts nothing. The bias is always read live.
-    """
-
-    packed: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T + bias` for `x` (tokens, in_features), from the packed copy if any."""
-        packed = self.packed  # read once: a repack swaps the attribute, never its contents
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return out
 
 
 class _RMSNorm(nn.Module):
@@ -184,10 +138,10 @@ class _LlamaAttention(nn.Module):
         self.head_dim = config.kv_head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = _Linear(
+        self.qkv_proj = PackedLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = PackedLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: each head's queries and keys are normalized over head_dim before rotation.
         self.q_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -228,8 +182,10 @@ class _LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the MLP to `x` (tokens, hidden)."""
@@ -301,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = _LlamaModel(config)
-        self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
@@ -389,19 +345,16 @@ class LlamaForCausalLM(nn.Module):
     def pack_linears(self) -> bool:
         """Gives every linear a prepacked copy of its weight, read by the forward pass from now on.
 
-        The copy is oneDNN's blocked layout of the weight (what vLLM's CPU backend multiplies
-        by too): 1.6x faster than the plain weight on a decode step of 8 tokens and 1.2x on 64
-        (`benchmarks/bench_linear.py`), equal within float32 rounding. It costs a second copy of
-        the matrices' memory. The plain weights stay: they are what updates write into, so
-        whoever writes them must call `repack_linears` before the next forward pass (the
-        engine's weight updates do, at commit). Call it after the model reached its device and
-        dtype.
+        The copy is oneDNN's blocked layout of the weight (see `PackedLinear`), a second copy
+        of the matrices' memory. The plain weights stay: updates write into them, so whoever
+        writes them calls `repack_linears` before the next forward pass (the engine's weight
+        updates do, at commit). Call it once the model is on its device, in its dtype.
 
         Returns:
             Whether the linears are packed: False where the device, the dtype or the torch
             build does not allow it (logged once); the plain weights then serve.
         """
-        reason = _packing_unavailable(self.device, self.dtype)
+        reason = packing_unavailable(self.device, self.dtype)
         if reason is not None:
             logger.info("linears read plain weights: %s", reason)
             return False
@@ -426,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         # every core, several times slower on a busy machine. Pin it to torch's setting.
         torch.set_num_threads(torch.get_num_threads())
         try:
-            packed = [_pack_weight(linear.weight) for linear in linears]
+            packed = [pack_weight(linear.weight) for linear in linears]
         except (RuntimeError, MemoryError) as exc:
             for linear in linears:
                 linear.packed = None
@@ -446,12 +399,12 @@ class LlamaForCausalLM(nn.Module):
         for linear in self._linears_holding(None):
             linear.packed = None
 
-    def _linears_holding(self, names: Iterable[str] | None) -> list[_Linear]:
+    def _linears_holding(self, names: Iterable[str] | None) -> list[PackedLinear]:
         """The linears whose weight holds one of the Hugging Face weights `names` (None: all)."""
-        linears = {name: m for name, m in self.named_modules() if isinstance(m, _Linear)}
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, PackedLinear)}
         if names is None:
             return list(linears.values())
-        by_weight: dict[str, _Linear] = {}
+        by_weight: dict[str, PackedLinear] = {}
         for module_name, linear in linears.items():
             prefix, _, leaf = module_name.rpartition(".")
             for part in _FUSED_PARTS.get(leaf, (leaf,)):
