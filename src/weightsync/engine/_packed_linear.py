@@ -29,7 +29,8 @@ def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     try:
-        pack_weight(torch.ones(1, 1))
+        probe = torch.ones(1, 1)
+        torch.ops.mkldnn._linear_pointwise(probe, pack_weight(probe), None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError) as exc:  # an op missing or refusing
         return f"oneDNN's prepacked linear is unavailable ({type(exc).__name__}: {exc})"
     return None
