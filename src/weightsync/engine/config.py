@@ -38,6 +38,12 @@ class EngineConfig:
             weights are restored, else the written weights are torn (never generated from)
             until a finite update lands. Costs one pass over the updated weights per update;
             off by default.
+        prepack_linears: Multiply by prepacked copies of the linears' weights (oneDNN's
+            layout, `LlamaForCausalLM.pack_linears`) where that is measured to be faster: float32
+            on a CPU; elsewhere, or where the torch build lacks the ops, the plain weights
+            serve. Costs a second copy of the weight matrices in memory, and a repack of the
+            updated matrices when a weight update commits (before any step sees the new
+            version).
         device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
             `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
             device's memory (the transfer backend receives into the model's parameters).
@@ -58,6 +64,7 @@ class EngineConfig:
     seed: int = 0
     weight_update_staging: bool = False
     refuse_non_finite_weights: bool = False
+    prepack_linears: bool = True
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -79,7 +86,7 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
-        for name in ("weight_update_staging", "refuse_non_finite_weights"):
+        for name in ("weight_update_staging", "refuse_non_finite_weights", "prepack_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(
                     f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}"

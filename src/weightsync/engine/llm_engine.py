@@ -55,6 +55,16 @@ __all__ = ["LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
+def _placed(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device
+) -> LlamaForCausalLM:
+    """`model` moved to `device`, in eval mode, its linears packed if `config` asks (and it pays)."""
+    model = model.to(device).eval()
+    if config.prepack_linears:
+        model.pack_linears()  # LiveWeights repacks them at each commit
+    return model
+
+
 class LLMEngine:
     """A continuous-batching engine over a Llama-family model, driven one `step()` at a time.
 
@@ -105,7 +115,7 @@ class LLMEngine:
             model, own_tokenizer = load_model(model, seed=seed, dtype=dtype)
             tokenizer = tokenizer or own_tokenizer
         # Before LiveWeights: updates are received into these parameters, on the device.
-        self.model = model.to(self.device).eval()
+        self.model = _placed(model, config, self.device)
         self.max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         self.tokenizer: Tokenizer = (tokenizer := tokenizer or ByteTokenizer())
         self.input_processor = InputProcessor(

@@ -11,10 +11,14 @@ and friends, so a trainer holding a Hugging Face model pushes its `named_paramet
 The forward pass works on a flat list of tokens from any number of sequences (the scheduler's
 batch); attention finds each token's context through `AttentionMetadata`, or, without it, treats
 the tokens as one sequence with plain causal attention (the reference path).
+
+On a CPU in float32 each linear multiplies by a prepacked copy of its weight (`pack_linears`),
+rebuilt from the plain weight, which updates write into, when an update commits.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -25,11 +29,20 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
+from weightsync.engine._packed_linear import PackedLinear, pack_weight, packing_unavailable
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.base import TensorSpec
 
 __all__ = ["LlamaForCausalLM"]
+
+logger = logging.getLogger(__name__)
+
+# Fused module -> the Hugging Face modules it holds, in Hugging Face order.
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def _memory_bytes(device: torch.device) -> int | None:
@@ -125,10 +138,10 @@ class _LlamaAttention(nn.Module):
         self.head_dim = config.kv_head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = PackedLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = PackedLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: each head's queries and keys are normalized over head_dim before rotation.
         self.q_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = _RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -169,8 +182,10 @@ class _LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the MLP to `x` (tokens, hidden)."""
@@ -242,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = _LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
@@ -251,6 +266,7 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (max_positions, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self._packing = False  # see `pack_linears`
 
     @classmethod
     def from_preset(
@@ -319,6 +335,85 @@ class LlamaForCausalLM(nn.Module):
         """Maps (rows, hidden_size) hidden states to (rows, vocab_size) logits."""
         return self.lm_head(hidden)  # type: ignore[no-any-return]
 
+    # --- prepacked linears --------------------------------------------------------------------
+
+    @property
+    def linears_packed(self) -> bool:
+        """Whether the linears read prepacked weights (see `pack_linears`)."""
+        return self._packing
+
+    def pack_linears(self) -> bool:
+        """Gives every linear a prepacked copy of its weight, read by the forward pass from now on.
+
+        The copy is oneDNN's blocked layout of the weight (see `PackedLinear`), a second copy
+        of the matrices' memory. The plain weights stay: updates write into them, so whoever
+        writes them calls `repack_linears` before the next forward pass (the engine's weight
+        updates do, at commit). Call it once the model is on its device, in its dtype.
+
+        Returns:
+            Whether the linears are packed: False where the device, the dtype or the torch
+            build does not allow it (logged once); the plain weights then serve.
+        """
+        reason = packing_unavailable(self.device, self.dtype)
+        if reason is not None:
+            logger.info("linears read plain weights: %s", reason)
+            return False
+        self._packing = True
+        self.repack_linears()
+        return True
+
+    def repack_linears(self, names: Iterable[str] | None = None) -> None:
+        """Rebuilds the packed copies of the Hugging Face weights `names` from the plain weights.
+
+        Only the linears holding one of `names` are rebuilt (a bias or a norm needs nothing:
+        it is read live); None rebuilds every linear. Nothing happens while the linears are not
+        packed. The new copies replace the old ones together, once all are built: if building
+        one fails (out of memory), those linears drop their copies and read the plain weights,
+        which is slower but never stale, and the failure is logged.
+        """
+        if not self._packing:
+            return
+        linears = self._linears_holding(names)
+        # oneDNN runs on OpenMP, whose thread count is per calling thread: a thread other than
+        # the one that called torch.set_num_threads (a transfer's worker, say) would pack on
+        # every core, several times slower on a busy machine. Pin it to torch's setting.
+        torch.set_num_threads(torch.get_num_threads())
+        try:
+            packed = [pack_weight(linear.weight) for linear in linears]
+        except (RuntimeError, MemoryError) as exc:
+            for linear in linears:
+                linear.packed = None
+            logger.warning(
+                "packing %d linears failed (%s: %s): they read their plain weights",
+                len(linears), type(exc).__name__, exc,
+            )  # fmt: skip
+            return
+        for linear, copy in zip(linears, packed, strict=True):
+            linear.packed = copy
+
+    def release_packed_linears(self) -> None:
+        """Frees every packed copy; the linears read the plain weights until `repack_linears`.
+
+        For when the plain weights go away (a level-2 sleep): their copies are stale anyway.
+        """
+        for linear in self._linears_holding(None):
+            linear.packed = None
+
+    def _linears_holding(self, names: Iterable[str] | None) -> list[PackedLinear]:
+        """The linears whose weight holds one of the Hugging Face weights `names` (None: all)."""
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, PackedLinear)}
+        if names is None:
+            return list(linears.values())
+        by_weight: dict[str, PackedLinear] = {}
+        for module_name, linear in linears.items():
+            prefix, _, leaf = module_name.rpartition(".")
+            for part in _FUSED_PARTS.get(leaf, (leaf,)):
+                by_weight[f"{prefix}.{part}.weight".lstrip(".")] = linear
+        if self.config.tie_word_embeddings:
+            by_weight["model.embed_tokens.weight"] = self.lm_head
+        holding = {id(by_weight[n]): by_weight[n] for n in names if n in by_weight}
+        return list(holding.values())
+
     # --- Hugging Face names -------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -332,20 +427,20 @@ class LlamaForCausalLM(nn.Module):
         config = self.config
         q_size = config.num_attention_heads * config.kv_head_dim
         kv_size = config.num_key_value_heads * config.kv_head_dim
-        # Fused module -> its Hugging Face parts and their rows, in Hugging Face order.
-        fused_parts = {
-            "qkv_proj": (["q_proj", "k_proj", "v_proj"], [q_size, kv_size, kv_size]),
-            "gate_up_proj": (["gate_proj", "up_proj"], [config.intermediate_size] * 2),
+        # Fused module -> its Hugging Face parts' rows.
+        fused_rows = {
+            "qkv_proj": [q_size, kv_size, kv_size],
+            "gate_up_proj": [config.intermediate_size] * 2,
         }
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             prefix, _, fused = module_name.rpartition(".")
-            if fused not in fused_parts:
+            if fused not in fused_rows:
                 yield name, param.data
                 continue
             if leaf != "weight":
                 continue  # a fused bias went out with its weight, part by part
-            parts, sizes = fused_parts[fused]
+            parts, sizes = _FUSED_PARTS[fused], fused_rows[fused]
             module = self.get_submodule(module_name)
             # Each part's weight, then its bias, as the unfused modules list them.
             leaves = [
@@ -368,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
         return {
             name: param.data
             for name, param in self.named_parameters()
-            if name.split(".")[-2] not in ("qkv_proj", "gate_up_proj")
+            if name.split(".")[-2] not in _FUSED_PARTS
         }
 
     @torch.no_grad()

@@ -619,6 +619,10 @@ class LiveWeights:
             self._end_failed(txn)
             outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
             raise self._non_finite_error(bad, ends=f" and the update's weights are {outcome}")
+        # Prepacked copies follow the landed weights before the transaction closes, so that no
+        # step runs on new plain weights with old packed ones (a failed update never repacks:
+        # its restored weights still match the copies).
+        self.model.repack_linears(txn.landed)
         self._transaction = None
         self.torn_names -= txn.landed
         self._torn_by_sleep -= txn.landed
@@ -797,6 +801,7 @@ class LiveWeights:
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.zero_()
+        self.model.repack_linears()
         self.torn_names = set()
         self._torn_by_sleep = set()
         self._on_write()
@@ -897,6 +902,7 @@ class LiveWeights:
             for storage in storages.values():
                 self._discarded.append((storage, storage.nbytes()))
                 storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
+            self.model.release_packed_linears()  # the update that covers them repacks them
             self._on_write()
             logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
 

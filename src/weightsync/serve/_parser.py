@@ -126,6 +126,10 @@ def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument("--refuse-non-finite-weights", action="store_true",
                        help="refuse, at finish, an update that wrote a NaN or an infinity (the "
                        "version stays; see EngineConfig.refuse_non_finite_weights)")  # fmt: skip
+    model.add_argument("--no-prepack-linears", action="store_true",
+                       help="multiply by the plain weights, without the prepacked copies a "
+                       "float32 model on a CPU otherwise gets (see "
+                       "EngineConfig.prepack_linears)")  # fmt: skip
 
 
 def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:

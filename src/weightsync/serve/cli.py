@@ -208,6 +208,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed if args.sampling_seed is None else args.sampling_seed,
         weight_update_staging=args.weight_update_staging,
         refuse_non_finite_weights=args.refuse_non_finite_weights,
+        prepack_linears=not args.no_prepack_linears,
         device=args.device,
     )
 

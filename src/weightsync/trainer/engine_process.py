@@ -51,6 +51,8 @@ def _serve_args(engine_config: EngineConfig) -> list[str]:
         args.append("--weight-update-staging")
     if engine_config.refuse_non_finite_weights:
         args.append("--refuse-non-finite-weights")
+    if not engine_config.prepack_linears:
+        args.append("--no-prepack-linears")
     return args
 
 

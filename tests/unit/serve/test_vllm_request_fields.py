@@ -435,6 +435,7 @@ def test_a_non_finite_logprob_is_written_as_vllms_lowest_not_a_500(route, fields
     engine = AsyncEngine("debug", engine_config=EngineConfig(num_kv_blocks=32))
     with torch.no_grad():
         engine.engine.model.lm_head.weight.fill_(float("nan"))
+    engine.engine.model.repack_linears()  # written outside an update: the packed copy follows
     with TestClient(create_app(engine, ServerConfig(model_name="debug"))) as client:
         response = client.post(route, json={**fields, "max_tokens": 2})
     assert response.status_code == 200, response.text

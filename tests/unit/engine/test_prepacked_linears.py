@@ -1,0 +1,209 @@
+"""Prepacked linears: a float32 engine on a CPU multiplies by packed copies of its weights, and
+every weight update lands in them at commit, never before and never half.
+
+The packed copies are a second copy of the weights: a token generated after an update must come
+from the new weights (equal to a fresh engine built with them), after an update through the
+real transfer paths (gloo, IPC) as after one through the engine's own calls; an update that is
+refused or aborted leaves the packed copies as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import PROMPTS, greedy, small_config
+
+from model_dirs import FAMILIES
+from weightsync.engine.config import EngineConfig
+from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.model import LlamaForCausalLM
+from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.serve.cli import _engine_config, _parse_serve_args
+from weightsync.trainer.engine_process import _serve_args
+from weightsync.trainer.senders import BroadcastWeightSender, IPCWeightSender
+
+# A torch build without oneDNN serves from the plain weights: the token checks hold all the same.
+PACKS = torch.backends.mkldnn.is_available()
+
+MAX_TOKENS = 12
+
+
+def float32_model(seed: int) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_preset("debug", seed=seed, dtype=torch.float32)
+
+
+def engine_with(seed: int, *, worker_index: int = 0, **config: object) -> LLMEngine:
+    return LLMEngine(
+        float32_model(seed), engine_config=small_config(**config), worker_index=worker_index
+    )
+
+
+def greedy_tokens(engine: LLMEngine) -> list[list[int]]:
+    outputs = engine.generate(PROMPTS[:6], greedy(MAX_TOKENS))
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def packed_copies(engine: LLMEngine) -> dict[str, torch.Tensor | None]:
+    """Each linear's packed copy, by module name (the objects themselves)."""
+    return {
+        name: module.packed
+        for name, module in engine.model.named_modules()
+        if hasattr(module, "packed")
+    }
+
+
+@pytest.fixture(scope="module")
+def tokens_of_seed() -> dict[int, list[list[int]]]:
+    """Greedy tokens of fresh engines built with the weights of seeds 0 and 1."""
+    return {seed: greedy_tokens(engine_with(seed)) for seed in (0, 1)}
+
+
+def test_a_float32_engine_on_a_cpu_multiplies_by_packed_weights():
+    engine = engine_with(0)
+    copies = packed_copies(engine)
+    assert len(copies) == 2 * 4 + 1  # q/k/v and o, gate/up and down per layer; the LM head
+    assert engine.model.linears_packed == PACKS
+    assert all((copy is not None and copy.is_mkldnn) == PACKS for copy in copies.values())
+    plain = engine_with(0, prepack_linears=False)
+    assert not plain.model.linears_packed
+    assert all(copy is None for copy in packed_copies(plain).values())
+    # Where packing is not measured to win (float64 here), the plain weights serve.
+    wide = LLMEngine(LlamaForCausalLM.from_preset("debug", dtype=torch.float64))
+    assert not wide.model.linears_packed
+
+
+def test_the_command_line_turns_packing_off_and_a_child_server_gets_the_flag():
+    args, _ = _parse_serve_args(["serve", "debug", "--no-prepack-linears"])
+    assert _engine_config(args).prepack_linears is False
+    args, _ = _parse_serve_args(["serve", "debug"])
+    assert _engine_config(args).prepack_linears is True
+    assert "--no-prepack-linears" in _serve_args(EngineConfig(prepack_linears=False))
+    assert "--no-prepack-linears" not in _serve_args(EngineConfig())
+
+
+def test_packed_and_plain_weights_give_the_same_logits_and_tokens(tokens_of_seed):
+    packed = engine_with(0)
+    plain = engine_with(0, prepack_linears=False)
+    ids = torch.tensor(packed.tokenizer.encode(PROMPTS[5]))
+    with torch.no_grad():
+        logits = packed.model.compute_logits(packed.model(ids))
+        expected = plain.model.compute_logits(plain.model(ids))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert greedy_tokens(plain) == tokens_of_seed[0]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_tokens_after_an_update_come_from_the_new_weights(backend, tokens_of_seed):
+    assert tokens_of_seed[0] != tokens_of_seed[1]  # else the test could not tell them apart
+    engine = engine_with(0)
+    assert greedy_tokens(engine) == tokens_of_seed[0]
+    before = packed_copies(engine)
+    trainer = float32_model(seed=1)
+    sender = (
+        BroadcastWeightSender([engine], backend="gloo", timeout_s=60)
+        if backend == "gloo"
+        else IPCWeightSender([engine])
+    )
+    with sender:
+        sender.send(trainer.named_weights(), weight_version="step-1")
+    assert engine.weight_version == "step-1"
+    assert all(
+        packed_copies(engine)[name] is not copy or not PACKS for name, copy in before.items()
+    )
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_an_update_of_a_tied_embedding_repacks_the_lm_head():
+    def tied(seed: int) -> LLMEngine:
+        model = LlamaForCausalLM.from_preset(
+            "debug", seed=seed, dtype=torch.float32, tie_word_embeddings=True
+        )
+        return LLMEngine(model, engine_config=small_config())
+
+    engine, fresh = tied(0), tied(1)
+    new_embedding = dict(fresh.model.named_weights())["model.embed_tokens.weight"]
+    with IPCWeightSender([engine]) as sender:
+        sender.send([("model.embed_tokens.weight", new_embedding)], weight_version=1)
+    with torch.no_grad():
+        hidden = torch.randn(3, engine.model.config.hidden_size)
+        logits = engine.model.compute_logits(hidden)
+    torch.testing.assert_close(logits, hidden @ new_embedding.T, rtol=0, atol=1e-5)
+
+
+def test_a_refused_update_leaves_the_packed_copies_as_they_were(tokens_of_seed):
+    engine = engine_with(0)
+    before = packed_copies(engine)
+    trainer = float32_model(seed=1)
+    wrong = [(n, t[..., :1] if n == "lm_head.weight" else t) for n, t in trainer.named_weights()]
+    with IPCWeightSender([engine]) as sender, pytest.raises(WeightValidationError):
+        sender.send(wrong, weight_version=1)
+    assert packed_copies(engine) == before  # the very same objects: nothing was repacked
+    assert engine.weight_version == 0
+    assert greedy_tokens(engine) == tokens_of_seed[0]
+
+
+class FailsAtFinish:
+    """An engine whose finish never comes: the trainer died after the bytes moved, say."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def finish_weight_update(self, weight_version: object = None) -> bool:
+        raise WeightTransferError("the trainer died before finish_weight_update (simulated)")
+
+
+def test_an_aborted_update_restores_the_weights_that_the_packed_copies_still_hold(
+    tokens_of_seed,
+):
+    engine = engine_with(0, weight_update_staging=True)
+    before = packed_copies(engine)
+    trainer = float32_model(seed=1)
+    with (
+        IPCWeightSender([FailsAtFinish(engine)]) as sender,
+        pytest.raises(WeightTransferError, match="simulated"),
+    ):
+        sender.send(trainer.named_weights(), weight_version=1)  # lands, then aborts
+    assert engine.weight_update is None and engine.weight_version == 0
+    assert packed_copies(engine) == before  # the very same objects: nothing was repacked
+    assert greedy_tokens(engine) == tokens_of_seed[0]
+    with IPCWeightSender([engine]) as sender:  # the next update lands whole
+        sender.send(trainer.named_weights(), weight_version=2)
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_a_reset_and_a_level_2_sleep_leave_no_stale_packed_copy(tokens_of_seed):
+    engine = engine_with(0)
+    engine.reset_weights()  # every weight zero: so is every linear's output
+    for module in engine.model.modules():
+        if hasattr(module, "packed"):
+            assert not module(torch.randn(3, module.in_features)).any()
+    assert all(tokens == [0] * MAX_TOKENS for tokens in greedy_tokens(engine))
+    engine.sleep(level=2)
+    assert all(copy is None for copy in packed_copies(engine).values())  # freed with the weights
+    engine.wake_up()
+    trainer = float32_model(seed=1)
+    with IPCWeightSender([engine]) as sender:
+        sender.send(trainer.named_weights(), weight_version=1)
+    engine.resume_generation()
+    assert all((copy is not None) == PACKS for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_packed_float32_greedy_tokens_equal_transformers(family_dir, name):
+    transformers = pytest.importorskip("transformers")
+    path = family_dir(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(str(path), dtype=torch.float32, engine_config=small_config())
+    assert engine.model.linears_packed == PACKS
+    prompts = ["The quick brown fox", "def main():\n", "the answer is"]
+    outputs = engine.generate(prompts, greedy(16))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=16, min_new_tokens=16)  # fmt: skip
+        assert out.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist(), prompt
