@@ -111,7 +111,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _serve(port: int) -> Any:
+def _serve(port: int) -> tuple[Any, threading.Thread]:
     import uvicorn
 
     from weightsync import AsyncEngine, WeightTransferConfig
@@ -120,38 +120,49 @@ def _serve(port: int) -> Any:
     engine = AsyncEngine("tiny", weight_transfer_config=WeightTransferConfig(backend="gloo"))
     config = uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if time.monotonic() > deadline:
             raise TimeoutError("the in-process server did not start in 60 s")
         time.sleep(0.05)
-    return server
+    return server, thread
+
+
+def measure() -> dict[str, dict[str, Any]]:
+    """Runs the three updates and returns each one's figures, by scenario name."""
+    import httpx  # noqa: F401  (imported before any update, like everything the blocks use)
+
+    recorder = _Recorder()
+    recorder.install()
+    try:
+        results = {
+            "readme": _run(recorder, _block(ROOT / "README.md", "trainer_send_weights("), {}),
+            "ipc": _run(
+                recorder, _block(ROOT / "docs/transfer/ipc.md", "ipc_trainer_send_weights("), {}
+            ),
+        }
+        port = _free_port()
+        server, thread = _serve(port)
+        source = _block(ROOT / "docs/http-weight-sync.md", "/start_weight_update").replace(
+            "http://127.0.0.1:8000", f"http://127.0.0.1:{port}"
+        )
+        try:
+            results["http"] = _run(recorder, source, {})
+        finally:
+            server.should_exit = True  # the app's shutdown closes the engine and its transfer
+            thread.join(60)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
-    import httpx  # noqa: F401  (imported before any update, like everything the blocks use)
-
-    import weightsync.trainer
-
-    recorder = _Recorder()
-    recorder.install()
-    results = {
-        "readme": _run(recorder, _block(ROOT / "README.md", "trainer_send_weights("), {}),
-        "ipc": _run(
-            recorder, _block(ROOT / "docs/transfer/ipc.md", "ipc_trainer_send_weights("), {}
-        ),
-    }
-    port = _free_port()
-    server = _serve(port)
-    source = _block(ROOT / "docs/http-weight-sync.md", "/start_weight_update").replace(
-        "http://127.0.0.1:8000", f"http://127.0.0.1:{port}"
-    )
-    results["http"] = _run(recorder, source, {})
-    server.should_exit = True
-    print(json.dumps({"package": weightsync.__version__, "scenarios": results}))
+    print(json.dumps({"package": weightsync.__version__, "scenarios": measure()}))
 
 
 if __name__ == "__main__":
