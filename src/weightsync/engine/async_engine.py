@@ -270,7 +270,10 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams one request's cumulative output, one item per step that changed it.
+        """Streams one request's cumulative output as steps change it.
+
+        The engine does not wait for the stream: when several steps ran since the stream last
+        read, it gets the newest output, which carries every token since.
 
         `cache_salt`: see `LLMEngine.add_request`.
 
