@@ -149,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_data_parallel(args, transfer_config, sock)
     try:
         engine_config = _engine_config(args)
-        torch.set_num_threads(args.num_threads or _cores())
+        # Every core but one: the HTTP side needs only a small part of a core, but a forward
+        # pass on every core contends with it and with its own step thread (the performance
+        # page has the figures).
+        torch.set_num_threads(args.num_threads or max(1, _cores() - 1))
         logger.info("computing on %d threads (%d cores)", torch.get_num_threads(), _cores())
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
@@ -181,12 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cores() -> int:
-    """The cores this process may run on: by default, the forward pass computes on all of them.
-
-    The step loop runs on a thread of its own and never waits for the event loop, and serving
-    HTTP takes a small part of one core next to it (see the performance page): leaving a whole
-    core to it idles that core most of the time.
-    """
+    """The cores this process may run on (a `taskset` or cgroup limit counts)."""
     if hasattr(os, "sched_getaffinity"):  # a process pinned to some cores (taskset, cgroups)
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
