@@ -1,12 +1,15 @@
 """`AsyncEngine`: an asyncio front over `LLMEngine` that streams outputs and stays responsive.
 
-A background task runs the [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] step loop;
-each forward pass runs on a dedicated worker thread, so the event loop keeps serving `generate`
-streams and control calls while the model computes. Control calls (`pause_generation`,
-`resume_generation`, `update_weights`) take the same lock as a step, so they act exactly between
-two steps: a pause waits for at most the step in flight. The weight-update calls go straight to
-the engine's [`LiveWeights`][weightsync.engine.weights.LiveWeights] (the transaction and what
-guards it); a transfer call runs on a thread of its own (`TRANSFER_THREAD_NAME`).
+The [`LLMEngine`][weightsync.engine.llm_engine.LLMEngine] steps back to back on a thread of its
+own, so the event loop keeps serving `generate` streams and control calls while the model computes,
+and the model never waits for the event loop: each step's outputs are handed to the loop without
+waiting for it, which delivers them to the streams on its next turn. New requests and aborts reach
+the step thread through the engine's thread-safe inboxes, drained at each step boundary. Control
+calls (`pause_generation`, `resume_generation`, `update_weights`) park the step thread at the next
+step boundary and act while it is parked, so they act exactly between two steps: a pause waits for
+at most the step in flight. The weight-update calls go
+straight to the engine's [`LiveWeights`][weightsync.engine.weights.LiveWeights] (the transaction
+and what guards it); a transfer call runs on a thread of its own (`TRANSFER_THREAD_NAME`).
 
 One concept: the asyncio front of one engine, its step loop, its request streams and every
 control call between two steps; each call is a few lines over the engine call it orders.
@@ -21,7 +24,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from weightsync.engine._stats import ServingStats
@@ -34,12 +36,23 @@ from weightsync.engine.weights import WeightUpdateStatus, unwrap_request, update
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
-__all__ = ["TRANSFER_THREAD_NAME", "AsyncEngine"]
+__all__ = ["STEP_THREAD_NAME", "TRANSFER_THREAD_NAME", "AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
 
 _T = TypeVar("_T")
+
+
+STEP_THREAD_NAME = "weightsync-step"
+"""The name of the thread on which an `AsyncEngine` runs its steps."""
+
+_IDLE_POLL_S = 1.0  # how often an idle step thread checks that its event loop is still open
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # done: its caller was cancelled
+        waiter.set_result(None)
 
 
 TRANSFER_THREAD_NAME = "weightsync-transfer"
@@ -128,23 +141,33 @@ class AsyncEngine:
         self.engine = engine
         self._weights = engine.weights  # the transaction and what guards it: called directly
         self.stats = ServingStats()  # requests, pauses and updates, for a metrics page
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-step")
-        self._lock = asyncio.Lock()  # held by each step and by each control call
+        self._lock = asyncio.Lock()  # one control call at a time (see _at_step_boundary)
         self._transfer_lock = asyncio.Lock()  # one transfer-engine call at a time
         # One weight-update call (or sleep, wake-up) at a time, taken before the others: an
         # answer read right after a call describes the update as the call left it, and no update
         # opens while a sleep's `wait` pause drains.
         self._update_calls = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._step_done = asyncio.Event()
-        self._idle_waiters: list[asyncio.Future[None]] = []  # see wait_until_idle
+        self._step_done = asyncio.Event()  # set, then replaced, each time outputs are handed over
+        self._idle_waiters: list[tuple[int, asyncio.Future[None]]] = []  # see wait_until_idle
         self._armed_landed = asyncio.Event()  # set when the armed pause starts (see arm_pause)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
         self.num_rendering = 0  # chat templates rendering now (see apply_chat_template)
         self._updating = False  # an update_weights holds the engine (no step runs)
+        # Shared with the step thread, under `_cond`; the step thread waits on it when idle or
+        # parked, and every change that may give it work notifies it.
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stepping = False  # the step thread runs (started, not stopped nor dead)
+        self._stopping = False
+        self._park_wanted: asyncio.Future[None] | None = None  # a control call waits for it
+        self._parked = False  # a control call holds the step thread at a step boundary
+        self._outbox: list[RequestOutput] = []  # outputs not yet handed to the streams
+        self._handover_due = False  # a _hand_over call is scheduled on the loop
+        self._idle_asked = 0  # tickets of wait_until_idle calls, see _answer_idle
+        self._idle_answered = 0
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -153,45 +176,125 @@ class AsyncEngine:
             raise EngineStateError("this AsyncEngine was shut down; create a new one")
         if self._error is not None:
             raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="weightsync-engine"
+        if self._thread is None:
+            self._loop = loop = asyncio.get_running_loop()
+            self._stepping = True
+            self._thread = threading.Thread(
+                target=self._step_loop, args=(loop,), name=STEP_THREAD_NAME, daemon=True
             )
+            self._thread.start()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _notify(self) -> None:
+        """Tells the step thread to look for work again (a request, an abort, a resume)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The step thread: steps while there is work and parks for control calls."""
         try:
-            while not self._closed:
-                if not self.engine.has_work():
-                    self._settle_idle_waiters(None)
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                async with self._lock:
-                    if not self.engine.has_work():
-                        continue
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                self._dispatch(outputs)
-                self._step_done.set()
-                self._step_done = asyncio.Event()
-        except asyncio.CancelledError:
-            raise
+            while self._next_step_is_due(loop):
+                self._hand_off(loop, self.engine.step())
         except Exception as exc:
             logger.exception("engine step failed; failing every open stream")
-            self._error = exc
-            for queue in self._streams.values():
-                queue.put_nowait(exc)
-            self._step_done.set()
-            self._settle_idle_waiters(EngineStateError(f"the engine loop died: {exc!r}"))
+            self._post(loop, self._fail, exc)
+        finally:
+            with self._cond:
+                self._stepping = False
+                self._grant_park(loop)  # a control call waiting for a boundary gets it now
 
-    def _settle_idle_waiters(self, error: Exception | None) -> None:
-        waiters, self._idle_waiters = self._idle_waiters, []
-        for waiter in waiters:
-            if waiter.done():
-                continue  # its caller was cancelled
-            if error is None:
+    def _next_step_is_due(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Waits (on the step thread) until a step is due; False once the thread must stop."""
+        with self._cond:
+            while not self._stopping:
+                self._grant_park(loop)
+                if not self._parked:
+                    if self.engine.has_work():
+                        return True
+                    if self._idle_asked > self._idle_answered:
+                        self._idle_answered = self._idle_asked
+                        self._post(loop, self._answer_idle, self._idle_answered)
+                # Bounded, so that a thread whose event loop was closed without shutdown() ends.
+                self._cond.wait(timeout=_IDLE_POLL_S)
+                if loop.is_closed():
+                    return False
+            return False
+
+    def _grant_park(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Under _cond, at a step boundary (or once the thread has stopped).
+        wanted, self._park_wanted = self._park_wanted, None
+        if wanted is not None:
+            self._parked = True
+            self._post(loop, _settle, wanted)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: no one is left to tell
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _hand_off(self, loop: asyncio.AbstractEventLoop, outputs: list[RequestOutput]) -> None:
+        """Queues a step's outputs for the event loop; at most one hand-over call is pending."""
+        with self._cond:
+            self._outbox.extend(outputs)
+            if self._handover_due:
+                return
+            self._handover_due = True
+        self._post(loop, self._hand_over)
+
+    def _hand_over(self) -> None:
+        """On the event loop: delivers every output the step thread has queued."""
+        with self._cond:
+            outputs, self._outbox = self._outbox, []
+            self._handover_due = False
+        self._dispatch(outputs)
+        self._step_done.set()
+        self._step_done = asyncio.Event()
+
+    def _fail(self, exc: Exception) -> None:
+        """On the event loop: the step thread died of `exc`."""
+        self._hand_over()  # the outputs of the steps before it
+        self._error = exc
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        self._step_done.set()
+        self._settle_idle_waiters(EngineStateError(f"the engine loop died: {exc!r}"))
+
+    @contextlib.asynccontextmanager
+    async def _at_step_boundary(self) -> AsyncIterator[None]:
+        """Holds the step thread parked between two steps, with every earlier output delivered.
+
+        Control calls act inside it, one at a time: a call waits for at most the step in flight.
+        """
+        async with self._lock:
+            waiter = asyncio.get_running_loop().create_future()
+            with self._cond:
+                if self._stepping:
+                    self._park_wanted = waiter
+                    self._cond.notify_all()
+                else:  # not started, stopped or dead: no step can run
+                    self._parked = True
+                    waiter.set_result(None)
+            try:
+                await waiter
+                self._hand_over()  # the streams see every step before this boundary
+                yield
+            finally:
+                with self._cond:
+                    if self._park_wanted is waiter:  # cancelled before it was granted
+                        self._park_wanted = None
+                    self._parked = False
+                    self._cond.notify_all()
+
+    def _answer_idle(self, ticket: int) -> None:
+        """On the event loop: the step thread found no work after `wait_until_idle` #ticket."""
+        waiters = self._idle_waiters
+        self._idle_waiters = [(t, w) for t, w in waiters if t > ticket]
+        for t, waiter in waiters:
+            if t <= ticket and not waiter.done():  # done: its caller was cancelled
                 waiter.set_result(None)
-            else:
+
+    def _settle_idle_waiters(self, error: Exception) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for _, waiter in waiters:
+            if not waiter.done():
                 waiter.set_exception(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -201,7 +304,7 @@ class AsyncEngine:
                 queue.put_nowait(output)
 
     async def _next_step(self) -> None:
-        """Waits until the loop finishes its next step (or dies, or is shut down)."""
+        """Waits until the next step's outputs are handed over (or the loop dies or shuts down)."""
         await self._step_done.wait()
         if self._error is not None:
             raise EngineStateError(f"the engine loop died: {self._error!r}") from self._error
@@ -218,7 +321,10 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams one request's cumulative output, one item per step that changed it.
+        """Streams one request's cumulative output as steps change it.
+
+        The engine does not wait for the stream: when several steps ran since the stream last
+        read, it gets the newest output, which carries every token since.
 
         `cache_salt`: see `LLMEngine.add_request`.
 
@@ -239,7 +345,7 @@ class AsyncEngine:
         arrived_at = time.monotonic()
         self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self._streams[request_id] = queue
-        self._wake.set()
+        self._notify()
         finished = False
         last: RequestOutput | None = None
         first_token_at: float | None = None
@@ -260,7 +366,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
-                self._wake.set()
+                self._notify()
             self.stats.record_request(last, arrived_at, first_token_at)
 
     def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
@@ -290,7 +396,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with `finish_reason="abort"`."""
         self.engine.abort_request(request_id)
-        self._wake.set()
+        self._notify()
 
     def close_streams_held_by_update(self) -> int:
         """Ends every open stream now, if an `update_weights` holds the engine; returns how many.
@@ -343,13 +449,18 @@ class AsyncEngine:
             if not self.engine.is_paused():
                 await landed.wait()  # set by the step that starts it, or by a pause before it
             mode, clear_cache = armed.mode, armed.clear_cache
-        async with self._lock:
+        async with self._at_step_boundary():
             self.engine.start_pause(mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
                 self._dispatch(self.engine.step())  # paused: delivers aborts, computes nothing
-        self._wake.set()
+        self._notify()
+        drained = False
         while self.engine.pause_state is PauseState.DRAINING:
+            drained = True
             await self._next_step()
+        if drained:
+            async with self._at_step_boundary():
+                pass  # the streams that drained have their final outputs before this returns
         if self.engine.is_paused():  # not a `wait` pause that a resume called off
             self.stats.record_pause(mode)
         return mode
@@ -371,12 +482,12 @@ class AsyncEngine:
         def on_pause() -> None:  # called on the stepping thread
             loop.call_soon_threadsafe(landed.set)
 
-        async with self._lock:
+        async with self._at_step_boundary():
             self.engine.arm_pause(
                 after_tokens, mode=mode, clear_cache=clear_cache, on_pause=on_pause
             )
             self._armed_landed = landed
-        self._wake.set()
+        self._notify()
 
     async def resume_generation(self) -> None:
         """Resumes generation (harmless when running).
@@ -385,10 +496,10 @@ class AsyncEngine:
             TornWeightsError: A failed update left torn weights; land a complete update first.
         """
         self._start()
-        async with self._lock:
+        async with self._at_step_boundary():
             self.engine.resume_generation()
             self.stats.record_resume()
-        self._wake.set()
+        self._notify()
 
     async def is_paused(self) -> bool:
         """Whether generation is paused."""
@@ -409,17 +520,17 @@ class AsyncEngine:
         async with self._update_calls:  # no update opens while a `wait` pause drains
             level = self.engine.check_sleep(level, mode)
             await self.pause_generation(mode=mode, clear_cache=level >= 1)
-            async with self._lock:
+            async with self._at_step_boundary():
                 self.engine.sleep(level, mode="keep")  # paused already: nothing more is aborted
                 self._dispatch(self.engine.step())  # delivers what the pause ended
-        self._wake.set()
+        self._notify()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wakes `tags` (all when None); see `LLMEngine.wake_up`."""
         self._start()
-        async with self._update_calls, self._lock:
+        async with self._update_calls, self._at_step_boundary():
             self.engine.wake_up(tags)
-        self._wake.set()
+        self._notify()
 
     async def is_sleeping(self) -> bool:
         """Whether any part of the engine sleeps."""
@@ -427,7 +538,7 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached prompt prefix; see `LLMEngine.reset_prefix_cache`."""
-        async with self._lock:
+        async with self._at_step_boundary():
             return self.engine.reset_prefix_cache()
 
     def unfinished(self, request_ids: Iterable[str]) -> list[str]:
@@ -475,8 +586,10 @@ class AsyncEngine:
         """
         self._start()
         waiter = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(waiter)
-        self._wake.set()  # a parked loop looks again, so the answer is about the work of now
+        with self._cond:  # the step thread answers tickets it has looked for work after
+            self._idle_asked += 1
+            self._idle_waiters.append((self._idle_asked, waiter))
+            self._cond.notify_all()  # an idle step thread looks again, about the work of now
         await waiter
 
     async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
@@ -493,7 +606,7 @@ class AsyncEngine:
     async def start_weight_update(self) -> None:
         """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
         self._start()
-        async with self._update_calls, self._lock:
+        async with self._update_calls, self._at_step_boundary():
             with self.stats.counting_update_failures():
                 self._weights.start()
 
@@ -506,7 +619,7 @@ class AsyncEngine:
         self._start()
         update_info = update_info_of(request)
         try:
-            async with self._update_calls, self._transfer_lock, self._lock:
+            async with self._update_calls, self._transfer_lock, self._at_step_boundary():
                 bare = self._weights.status() is None
                 self._updating = True
                 try:
@@ -519,7 +632,7 @@ class AsyncEngine:
                     self.stats.weight_updates += 1
                 return stats
         finally:
-            self._wake.set()  # a bare update that ended resumes the engine it paused
+            self._notify()  # a bare update that ended resumes the engine it paused
 
     async def finish_weight_update(self, weight_version: WeightVersion | None = None) -> bool:
         """Ends the transaction and moves the version; see `LLMEngine.finish_weight_update`.
@@ -529,21 +642,21 @@ class AsyncEngine:
         """
         self._start()
         try:
-            async with self._update_calls, self._lock:
+            async with self._update_calls, self._at_step_boundary():
                 with self.stats.counting_update_failures():
                     applied = self._weights.finish(weight_version)
                 if applied:
                     self.stats.weight_updates += 1
                 return applied
         finally:
-            self._wake.set()
+            self._notify()
 
     async def abort_weight_update(self) -> bool:
         """Ends the transaction on purpose; see `LLMEngine.abort_weight_update`."""
         self._start()
-        async with self._update_calls, self._lock:
+        async with self._update_calls, self._at_step_boundary():
             aborted = self._weights.abort()
-        self._wake.set()
+        self._notify()
         return aborted
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
@@ -557,13 +670,13 @@ class AsyncEngine:
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         """Relabels the current weights; see `LLMEngine.update_weight_version`."""
-        async with self._update_calls, self._lock:
+        async with self._update_calls, self._at_step_boundary():
             self._weights.relabel(new_version)
 
     async def reset_weights(self) -> None:
         """Writes zeros over every weight; see `LLMEngine.reset_weights`."""
         self._start()
-        async with self._update_calls, self._lock:
+        async with self._update_calls, self._at_step_boundary():
             self.engine.reset_weights()
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -573,13 +686,13 @@ class AsyncEngine:
             EngineStateError: A weight update is in progress or weights are torn.
         """
         self._start()
-        async with self._lock:
+        async with self._at_step_boundary():
             return await asyncio.to_thread(self.engine.weight_checksums)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         """Leaves the trainer's transfer; see `LLMEngine.shutdown_weight_transfer_engine`."""
         self._start()
-        async with self._update_calls, self._transfer_lock, self._lock:
+        async with self._update_calls, self._transfer_lock, self._at_step_boundary():
             await asyncio.to_thread(self._weights.release_transfer_engine)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -589,15 +702,15 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:  # it ends after the step in flight
+            await asyncio.to_thread(self._thread.join)
         for queue in self._streams.values():
             queue.put_nowait(_Closed())
         self._step_done.set()  # a draining `wait` pause waits on it: it now fails instead
         self._settle_idle_waiters(EngineStateError("the engine was shut down"))
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
         # A transfer call still waiting in torch holds the transfer engine until its timeout_s;
         # shutting it down waits for that, off the event loop (a caller may bound it).
         await _on_transfer_thread(self.engine.shutdown)

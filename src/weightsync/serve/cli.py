@@ -149,9 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_data_parallel(args, transfer_config, sock)
     try:
         engine_config = _engine_config(args)
-        # The event loop that serves HTTP needs a core of its own, or every stream waits on
-        # the forward pass.
-        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+        # Every core but one: the HTTP side needs only a small part of a core, but a forward
+        # pass on every core contends with it and with its own step thread (the performance
+        # page has the figures).
+        torch.set_num_threads(args.num_threads or max(1, _cores() - 1))
+        logger.info("computing on %d threads (%d cores)", torch.get_num_threads(), _cores())
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
@@ -179,6 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_as_child(app, args.parent_pid, replica=args.replica)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
+
+
+def _cores() -> int:
+    """The cores this process may run on (a `taskset` or cgroup limit counts)."""
+    if hasattr(os, "sched_getaffinity"):  # a process pinned to some cores (taskset, cgroups)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _server_config(args: argparse.Namespace, *, world_size: int = 1) -> ServerConfig:

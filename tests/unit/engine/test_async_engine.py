@@ -13,7 +13,14 @@ def test_streams_grow_token_by_token_and_match_the_reference():
             outputs = [
                 out async for out in engine.generate(PROMPTS[0], greedy(8), request_id="one")
             ]
-            assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 9))
+            # Each item is cumulative; one the stream had not read yet when the next step's came
+            # is replaced by it (the engine steps on without waiting for the reader).
+            lengths = [len(o.outputs[0].token_ids) for o in outputs]
+            assert lengths == sorted(set(lengths)) and lengths[-1] == 8
+            final = outputs[-1].outputs[0].token_ids
+            assert all(
+                o.outputs[0].token_ids == final[: len(o.outputs[0].token_ids)] for o in outputs
+            )
             assert outputs[-1].finished and outputs[-1].request_id == "one"
             ids = engine.engine.tokenizer.encode(PROMPTS[0])
             assert outputs[-1].outputs[0].token_ids == reference_greedy(engine.engine.model, ids, 8)
@@ -40,6 +47,60 @@ def test_the_event_loop_stays_responsive_while_steps_run():
             assert await engine.is_paused() is False and not stream.outputs
             answered.set()
             assert len((await stream.final()).outputs[0].token_ids) == 4
+
+    asyncio.run(main())
+
+
+def test_the_engine_steps_on_while_the_event_loop_is_busy():
+    async def main():
+        async with make_async_engine() as engine:
+            all_stepped = threading.Event()
+            step = engine.engine.step
+
+            def counted():
+                outputs = step()
+                if engine.engine.num_steps >= 8:
+                    all_stepped.set()
+                return outputs
+
+            engine.engine.step = counted
+            stream = engine.generate(PROMPTS[0], greedy(8), request_id="busy")
+            first = await anext(stream)
+            # The event loop is held on a blocking wait from here: no task or callback runs on
+            # it, so no step may wait for it to take the outputs of the one before.
+            assert all_stepped.wait(timeout=30), "the steps waited for the event loop"
+            outputs = [first] + [out async for out in stream]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+            ids = engine.engine.tokenizer.encode(PROMPTS[0])
+            assert outputs[-1].outputs[0].token_ids == reference_greedy(engine.engine.model, ids, 8)
+
+    asyncio.run(main())
+
+
+def test_a_control_call_cancelled_before_its_step_boundary_leaves_the_engine_stepping():
+    async def main():
+        async with make_async_engine() as engine:
+            in_forward, release = threading.Event(), threading.Event()
+            execute = engine.engine.runner.execute
+
+            def held(batch):
+                in_forward.set()
+                assert release.wait(timeout=30), "the test never released the forward pass"
+                return execute(batch)
+
+            engine.engine.runner.execute = held
+            stream = start_streams(engine, 1, 4)[0]
+            assert await asyncio.to_thread(in_forward.wait, 30)
+            pause = asyncio.create_task(engine.pause_generation(mode="keep"))
+            await asyncio.sleep(0)  # the pause call runs up to its wait for the step boundary
+            assert not pause.done()
+            pause.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pause
+            engine.engine.runner.execute = execute
+            release.set()
+            assert len((await stream.final()).outputs[0].token_ids) == 4
+            assert await engine.is_paused() is False
 
     asyncio.run(main())
 

@@ -13,6 +13,7 @@ from engine_helpers import small_config
 from model_dirs import FAMILIES
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.hf_tokenizer import HFTokenizer
+from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import ByteTokenizer
 
@@ -90,7 +91,9 @@ def test_a_streamed_sampled_output_equals_the_output_generated_at_once(family_di
     async def main() -> tuple[list[str], str]:
         async with AsyncEngine(str(family_dir(name)), engine_config=small_config()) as engine:
             texts = [out.outputs[0].text async for out in engine.generate("Say:", params)]
-            final = engine.engine.generate("Say:", params)[0].outputs[0].text
+        # A second engine: the first one's steps belong to its own step thread.
+        reference = LLMEngine(str(family_dir(name)), engine_config=small_config())
+        final = reference.generate("Say:", params)[0].outputs[0].text
         return texts, final
 
     texts, final = asyncio.run(main())

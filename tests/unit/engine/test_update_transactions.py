@@ -283,7 +283,8 @@ def test_a_request_queued_during_a_bare_async_update_runs_once_its_last_part_lan
             for part in messages[1:]:
                 await engine.update_weights(part)
             output = await asyncio.wait_for(first, timeout=30)
-            assert output.outputs[0].weight_versions == [1]
+            versions = output.outputs[0].weight_versions  # one token or both, as read
+            assert versions in ([1], [1, 1])
 
     asyncio.run(main())
 
