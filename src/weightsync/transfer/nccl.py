@@ -214,8 +214,6 @@ def _without_vllm_wire_keys(update_info: Mapping[str, Any], wire: WireParams) ->
 
 # --- what ties a worker's answer to the trainer's update ----------------------------------------
 
-_VLLM_WIRE_KEYS = frozenset(_VLLM_UPDATE_WIRE_KEYS)
-
 
 def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
     """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
@@ -226,14 +224,14 @@ def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
 def _send_identity(update_info: object) -> str:
     """Which send a message belongs to (16 hex digits): its `send_id`, else its content."""
     # A message mangled on its way keeps its send; a stray one has another.
-    data: Any = update_info.to_dict() if isinstance(update_info, WeightTransferUpdateInfo) else None
-    if data is None and isinstance(update_info, Mapping):
-        data = dict(update_info)
-    if isinstance(data, dict) and isinstance(data.get("send_id"), str):
-        key: Any = ["send_id", data["send_id"]]
-    elif isinstance(data, dict):  # null fields are as good as absent (to_dict leaves them out)
+    if isinstance(update_info, WeightTransferUpdateInfo):
+        update_info = update_info.to_dict()
+    if isinstance(update_info, Mapping) and isinstance(update_info.get("send_id"), str):
+        key: Any = ["send_id", update_info["send_id"]]
+    elif isinstance(update_info, Mapping):  # null fields are as good as absent (to_dict omits them)
         # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
-        content = {k: v for k, v in data.items() if v is not None and k not in _VLLM_WIRE_KEYS}
+        wire_keys = _VLLM_UPDATE_WIRE_KEYS
+        content = {k: v for k, v in update_info.items() if v is not None and k not in wire_keys}
         key = ["content", content]
     else:
         key = ["content", update_info]
@@ -282,20 +280,9 @@ class _Phase(enum.Enum):
     DECIDED = "decided"
 
 
-def _update_key(n: int) -> str:
-    return f"update/{n}"
-
-
-def _answer_key(n: int, rank: int) -> str:
-    return f"update/{n}/answer/{rank}"
-
-
-def _decision_key(n: int) -> str:
-    return f"update/{n}/decision"
-
-
-def _early_key(rank: int) -> str:
-    return f"update/early/{rank}"
+# The keys of the table above, as functions of n and rank.
+_update_key, _decision_key = "update/{}".format, "update/{}/decision".format
+_answer_key, _early_key = "update/{}/answer/{}".format, "update/early/{}".format
 
 
 def _cut(reason: str) -> str:
@@ -351,7 +338,8 @@ def _open_update(
     digest = _metadata_digest(specs)
     group.set(_update_key(n), {"send": send, "tensors": len(specs), "digest": digest})
     group.set(_LATEST, n)
-    answers = _collect(group, n, send, digest, receiving, rank_offset)
+    calls = {rank_offset + i: call for i, call in enumerate(receiving)}
+    answers = _collect(group, n, send, digest, calls)
     silent = [rank for rank in range(1, group.world_size) if rank not in answers]
     refusals = [
         f"rank {r}: {_cut(a['refused'])}" for r, a in sorted(answers.items()) if "refused" in a
@@ -383,14 +371,10 @@ def _decide(group: BroadcastGroup, n: int, decision: dict[str, Any]) -> None:
 
 
 def _collect(
-    group: BroadcastGroup,
-    n: int,
-    send: str,
-    digest: int,
-    receiving: Sequence[Future[Any]],
-    rank_offset: int,
+    group: BroadcastGroup, n: int, send: str, digest: int, calls: dict[int, Future[Any]]
 ) -> dict[int, dict[str, Any]]:
     """COLLECT: every worker's answer to `n` that came within `timeout_s`, by rank."""
+    # `calls`: the workers' calls delivering the message, by rank, when this process made them.
     answers: dict[int, dict[str, Any]] = {}
     now = time.monotonic()
     deadline, eager_until, pause = now + group.timeout_s, now + _EAGER_FOR_S, _EAGER_PAUSE_S
@@ -399,11 +383,7 @@ def _collect(
             key = _answer_key(n, rank)
             value = None if rank in answers else group.lookup(key)
             if rank not in answers and value is None:  # answered for it, or still awaited
-                call = (
-                    receiving[rank - rank_offset]
-                    if 0 <= rank - rank_offset < len(receiving)
-                    else None
-                )
+                call = calls.get(rank)
                 if (early := _early_refusal(group, rank, n, send, digest)) is not None:
                     value = group.set_once(key, {"refused": _cut(early)})
                 elif call is not None and call.done() and (error := call.exception()) is not None:
@@ -414,9 +394,9 @@ def _collect(
         now = time.monotonic()
         if len(answers) == group.world_size - 1 or now >= deadline:
             return answers
-        calls = [call for call in receiving if not call.done()]
-        if calls:  # a call that fails wakes this up at once
-            wait(calls, timeout=pause, return_when=FIRST_COMPLETED)
+        pending = [call for call in calls.values() if not call.done()]
+        if pending:  # a call that fails wakes this up at once
+            wait(pending, timeout=pause, return_when=FIRST_COMPLETED)
         else:
             time.sleep(pause)
         if now > eager_until:
