@@ -280,7 +280,6 @@ class _Phase(enum.Enum):
     DECIDED = "decided"
 
 
-# The keys of the table above, as functions of n and rank.
 _update_key, _decision_key = "update/{}".format, "update/{}/decision".format
 _answer_key, _early_key = "update/{}/answer/{}".format, "update/early/{}".format
 
@@ -364,17 +363,15 @@ def _decide(group: BroadcastGroup, n: int, decision: dict[str, Any]) -> None:
     """DECIDE: publishes the decision on `n`, then forgets update n-2, which no worker reads."""
     group.set(_decision_key(n), decision)
     if n > 2:
-        for key in (_update_key(n - 2), _decision_key(n - 2)):
+        answers = [_answer_key(n - 2, rank) for rank in range(1, group.world_size)]
+        for key in [_update_key(n - 2), _decision_key(n - 2), *answers]:
             group.delete(key)
-        for rank in range(1, group.world_size):
-            group.delete(_answer_key(n - 2, rank))
 
 
 def _collect(
     group: BroadcastGroup, n: int, send: str, digest: int, calls: dict[int, Future[Any]]
 ) -> dict[int, dict[str, Any]]:
     """COLLECT: every worker's answer to `n` that came within `timeout_s`, by rank."""
-    # `calls`: the workers' calls delivering the message, by rank, when this process made them.
     answers: dict[int, dict[str, Any]] = {}
     now = time.monotonic()
     deadline, eager_until, pause = now + group.timeout_s, now + _EAGER_FOR_S, _EAGER_PAUSE_S
@@ -486,8 +483,6 @@ class _WorkerHandshake:
         while True:
             if phase is _Phase.AWAITED:
                 value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
-                if value is None:  # a JSON null under the key: not the trainer's
-                    raise group.malformed(_update_key(n), "None")
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
@@ -526,8 +521,6 @@ class _WorkerHandshake:
             _answered_hook(n)
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
         decision = _checked(group, _decision_key(n), value, _decided)
-        if decision is None:  # a JSON null under the key: not the trainer's
-            raise group.malformed(_decision_key(n), "None")
         if decision.get("go") is True:
             self._went = n
             return
@@ -536,14 +529,17 @@ class _WorkerHandshake:
         raise WeightTransferTimeout(_cut(decision["timeout"]))
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
-        """Waits for `key` until `deadline`; a timeout names the whole handshake's limit."""
+        """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake's."""
         try:
-            return self._group.get(key, max(deadline - time.monotonic(), 0.001))
+            value = self._group.get(key, max(deadline - time.monotonic(), 0.001))
         except WeightTransferTimeout:
             raise WeightTransferTimeout(
                 f"the update handshake timed out after {self._group.timeout_s:g} s (timeout_s): "
                 f"{what}: the trainer did not call trainer_send_weights for this update, or is stuck"
             ) from None
+        if value is None:  # a JSON null under the key: not the trainer's
+            raise self._group.malformed(key, "None")
+        return value
 
     def trainer_is_gone(self) -> bool:
         """Whether the trainer's store stopped answering (it closed its group or died)."""
@@ -621,9 +617,7 @@ def _transfer_failed(
     _abort(group, exc)
     reasons = _peer_reasons(group)
     side = "trainer" if group.rank == 0 else f"worker rank {group.rank}"
-    message = f"weight transfer failed on the {side}: {exc}"
-    if reasons:
-        message += f" ({reasons})"
+    message = f"weight transfer failed on the {side}: {exc}" + (f" ({reasons})" if reasons else "")
     message += "; the group is closed: initialize a new one before the next update"
     error_cls = type(exc) if isinstance(exc, WeightTransferError) else WeightTransferError
     return error_cls(message, partially_applied=partially_applied)
