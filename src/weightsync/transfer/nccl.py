@@ -488,12 +488,19 @@ class _WorkerHandshake:
             if phase is _Phase.OPEN:
                 assert announced is not None
                 return self._answer(n, announced, specs, deadline)
-            assert announced is not None
-            if announced["send"] == send:  # raises when this message is late for its update
-                mine = group.lookup(_answer_key(n, group.rank))
-                _refuse_again(
-                    n, _checked(group, _answer_key(n, group.rank), mine, _answered), decided
-                )
+            assert announced is not None and decided is not None
+            if announced["send"] == send:  # a message late for its update is refused
+                key = _answer_key(n, group.rank)
+                mine = _checked(group, key, group.lookup(key), _answered)
+                # Answered by this worker itself: the message is for a later update of the same
+                # send (a retry, say). "unseen": only the trainer answered, for a call that failed.
+                if mine is None or mine.get("unseen"):
+                    reason = (mine or {}).get("refused")
+                    reason = decided.get("refused") or decided.get("timeout") or reason
+                    raise WeightValidationError(
+                        f"update #{n}, which this message belongs to, was refused "
+                        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
+                    )
             n, phase = n + 1, _Phase.AWAITED
 
     def _answer(
@@ -554,21 +561,6 @@ class _WorkerHandshake:
                          exc_info=exc)  # fmt: skip
             return True
         return False
-
-
-def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
-    """Raises when a message of decided update `n` comes and this worker took no part in `n`."""
-    # Returns when this worker answered `n` itself: the message is for a later update of the
-    # same send (a retry, say). "unseen": only the trainer answered, for a call that failed.
-    if mine is not None and not mine.get("unseen"):
-        return
-    reason: object = mine["refused"] if mine is not None else None
-    if isinstance(decided, dict):
-        reason = decided.get("refused") or decided.get("timeout") or reason
-    raise WeightValidationError(
-        f"update #{n}, which this message belongs to, was refused "
-        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
-    )
 
 
 # --- steps 4 and 5: the buckets, and what a rank does when they fail ----------------------------
@@ -635,8 +627,7 @@ class TrainerGroup:
     """
 
     def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
-        self._group, self._info = group, info
-        self._wire = info.wire
+        self._group, self._info, self._wire = group, info, info.wire
         self._pool = byte_buffers(info.num_buffers, group.device)
         self._seq = 0  # the number of the last update announced
         self._closed = False
