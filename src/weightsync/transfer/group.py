@@ -201,7 +201,7 @@ class BroadcastGroup:
                 master_listen_fd=listener.detach(), wait_for_workers=False, use_libuv=False
             )
         try:
-            self._store = self._call(
+            self._store: Any = self._call(
                 what,
                 lambda: dist.TCPStore(  # type: ignore[attr-defined]
                     master_address, master_port, world_size, rank == 0, **options
