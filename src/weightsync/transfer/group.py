@@ -348,21 +348,19 @@ class BroadcastGroup:
 
     def read_list(self, key: str, limit_s: float) -> list[Any]:
         """The values appended under `key` (none if there are none or the store does not answer)."""
-
-        def read() -> list[Any]:
-            if not self._store.check([key]):
-                return []
-            text = bytes(self._store.get(key))[:_MAX_LIST_BYTES].decode("utf-8", "replace")
-            values = []
-            for line in text.splitlines():
-                with contextlib.suppress(ValueError, RecursionError):
-                    values.append(json.loads(line))
-            return values
-
         try:
-            return self._bounded(f"reading {key!r} from", read, limit_s)
+            raw = self._bounded(
+                f"reading {key!r} from",
+                lambda: self._store.get(key) if self._store.check([key]) else b"",
+                limit_s,
+            )
         except Exception:  # a dead or stopped store: nothing to read
             return []
+        values = []
+        for line in bytes(raw)[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                values.append(json.loads(line))
+        return values
 
     # --- collectives ---------------------------------------------------------------------------
 
