@@ -55,27 +55,21 @@ _MAX_VALUE_BYTES = 1 << 20
 _MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
 
 
-def _torch_message(exc: BaseException) -> str:
-    """The first line of a torch failure's message (below it come C++ frames)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
-
-
 def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
     """Maps a torch.distributed failure onto weightsync's error classes (one line, no C++ frames)."""
     # torch reports timeouts as a RuntimeError saying so; another type naming a timeout (a
     # constructor's TypeError about its `timeout` argument) is a failure.
     text = str(exc).lower()
+    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"  # no C++ frames
     if isinstance(exc, TimeoutError) or (
         isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
     ):
         return WeightTransferTimeout(
             f"{what} timed out after {timeout_s:g} s (timeout_s): a peer is missing, stuck or "
-            f"was never told to take part; {type(exc).__name__}: {_torch_message(exc)}"
+            f"was never told to take part; {cause}"
         )
     return WeightTransferError(
-        f"{what} failed, most likely because a peer process died or closed the group; "
-        f"{type(exc).__name__}: {_torch_message(exc)}"
+        f"{what} failed, most likely because a peer process died or closed the group; {cause}"
     )
 
 
@@ -195,42 +189,31 @@ class BroadcastGroup:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: Any = None
         self._store_stuck = False
-        self.where = f"the transfer store at {master_address}:{master_port}"
-        if rank == 0:
-            self._store = self._host_store(master_address, master_port)
-        else:
-            self._store = self._call(
-                f"connecting to the transfer store at {master_address}:{master_port}",
-                lambda: dist.TCPStore(  # type: ignore[attr-defined]
-                    master_address, master_port, world_size, False, timeout=self._timeout
-                ),
+        what = f"connecting to the transfer store at {master_address}:{master_port}"
+        options: dict[str, Any] = {"timeout": self._timeout}
+        if rank == 0:  # the trainer's store listens on `master_address` only (torch: everywhere)
+            listener = _bind_listener(master_address, master_port)
+            master_port = listener.getsockname()[1]
+            what = f"starting the transfer store on {master_address}:{master_port}"
+            # The store owns the socket from here and closes it with itself; the libuv server
+            # ignores a given socket.
+            options.update(
+                master_listen_fd=listener.detach(), wait_for_workers=False, use_libuv=False
             )
-        self.port: int = self._store.port
-        self.where = f"the transfer store at {master_address}:{self.port}"
-
-    def _host_store(self, address: str, port: int) -> Any:
-        """The trainer's store, listening on `address` only (torch alone takes every interface)."""
-        listener = _bind_listener(address, port)
-        bound_port = listener.getsockname()[1]
-        fd = listener.detach()  # the store owns the socket from here and closes it with itself
         try:
-            return self._call(
-                f"starting the transfer store on {address}:{bound_port}",
+            self._store: Any = self._call(
+                what,
                 lambda: dist.TCPStore(  # type: ignore[attr-defined]
-                    address,
-                    bound_port,
-                    self.world_size,
-                    True,
-                    timeout=self._timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=fd,
-                    use_libuv=False,  # the libuv server ignores a given socket
+                    master_address, master_port, world_size, rank == 0, **options
                 ),
             )
         except WeightTransferError:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if rank == 0:
+                with contextlib.suppress(OSError):
+                    os.close(options["master_listen_fd"])
             raise
+        self.port: int = self._store.port
+        self.where = f"the transfer store at {master_address}:{self.port}"
 
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
         try:
@@ -242,12 +225,13 @@ class BroadcastGroup:
 
     # --- the store: every call bounded, every value checked ----------------------------------
 
-    def _bounded(self, what: str, fn: Callable[[], _T], limit_s: float | None = None) -> _T:
-        """Runs a store call on a daemon thread, `limit_s` (default: the group's) at most."""
+    def _bounded(self, doing: str, fn: Callable[[], _T], limit_s: float | None = None) -> _T:
+        """Runs a store call (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
         # torch's store client waits for its host without a bound, and a call waits for the one
         # before it on the same connection: a stopped trainer (SIGSTOP) whose socket is open
         # would hang it forever. After a timeout the client is mid-conversation: never again.
         limit_s = self.timeout_s if limit_s is None else limit_s
+        what = f"{doing} {self.where}"
         if self._store_stuck:
             raise WeightTransferTimeout(
                 f"{what}: {self.where} stopped answering earlier (timeout_s): its host (the "
@@ -303,7 +287,7 @@ class BroadcastGroup:
     def set(self, key: str, value: Any) -> None:
         """Publishes a JSON-safe value under `key`."""
         text = json.dumps(value)
-        self._bounded(f"writing {key!r} to {self.where}", lambda: self._store.set(key, text))
+        self._bounded(f"writing {key!r} to", lambda: self._store.set(key, text))
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
@@ -313,12 +297,12 @@ class BroadcastGroup:
             self._store.wait([key], datetime.timedelta(seconds=limit))
             return self._store.get(key)
 
-        return self._value(key, self._bounded(f"reading {key!r} from {self.where}", read, limit))
+        return self._value(key, self._bounded(f"reading {key!r} from", read, limit))
 
     def lookup(self, key: str) -> Any:
         """The value under `key`, or None when there is none yet; never waits for one."""
         raw = self._bounded(
-            f"reading {key!r} from {self.where}",
+            f"reading {key!r} from",
             lambda: self._store.get(key) if self._store.check([key]) else None,
         )
         return None if raw is None else self._value(key, raw)
@@ -333,24 +317,22 @@ class BroadcastGroup:
     def set_once(self, key: str, value: Any) -> Any:
         """Stores `value` under `key` unless one is there; returns the one stored (ranks agree)."""
         text = json.dumps(value)
-        raw = self._bounded(
-            f"writing {key!r} to {self.where}", lambda: self._store.compare_set(key, "", text)
-        )
+        raw = self._bounded(f"writing {key!r} to", lambda: self._store.compare_set(key, "", text))
         return self._value(key, raw)
 
     def delete(self, key: str) -> None:
         """Removes `key` (nothing happens when it is not there)."""
-        self._bounded(f"deleting {key!r} from {self.where}", lambda: self._store.delete_key(key))
+        self._bounded(f"deleting {key!r} from", lambda: self._store.delete_key(key))
 
     def has(self, keys: list[str]) -> bool:
         """Whether every key is in the store."""
-        return bool(self._bounded(f"checking {self.where}", lambda: self._store.check(keys)))
+        return bool(self._bounded("checking", lambda: self._store.check(keys)))
 
     def claim_rank(self, claimant: str) -> None:
         """Claims this rank for `claimant` (again, for the same one); another claimant is refused."""
         key = f"rank/{self.rank}"
         owner = self._bounded(
-            f"claiming {key!r} in {self.where}", lambda: self._store.compare_set(key, "", claimant)
+            f"claiming {key!r} in", lambda: self._store.compare_set(key, "", claimant)
         )
         if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
             raise WeightValidationError(
@@ -362,27 +344,23 @@ class BroadcastGroup:
     def append(self, key: str, value: Any) -> None:
         """Appends a JSON-safe value to the list under `key`."""
         line = json.dumps(value) + "\n"
-        self._bounded(
-            f"appending to {key!r} in {self.where}", lambda: self._store.append(key, line)
-        )
+        self._bounded(f"appending to {key!r} in", lambda: self._store.append(key, line))
 
     def read_list(self, key: str, limit_s: float) -> list[Any]:
         """The values appended under `key` (none if there are none or the store does not answer)."""
-
-        def read() -> list[Any]:
-            if not self._store.check([key]):
-                return []
-            text = bytes(self._store.get(key))[:_MAX_LIST_BYTES].decode("utf-8", "replace")
-            values = []
-            for line in text.splitlines():
-                with contextlib.suppress(ValueError, RecursionError):
-                    values.append(json.loads(line))
-            return values
-
         try:
-            return self._bounded(f"reading {key!r} from {self.where}", read, limit_s)
+            raw = self._bounded(
+                f"reading {key!r} from",
+                lambda: self._store.get(key) if self._store.check([key]) else b"",
+                limit_s,
+            )
         except Exception:  # a dead or stopped store: nothing to read
             return []
+        values = []
+        for line in bytes(raw)[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                values.append(json.loads(line))
+        return values
 
     # --- collectives ---------------------------------------------------------------------------
 
@@ -418,16 +396,12 @@ class BroadcastGroup:
         """Whether the process group is formed and not closed."""
         return self._pg is not None
 
-    def _require_pg(self) -> Any:
-        if self._pg is None:
+    def broadcast(self, tensor: torch.Tensor, what: str) -> BroadcastWork:
+        """Starts broadcasting `tensor` from rank 0 into the same-sized tensor on every rank."""
+        if (pg := self._pg) is None:
             raise WeightTransferError(
                 "the transfer group is not connected (never formed, or closed after a failure)"
             )
-        return self._pg
-
-    def broadcast(self, tensor: torch.Tensor, what: str) -> BroadcastWork:
-        """Starts broadcasting `tensor` from rank 0 into the same-sized tensor on every rank."""
-        pg = self._require_pg()
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor, options.timeout = 0, 0, self._timeout
         return BroadcastWork(

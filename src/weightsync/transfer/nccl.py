@@ -214,8 +214,6 @@ def _without_vllm_wire_keys(update_info: Mapping[str, Any], wire: WireParams) ->
 
 # --- what ties a worker's answer to the trainer's update ----------------------------------------
 
-_VLLM_WIRE_KEYS = frozenset(_VLLM_UPDATE_WIRE_KEYS)
-
 
 def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
     """A 63-bit digest of names, dtypes and shapes, to catch sides that announce different things."""
@@ -226,14 +224,14 @@ def _metadata_digest(specs: Sequence[TensorSpec]) -> int:
 def _send_identity(update_info: object) -> str:
     """Which send a message belongs to (16 hex digits): its `send_id`, else its content."""
     # A message mangled on its way keeps its send; a stray one has another.
-    data: Any = update_info.to_dict() if isinstance(update_info, WeightTransferUpdateInfo) else None
-    if data is None and isinstance(update_info, Mapping):
-        data = dict(update_info)
-    if isinstance(data, dict) and isinstance(data.get("send_id"), str):
-        key: Any = ["send_id", data["send_id"]]
-    elif isinstance(data, dict):  # null fields are as good as absent (to_dict leaves them out)
+    if isinstance(update_info, WeightTransferUpdateInfo):
+        update_info = update_info.to_dict()
+    if isinstance(update_info, Mapping) and isinstance(update_info.get("send_id"), str):
+        key: Any = ["send_id", update_info["send_id"]]
+    elif isinstance(update_info, Mapping):  # null fields are as good as absent (to_dict omits them)
         # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
-        content = {k: v for k, v in data.items() if v is not None and k not in _VLLM_WIRE_KEYS}
+        wire_keys = _VLLM_UPDATE_WIRE_KEYS
+        content = {k: v for k, v in update_info.items() if v is not None and k not in wire_keys}
         key = ["content", content]
     else:
         key = ["content", update_info]
@@ -282,20 +280,8 @@ class _Phase(enum.Enum):
     DECIDED = "decided"
 
 
-def _update_key(n: int) -> str:
-    return f"update/{n}"
-
-
-def _answer_key(n: int, rank: int) -> str:
-    return f"update/{n}/answer/{rank}"
-
-
-def _decision_key(n: int) -> str:
-    return f"update/{n}/decision"
-
-
-def _early_key(rank: int) -> str:
-    return f"update/early/{rank}"
+_update_key, _decision_key = "update/{}".format, "update/{}/decision".format
+_answer_key, _early_key = "update/{}/answer/{}".format, "update/early/{}".format
 
 
 def _cut(reason: str) -> str:
@@ -351,7 +337,8 @@ def _open_update(
     digest = _metadata_digest(specs)
     group.set(_update_key(n), {"send": send, "tensors": len(specs), "digest": digest})
     group.set(_LATEST, n)
-    answers = _collect(group, n, send, digest, receiving, rank_offset)
+    calls = {rank_offset + i: call for i, call in enumerate(receiving)}
+    answers = _collect(group, n, send, digest, calls)
     silent = [rank for rank in range(1, group.world_size) if rank not in answers]
     refusals = [
         f"rank {r}: {_cut(a['refused'])}" for r, a in sorted(answers.items()) if "refused" in a
@@ -376,19 +363,13 @@ def _decide(group: BroadcastGroup, n: int, decision: dict[str, Any]) -> None:
     """DECIDE: publishes the decision on `n`, then forgets update n-2, which no worker reads."""
     group.set(_decision_key(n), decision)
     if n > 2:
-        for key in (_update_key(n - 2), _decision_key(n - 2)):
+        answers = [_answer_key(n - 2, rank) for rank in range(1, group.world_size)]
+        for key in [_update_key(n - 2), _decision_key(n - 2), *answers]:
             group.delete(key)
-        for rank in range(1, group.world_size):
-            group.delete(_answer_key(n - 2, rank))
 
 
 def _collect(
-    group: BroadcastGroup,
-    n: int,
-    send: str,
-    digest: int,
-    receiving: Sequence[Future[Any]],
-    rank_offset: int,
+    group: BroadcastGroup, n: int, send: str, digest: int, calls: dict[int, Future[Any]]
 ) -> dict[int, dict[str, Any]]:
     """COLLECT: every worker's answer to `n` that came within `timeout_s`, by rank."""
     answers: dict[int, dict[str, Any]] = {}
@@ -399,11 +380,7 @@ def _collect(
             key = _answer_key(n, rank)
             value = None if rank in answers else group.lookup(key)
             if rank not in answers and value is None:  # answered for it, or still awaited
-                call = (
-                    receiving[rank - rank_offset]
-                    if 0 <= rank - rank_offset < len(receiving)
-                    else None
-                )
+                call = calls.get(rank)
                 if (early := _early_refusal(group, rank, n, send, digest)) is not None:
                     value = group.set_once(key, {"refused": _cut(early)})
                 elif call is not None and call.done() and (error := call.exception()) is not None:
@@ -414,9 +391,9 @@ def _collect(
         now = time.monotonic()
         if len(answers) == group.world_size - 1 or now >= deadline:
             return answers
-        calls = [call for call in receiving if not call.done()]
-        if calls:  # a call that fails wakes this up at once
-            wait(calls, timeout=pause, return_when=FIRST_COMPLETED)
+        pending = [call for call in calls.values() if not call.done()]
+        if pending:  # a call that fails wakes this up at once
+            wait(pending, timeout=pause, return_when=FIRST_COMPLETED)
         else:
             time.sleep(pause)
         if now > eager_until:
@@ -506,19 +483,24 @@ class _WorkerHandshake:
         while True:
             if phase is _Phase.AWAITED:
                 value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
-                if value is None:  # a JSON null under the key: not the trainer's
-                    raise group.malformed(_update_key(n), "None")
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
                 assert announced is not None
                 return self._answer(n, announced, specs, deadline)
-            assert announced is not None
-            if announced["send"] == send:  # raises when this message is late for its update
-                mine = group.lookup(_answer_key(n, group.rank))
-                _refuse_again(
-                    n, _checked(group, _answer_key(n, group.rank), mine, _answered), decided
-                )
+            assert announced is not None and decided is not None
+            if announced["send"] == send:  # a message late for its update is refused
+                key = _answer_key(n, group.rank)
+                mine = _checked(group, key, group.lookup(key), _answered)
+                # Answered by this worker itself: the message is for a later update of the same
+                # send (a retry, say). "unseen": only the trainer answered, for a call that failed.
+                if mine is None or mine.get("unseen"):
+                    reason = (mine or {}).get("refused")
+                    reason = decided.get("refused") or decided.get("timeout") or reason
+                    raise WeightValidationError(
+                        f"update #{n}, which this message belongs to, was refused "
+                        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
+                    )
             n, phase = n + 1, _Phase.AWAITED
 
     def _answer(
@@ -546,8 +528,6 @@ class _WorkerHandshake:
             _answered_hook(n)
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
         decision = _checked(group, _decision_key(n), value, _decided)
-        if decision is None:  # a JSON null under the key: not the trainer's
-            raise group.malformed(_decision_key(n), "None")
         if decision.get("go") is True:
             self._went = n
             return
@@ -556,14 +536,17 @@ class _WorkerHandshake:
         raise WeightTransferTimeout(_cut(decision["timeout"]))
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
-        """Waits for `key` until `deadline`; a timeout names the whole handshake's limit."""
+        """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake's."""
         try:
-            return self._group.get(key, max(deadline - time.monotonic(), 0.001))
+            value = self._group.get(key, max(deadline - time.monotonic(), 0.001))
         except WeightTransferTimeout:
             raise WeightTransferTimeout(
                 f"the update handshake timed out after {self._group.timeout_s:g} s (timeout_s): "
                 f"{what}: the trainer did not call trainer_send_weights for this update, or is stuck"
             ) from None
+        if value is None:  # a JSON null under the key: not the trainer's
+            raise self._group.malformed(key, "None")
+        return value
 
     def trainer_is_gone(self) -> bool:
         """Whether the trainer's store stopped answering (it closed its group or died)."""
@@ -578,21 +561,6 @@ class _WorkerHandshake:
                          exc_info=exc)  # fmt: skip
             return True
         return False
-
-
-def _refuse_again(n: int, mine: dict[str, Any] | None, decided: object) -> None:
-    """Raises when a message of decided update `n` comes and this worker took no part in `n`."""
-    # Returns when this worker answered `n` itself: the message is for a later update of the
-    # same send (a retry, say). "unseen": only the trainer answered, for a call that failed.
-    if mine is not None and not mine.get("unseen"):
-        return
-    reason: object = mine["refused"] if mine is not None else None
-    if isinstance(decided, dict):
-        reason = decided.get("refused") or decided.get("timeout") or reason
-    raise WeightValidationError(
-        f"update #{n}, which this message belongs to, was refused "
-        f"({str(reason)[:_REASON_CHARS]}): nothing moved; send the update again"
-    )
 
 
 # --- steps 4 and 5: the buckets, and what a rank does when they fail ----------------------------
@@ -641,9 +609,7 @@ def _transfer_failed(
     _abort(group, exc)
     reasons = _peer_reasons(group)
     side = "trainer" if group.rank == 0 else f"worker rank {group.rank}"
-    message = f"weight transfer failed on the {side}: {exc}"
-    if reasons:
-        message += f" ({reasons})"
+    message = f"weight transfer failed on the {side}: {exc}" + (f" ({reasons})" if reasons else "")
     message += "; the group is closed: initialize a new one before the next update"
     error_cls = type(exc) if isinstance(exc, WeightTransferError) else WeightTransferError
     return error_cls(message, partially_applied=partially_applied)
@@ -661,8 +627,7 @@ class TrainerGroup:
     """
 
     def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
-        self._group, self._info = group, info
-        self._wire = info.wire
+        self._group, self._info, self._wire = group, info, info.wire
         self._pool = byte_buffers(info.num_buffers, group.device)
         self._seq = 0  # the number of the last update announced
         self._closed = False
