@@ -2,6 +2,8 @@
 
 import os
 import select
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,3 +193,20 @@ def test_a_trainer_killed_mid_transfer_leaves_no_segment(procs):
             "initialized": True,
             "update_in_progress": True,
         }
+
+
+def test_a_receiver_never_shut_down_leaves_no_watch_running_when_its_process_exits():
+    # The report runs last (exit handlers run in reverse order): after the package's own.
+    code = """
+import atexit, threading
+atexit.register(lambda: print(sorted(t.name for t in threading.enumerate() if t.daemon)))
+import torch
+from weightsync.transfer.ipc import IPCWeightTransferEngine, ipc_trainer_init
+session = ipc_trainer_init(packed=True)
+receiver = IPCWeightTransferEngine(params={"w": torch.zeros(4)})
+receiver.init_transfer_engine(session.init_info)
+assert receiver._watch.is_running
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "weightsync-ipc-watch" not in out.stdout  # stopped before the interpreter finalizes

@@ -1,6 +1,8 @@
 """A receiver's watch: what a trainer that went away left behind is released between calls."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -61,6 +63,20 @@ def test_segments_a_closed_session_unlinked_are_unmapped_between_updates():
     finally:
         rig.close()
     assert not watch.is_running  # shutdown stops it
+
+
+def test_a_receiver_dropped_without_shutdown_is_collected_and_its_watch_ends():
+    rig = Rig(packed=True, bucket_size_bytes=256)
+    try:
+        rig.send()  # the receiver now holds mappings of the session's segments
+        receiver, watch = weakref.ref(rig.engine), rig.engine._watch
+        rig.engine = None  # dropped, never shut down
+        gc.collect()
+        assert receiver() is None  # its watch does not keep it (and its mappings) alive
+        watch._thread.join(SWEEP_S)
+        assert not watch.is_running  # the next period found nothing left to watch
+    finally:
+        rig.session.close()
 
 
 @pytest.fixture

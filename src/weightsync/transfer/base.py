@@ -13,12 +13,16 @@ found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
+import inspect
 import logging
 import math
 import secrets
 import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -356,7 +360,12 @@ _STOP_WAIT_S = 5.0
 
 
 class _Watch:
-    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False."""
+    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False.
+
+    A bound-method sweep is held weakly: a receiver dropped without `shutdown` is not kept alive
+    by its watch, whose thread ends at the next period once the receiver is collected. Every
+    watch still running is stopped and joined when the interpreter exits (`_stop_all_watches`).
+    """
 
     # A trainer may go away between two calls, leaving what the receiver still holds (its group's
     # connections and port, shared-memory mappings): the sweep releases them within about that long.
@@ -364,39 +373,77 @@ class _Watch:
     def __init__(
         self, sweep: Callable[[], bool], *, name: str, period_s: float = _RELEASE_PERIOD_S
     ) -> None:
-        self._sweep, self._period_s = sweep, period_s
+        self._sweep: Callable[[], Callable[[], bool] | None]
+        if inspect.ismethod(sweep):
+            self._sweep = weakref.WeakMethod(sweep)
+        else:
+            self._sweep = lambda: sweep
+        self._period_s = period_s
         self._stopped = threading.Event()
         self.swept = threading.Event()  # set after each sweep: a test waits on it, not a sleep
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _LIVE_WATCHES.add(self)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stopped.wait(self._period_s):
-            try:
-                going_on = self._sweep()
-            except Exception:  # a sweep must never take the receiver down with it
-                logger.exception("releasing what the trainer left behind failed")
-                going_on = True
-            self.swept.set()
-            if not going_on:
+            if not self._sweep_once():
                 return
+
+    def _sweep_once(self) -> bool:
+        """One sweep; returns whether to go on. Its owner is referenced only while it runs."""
+        sweep = self._sweep()
+        if sweep is None:  # the receiver was collected: nothing is left to watch
+            return False
+        try:
+            going_on = sweep()
+        except Exception:  # a sweep must never take the receiver down with it
+            logger.exception("releasing what the trainer left behind failed")
+            going_on = True
+        self.swept.set()
+        return going_on
 
     @property
     def is_running(self) -> bool:
         """Whether the thread still runs."""
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Stops the thread and waits for it (a sweep in progress ends first). Safe twice."""
+    def stop(self, timeout_s: float = _STOP_WAIT_S) -> None:
+        """Stops the thread and waits up to `timeout_s` for it (a sweep in progress ends first).
+
+        Safe twice.
+        """
         self._stopped.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(_STOP_WAIT_S)
+            self._thread.join(max(0.0, timeout_s))
 
     @staticmethod
     def stop_if_any(watch: _Watch | None) -> None:
         """Stops `watch`, if there is one."""
         if watch is not None:
             watch.stop()
+
+
+_LIVE_WATCHES: weakref.WeakSet[_Watch] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_watches() -> None:
+    """Stops and joins every watch still running, before the interpreter finalizes.
+
+    A receiver nobody shut down still has its watch, a daemon thread. Left running, its sweep
+    can free a shared-memory mapping's tensor while the interpreter finalizes; releasing the
+    buffer takes the GIL from inside torch's tensor destructor, CPython ends a daemon thread
+    that takes the GIL during finalization with `pthread_exit`, and that unwind through a
+    noexcept destructor aborts the process (`std::terminate`). Exit handlers run before
+    finalization, so the watches end here, all within one `_STOP_WAIT_S`.
+    """
+    watches = list(_LIVE_WATCHES)
+    for watch in watches:
+        watch._stopped.set()  # all at once: the joins below then overlap
+    deadline = time.monotonic() + _STOP_WAIT_S
+    for watch in watches:
+        watch.stop(deadline - time.monotonic())
 
 
 class WeightTransferEngine(ABC):
