@@ -749,9 +749,10 @@ def tokens_per_cpu_s(bursts: list[Burst]) -> float | None:
 
 
 def side_record(side: Side) -> dict[str, Any]:
+    """What the results say of a side; the served model's name without its directory."""
     pids = process_tree(side.pid) if side.pid is not None else []
     return {
-        "label": side.label, "command": side.command, "model": side.model,
+        "label": side.label, "command": side.command, "model": Path(side.model).name,
         "version": side.version, "startup_s": side.startup_s,
         "rss_gib": rss_bytes(pids) / GIB if pids else None,
         "processes": len(pids) or None,
@@ -814,6 +815,8 @@ def main() -> None:
                              "one, as `weightsync serve`)")  # fmt: skip
     parser.add_argument("--compare-prompts", type=int, default=8, help="greedy prompts compared")
     parser.add_argument("--compare-tokens", type=int, default=64, help="tokens each")
+    parser.add_argument("--roofline-mib", type=int, default=256,
+                        help="buffer read and copied to measure the bandwidth (MiB)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -827,7 +830,7 @@ def main() -> None:
         model_dir = _model_dir(args, Path(scratch))
         config = json.loads((model_dir / "config.json").read_text())
         costs = model_costs(config, dtype_bytes=4)  # both sides serve float32
-        rates_before = measure_rates()
+        rates_before = measure_rates(args.roofline_mib)
         a, b = Side(args.label_a, args.start_a), Side(args.label_b, args.start_b)
         p = Side(INPROCESS, None)
         inprocess = InProcess(p, model_dir, args.inprocess_threads)
@@ -854,7 +857,7 @@ def main() -> None:
         finally:
             for side in (a, b):
                 stop(side.process)
-        rates_after = measure_rates()
+        rates_after = measure_rates(args.roofline_mib)
     rates = {key: max(rates_before[key], rates_after[key]) for key in rates_before}
     figures = by_streams(a, b, p, costs, rates, args)
     if not args.json:

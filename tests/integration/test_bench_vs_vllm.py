@@ -26,7 +26,7 @@ def test_bench_vs_vllm_runs_with_two_weightsync_servers(tmp_path):
          "--label-a", "weightsync-a",
          "--start-a", "{python} -m weightsync.serve.cli serve {model} --port {port}",
          "--rounds", "1", "--streams", "1,8", "--max-tokens", "8",
-         "--compare-prompts", "2", "--compare-tokens", "8"],
+         "--compare-prompts", "2", "--compare-tokens", "8", "--roofline-mib", "32"],
         cwd=ROOT / "benchmarks", env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
