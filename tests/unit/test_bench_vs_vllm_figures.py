@@ -2,7 +2,7 @@
 
 The benchmark itself needs vLLM, which CI never installs; what it computes from what it
 measures is checked here on hand-made inputs, and its run with two weightsync servers is in
-tests/integration/test_bench_vs_vllm.py.
+tests/integration/test_bench_vs_vllm_run.py.
 """
 
 from __future__ import annotations
