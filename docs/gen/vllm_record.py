@@ -63,55 +63,86 @@ def conformance(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _spread(figure: dict[str, Any], scale: float = 1.0, digits: int = 0) -> str:
-    return (
-        f"{figure['median'] * scale:.{digits}f} "
-        f"({figure['min'] * scale:.{digits}f} to {figure['max'] * scale:.{digits}f})"
-    )
+def _median(figure: dict[str, Any], scale: float = 1.0, digits: int = 0) -> str:
+    return f"{figure['median'] * scale:.{digits}f}"
+
+
+def _range(values: list[float], digits: int = 1) -> str:
+    return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
 
 
 def side_by_side(bench: dict[str, Any]) -> str:
-    """The benchmark's figures, one column per server."""
-    servers = bench["servers"]
-    names = list(servers)
-    tps, idle, load = bench["tokens_per_s"], bench["ttft_idle_s"], bench["ttft_under_load_s"]
-    rows = [
-        ("version", [servers[n]["version"] for n in names]),
-        (
-            f"output tokens/s, {bench['concurrency']} concurrent requests of "
-            f"{bench['max_tokens']} tokens (median, min to max of {bench['repeats']} rounds)",
-            [_spread(tps[n]) for n in names],
-        ),
-        ("time to first token, idle (ms)", [_spread(idle[n], 1000) for n in names]),
-        ("time to first token, under that load (ms)", [_spread(load[n], 1000) for n in names]),
-        ("start-up (s)", [f"{servers[n]['startup_s']:.0f}" for n in names]),
-        (
-            "resident memory (GiB), processes",
-            [f"{servers[n]['rss_gib']:.2f} in {servers[n]['processes']}" for n in names],
-        ),
+    """The benchmark's figures: one row per stream count, then each side's costs."""
+    servers, figures = bench["servers"], bench["by_streams"]
+    a, b = list(servers)
+    rounds = bench["round_machine"]
+    loads = [r["load_average_1min_start"] for r in rounds] + [
+        r["load_average_1min_end"] for r in rounds
     ]
-    greedy = bench["greedy"]
-    ratio = bench["throughput_ratio_b_over_a_paired"]
+    rates = bench["roofline_rates"]["used"]
+    model = bench["model"]
     lines = [
         "## Side by side",
         "",
-        f"`benchmarks/bench_vs_vllm.py` ran both servers on the same model directory, on "
-        f"{_machine(bench)} (load average "
-        f"{bench.get('load_average_1min_before', '?')} before, {bench['load_average_1min']} "
-        "after), one compute thread each, alternating servers every round.",
+        f"`benchmarks/bench_vs_vllm.py` ran `{a}` and `{b}` on their defaults on the same "
+        f"{model['parameters'] / 1e6:.1f}M-parameter {model['config']['model_type']} directory "
+        f"(hidden size {model['config']['hidden_size']}, {model['config']['num_hidden_layers']} "
+        f"layers, {model['dtype']}), and `{b}`'s engine in process (`inprocess`, no HTTP), on "
+        f"{_machine(bench)}: {bench['rounds']} rounds after a warm-up, the first side alternating, "
+        f"each of {bench['prompt_tokens']}-token prompts and {bench['max_tokens']} streamed greedy "
+        f"tokens per request. Load average {_range(loads)} during the rounds; cores busy with "
+        f"other work {_range([r['other_cores'] for r in rounds], 2)}. One-thread roofline rates "
+        f"measured in the same run: {rates['read_gb_s']:.1f} GB/s read, "
+        f"{rates['matmul_gflop_s']:.0f} GFLOP/s.",
         "",
-        "| Figure | " + " | ".join(f"`{n}`" for n in names) + " |",
-        "| --- |" + " ---: |" * len(names),
+        f"| Streams | `{a}` tokens/s | `{b}` tokens/s | in process | `{b}` / `{a}` | served / in "
+        f"process | time per output token (ms) | roofline tokens/s | of the roofline |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    for count, figure in figures.items():
+        tps, tpot = figure["tokens_per_s"], figure["tpot_ms"]
+        fraction = figure["fraction_of_roofline"]
+        lines.append(
+            f"| {count} | {_median(tps[a])} | {_median(tps[b])} | {_median(tps['inprocess'])} | "
+            f"{_median(figure['ratio_b_over_a'], digits=2)} | "
+            f"{_median(figure['ratio_b_over_inprocess'], digits=2)} | "
+            f"{_median(tpot[a], digits=1)} vs {_median(tpot[b], digits=1)} | "
+            f"{figure['roofline_tokens_per_s']['overlapped_tokens_per_s']:.0f} | "
+            f"{fraction[a]:.0%} vs {fraction[b]:.0%} |"
+        )
+    greedy = bench["greedy"]
     one, many = greedy["one_at_a_time"], greedy["all_at_once"]
+    inprocess = bench["inprocess"]
     lines += [
         "",
-        f"Throughput of `{names[1]}` over `{names[0]}`, paired round by round: median "
-        f"{ratio['median']:.2f} ({ratio['min']:.2f} to {ratio['max']:.2f}). Greedy token ids: "
-        f"{one['identical_tokens']} of {one['total_tokens']} identical one request at a time, "
-        f"{many['identical_tokens']} of {many['total_tokens']} with all {greedy['prompts']} "
-        "prompts at once.",
+        "Ratios are medians of the ratios within each round. The roofline takes each step of the "
+        "workload (the prefill, then one decode step per token) at the slower of reading the "
+        "weights and KV cache and computing its FLOPs, on one thread, at the rates this run "
+        "measured before the servers started and after they stopped (the better of the two): on "
+        "a loaded machine they are what one thread got then, not the machine's peak.",
+        "",
+        f"| Figure | `{a}` | `{b}` | in process |",
+        "| --- | ---: | ---: | ---: |",
+        f"| version | {servers[a]['version']} | {servers[b]['version']} | |",
+        f"| start-up (s) | {servers[a]['startup_s']:.1f} | {servers[b]['startup_s']:.1f} | "
+        f"{inprocess['startup_s']:.1f} |",
+        f"| tokens per CPU second | {servers[a]['tokens_per_cpu_s']:.0f} | "
+        f"{servers[b]['tokens_per_cpu_s']:.0f} | {inprocess['tokens_per_cpu_s']:.0f} |",
+        "| cores used at "
+        + ", ".join(figures)
+        + " streams | "
+        + " | ".join(
+            ", ".join(f"{figures[c]['cpu_cores'][side]['median']:.2f}" for c in figures)
+            for side in (a, b, "inprocess")
+        )
+        + " |",
+        f"| resident memory (GiB), processes | {servers[a]['rss_gib']:.2f} in "
+        f"{servers[a]['processes']} | {servers[b]['rss_gib']:.2f} in {servers[b]['processes']} | "
+        f"{inprocess['rss_gib']:.2f} in {inprocess['processes']} |",
+        "",
+        f"Greedy token ids: {one['identical_tokens']} of {one['total_tokens']} identical one "
+        f"request at a time, {many['identical_tokens']} of {many['total_tokens']} with all "
+        f"{greedy['prompts']} prompts at once.",
         "",
     ]
     return "\n".join(lines)
