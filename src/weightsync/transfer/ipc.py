@@ -47,17 +47,16 @@ from weightsync.transfer.base import (
 from weightsync.transfer.base import _is_int as is_int
 from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.base import _Watch as Watch
+from weightsync.transfer.buckets import _announced_buckets as announced_buckets
+from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
+from weightsync.transfer.buckets import _BufferPool as BufferPool
+from weightsync.transfer.buckets import _Window as Window
 from weightsync.transfer.buckets import (
-    Bucket,
     flat_layout,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
 )
-from weightsync.transfer.buckets import _announced_buckets as announced_buckets
-from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
-from weightsync.transfer.buckets import _BufferPool as BufferPool
-from weightsync.transfer.buckets import _Window as Window
 from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle, RegionCache, synchronize
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -312,22 +311,22 @@ class IPCTrainerSession:
 
     def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
         """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
-        if device in self._pools:
-            return self._pools[device]
 
         def allocate(nbytes: int) -> _BucketBuffer:
-            if device.type == "cpu":
-                created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-                return created.tensor, created
-            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+            if device.type != "cpu":
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+            created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+            return created.tensor, created
 
         def release(entry: _BucketBuffer) -> None:
             if entry[1] is not None:
                 self._drop_segment(entry[1])
 
-        size = lambda entry: entry[0].numel()  # noqa: E731
-        pool = self._pools[device] = BufferPool(self.wire.num_buffers, allocate, size, release)
-        return pool
+        if device not in self._pools:
+            self._pools[device] = BufferPool(
+                self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
+            )
+        return self._pools[device]
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
@@ -536,9 +535,22 @@ def _send_packed(send: _Sending) -> None:
             courier.raise_if_failed()
             buffer_index, (buffer, segment) = pool.take(nbytes)
             window.push(buffer_index)
-            records = _pack_records(bucket, tensors, buffer, segment, session.wire.timeout_s)
+            with torch.no_grad():  # parameters that require grad are copied as plain bytes
+                pack_bucket(bucket, tensors, buffer)
+            cuda = None
+            if buffer.is_cuda:
+                # Workers read on their own streams: the packed bytes must be in memory first.
+                synchronize(
+                    buffer.device, timeout_s=session.wire.timeout_s, what="packing a bucket"
+                )
+                cuda = memory.export_cuda_storage(buffer.untyped_storage())
+            name = segment.name if segment is not None else None
+            records = [
+                IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda)
+                for s in bucket.slots
+            ]
             what = f"_part {stats.num_buckets + 1} of {len(buckets)}"
-            courier.submit(send.part(first, records), what)
+            courier.submit(send.part(first, [r.to_dict() for r in records]), what)
             stats.num_buckets += 1
         window.drain()
     except Exception as exc:
@@ -546,28 +558,6 @@ def _send_packed(send: _Sending) -> None:
         session.drop_buffers()
         cleanup = "; the bucket buffers were unlinked"
         raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
-
-
-def _pack_records(
-    bucket: Bucket,
-    tensors: list[torch.Tensor],
-    buffer: torch.Tensor,
-    segment: memory.SharedSegment | None,
-    timeout_s: float,
-) -> list[dict[str, Any]]:
-    """Packs `tensors` into `buffer` and returns the records that locate them there."""
-    with torch.no_grad():  # parameters that require grad are copied as plain bytes
-        pack_bucket(bucket, tensors, buffer)
-    cuda = None
-    if buffer.is_cuda:
-        # Workers read on their own streams: the packed bytes must be in memory first.
-        synchronize(buffer.device, timeout_s=timeout_s, what="packing a bucket")
-        cuda = memory.export_cuda_storage(buffer.untyped_storage())
-    name = segment.name if segment is not None else None
-    return [
-        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
-        for s in bucket.slots
-    ]
 
 
 def _in_place_record(
