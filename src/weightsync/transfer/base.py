@@ -64,13 +64,10 @@ def _parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
         )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
-    missing = sorted(
-        name
-        for name, f in fields.items()
-        if name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    )
+    required = [
+        n for n, f in fields.items() if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    missing = sorted(set(required) - set(data))
     problems = [
         f"{kind} keys {keys}" for kind, keys in (("unknown", unknown), ("missing", missing)) if keys
     ]
@@ -345,9 +342,6 @@ def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tenso
         )
 
 
-# --- what a backend implements -------------------------------------------------------------------
-
-
 # --- what a receiver holds between updates ---------------------------------------------------
 
 _RELEASE_PERIOD_S = 1.0
@@ -397,6 +391,9 @@ class _Watch:
         """Stops `watch`, if there is one."""
         if watch is not None:
             watch.stop()
+
+
+# --- what a backend implements -------------------------------------------------------------------
 
 
 class WeightTransferEngine(ABC):
@@ -476,9 +473,7 @@ class WeightTransferEngine(ABC):
 
     @abstractmethod
     def receive_weights(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        load_weights: LoadWeightsFn,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, load_weights: LoadWeightsFn
     ) -> TransferStats:
         """Receives one update, handing tensors to `load_weights` as they arrive.
 
@@ -492,9 +487,7 @@ class WeightTransferEngine(ABC):
         """
 
     def refuse_update(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        reason: WeightSyncError,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
     ) -> None:
         """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
 

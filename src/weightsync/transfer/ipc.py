@@ -51,12 +51,7 @@ from weightsync.transfer.buckets import _announced_buckets as announced_buckets
 from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
 from weightsync.transfer.buckets import _BufferPool as BufferPool
 from weightsync.transfer.buckets import _Window as Window
-from weightsync.transfer.buckets import (
-    flat_layout,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-)
+from weightsync.transfer.buckets import flat_layout, pack_bucket, plan_buckets, unpack_bucket
 from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle, RegionCache, synchronize
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -261,11 +256,6 @@ class IPCTrainerSession:
         self._owned[name] = segment
         return segment
 
-    def _drop_segment(self, segment: memory.SharedSegment) -> None:
-        segment.unlink()
-        self._janitor.forget(segment.name)
-        self._owned.pop(segment.name, None)
-
     def shared_tensors(self, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
         """Allocates zeroed CPU tensors for `specs` in one shared-memory segment of this session.
 
@@ -319,14 +309,43 @@ class IPCTrainerSession:
             return created.tensor, created
 
         def release(entry: _BucketBuffer) -> None:
-            if entry[1] is not None:
-                self._drop_segment(entry[1])
+            if (segment := entry[1]) is not None:
+                segment.unlink()
+                self._janitor.forget(segment.name)
+                self._owned.pop(segment.name, None)
 
         if device not in self._pools:
             self._pools[device] = BufferPool(
                 self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
             )
         return self._pools[device]
+
+    def _export_in_place(
+        self, spec: TensorSpec, tensor: torch.Tensor, exports: dict[int, CUDAStorageHandle]
+    ) -> IPCHandle:
+        """The record exporting `tensor` where it lies; `exports`: one CUDA export per storage."""
+        if spec.nbytes == 0:
+            return IPCHandle.for_tensor(spec, 0)
+        if not tensor.is_contiguous():
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; "
+                "make it contiguous or use packed=True"
+            )
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if tensor.is_cuda:
+            if key not in exports:
+                exports[key] = memory.export_cuda_storage(storage)
+            return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
+        address = int(tensor.data_ptr())
+        for segment in self._shared:
+            if segment.contains(address, spec.nbytes):
+                return IPCHandle.for_tensor(spec, address - segment.address, segment=segment.name)
+        raise WeightValidationError(
+            f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
+            "tensors in place; allocate them with session.shared_tensors(), move the model with "
+            "session.share_module(model), or use packed=True"
+        )
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
@@ -560,37 +579,6 @@ def _send_packed(send: _Sending) -> None:
         raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
 
 
-def _in_place_record(
-    session: IPCTrainerSession,
-    spec: TensorSpec,
-    tensor: torch.Tensor,
-    exports: dict[int, CUDAStorageHandle],
-) -> IPCHandle:
-    """The record exporting `tensor` where it lies; `exports`: one CUDA export per storage."""
-    if spec.nbytes == 0:
-        return IPCHandle.for_tensor(spec, 0)
-    if not tensor.is_contiguous():
-        raise WeightValidationError(
-            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
-            "contiguous or use packed=True"
-        )
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
-    if tensor.is_cuda:
-        if key not in exports:
-            exports[key] = memory.export_cuda_storage(storage)
-        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
-    address = int(tensor.data_ptr())
-    for segment in session._shared:
-        if segment.contains(address, spec.nbytes):
-            return IPCHandle.for_tensor(spec, address - segment.address, segment=segment.name)
-    raise WeightValidationError(
-        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
-        "tensors in place; allocate them with session.shared_tensors(), move the model with "
-        "session.share_module(model), or use packed=True"
-    )
-
-
 def _send_unpacked(send: _Sending) -> None:
     """Exports every tensor where it lies and delivers them in one _part, after the announcement."""
     session, specs, source = send.session, send.specs, send.source
@@ -599,7 +587,7 @@ def _send_unpacked(send: _Sending) -> None:
     _device_of(tensors, specs, None)
     exports: dict[int, CUDAStorageHandle] = {}
     records = [
-        _in_place_record(session, s, t, exports).to_dict()
+        session._export_in_place(s, t, exports).to_dict()
         for s, t in zip(specs, tensors, strict=True)
     ]
     for device in {t.device for t in tensors if t.is_cuda} if exports else ():
@@ -783,9 +771,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return True  # watched until shutdown stops it
 
     def receive_weights(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        load_weights: LoadWeightsFn,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, load_weights: LoadWeightsFn
     ) -> TransferStats:
         """Handles one delivery: validates it, then hands its tensors to `load_weights`.
 
