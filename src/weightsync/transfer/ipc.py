@@ -524,15 +524,15 @@ def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Excep
     )
     return error_cls(
         f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
-        + ("; workers may hold _part of the update: send a complete one" if delivered else ""),
+        + ("; workers may hold part of the update: send a complete one" if delivered else ""),
         partially_applied=delivered,
     )
 
 
 def _send_packed(send: _Sending) -> None:
     """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
-    session, courier, stats = send.session, send.courier, send.stats
-    buckets = plan_buckets(send.specs, session.wire.bucket_size_bytes)
+    session, courier, stats, wire = send.session, send.courier, send.stats, send.session.wire
+    buckets = plan_buckets(send.specs, wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
     send.announce()
     device: torch.device | None = None
@@ -543,7 +543,7 @@ def _send_packed(send: _Sending) -> None:
         assert pool is not None
         pool.give_back(buffer_index)
 
-    window: Window[int] = Window(session.wire.num_buffers, land)
+    window: Window[int] = Window(wire.num_buffers, land)
     try:
         for first, bucket, tensors in announced_buckets(buckets, send.source, len(send.specs)):
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
@@ -559,16 +559,14 @@ def _send_packed(send: _Sending) -> None:
             cuda = None
             if buffer.is_cuda:
                 # Workers read on their own streams: the packed bytes must be in memory first.
-                synchronize(
-                    buffer.device, timeout_s=session.wire.timeout_s, what="packing a bucket"
-                )
+                synchronize(buffer.device, timeout_s=wire.timeout_s, what="packing a bucket")
                 cuda = memory.export_cuda_storage(buffer.untyped_storage())
             name = segment.name if segment is not None else None
             records = [
                 IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda)
                 for s in bucket.slots
             ]
-            what = f"_part {stats.num_buckets + 1} of {len(buckets)}"
+            what = f"part {stats.num_buckets + 1} of {len(buckets)}"
             courier.submit(send.part(first, [r.to_dict() for r in records]), what)
             stats.num_buckets += 1
         window.drain()
@@ -580,7 +578,7 @@ def _send_packed(send: _Sending) -> None:
 
 
 def _send_unpacked(send: _Sending) -> None:
-    """Exports every tensor where it lies and delivers them in one _part, after the announcement."""
+    """Exports every tensor where it lies and delivers them in one part, after the announcement."""
     session, specs, source = send.session, send.specs, send.source
     tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
     source.check_exhausted(len(specs))
