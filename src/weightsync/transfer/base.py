@@ -231,9 +231,7 @@ class WeightTransferUpdateInfo:
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lists: dict[str, Sequence[Any]] = {
-            k: getattr(self, k) for k in ("names", "dtype_names", "shapes")
-        }
+        lists = {k: getattr(self, k) for k in ("names", "dtype_names", "shapes")}
         for key, value in lists.items():
             if not isinstance(value, list | tuple):
                 raise WeightValidationError(f"{key} must be a list, got {type(value).__name__}")
