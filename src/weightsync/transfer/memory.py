@@ -81,27 +81,21 @@ try:
     watch, tick = [fd, os.pidfd_open(owner)], None
 except (AttributeError, OSError):
     watch, tick = [fd], 0.5
-def take(chunk):
+def take():
     global rest
+    chunk = os.read(fd, 65536)
     *lines, rest = (rest + chunk).split(b"\\n")
     for line in lines:
         name = line[1:].strip().decode("ascii", "replace")
         if name.startswith(prefix):
             (names.add if line[:1] == b"+" else names.discard)(name)
+    return bool(chunk)
 while os.getppid() == owner:
     ready = select.select(watch, [], [], tick)[0]
-    if fd in ready:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        take(chunk)
-    elif ready:
-        break
-while select.select([fd], [], [], 0)[0]:
-    chunk = os.read(fd, 65536)
-    if not chunk:
-        break
-    take(chunk)
+    if ready and not (fd in ready and take()):
+        break  # the pipe reached its end, or the owner exited
+while select.select([fd], [], [], 0)[0] and take():
+    pass
 for name in names:
     try:
         _posixshmem.shm_unlink("/" + name)
