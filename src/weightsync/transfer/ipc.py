@@ -172,12 +172,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of `parse_info`."""
         handles = None if self.ipc_handles is None else [h.to_dict() for h in self._handles]
-        return {
-            **super().to_dict(),
-            "update_id": self.update_id,
-            "ipc_handles": handles,
-            "first_index": self.first_index,
-        }
+        data = {**super().to_dict(), "update_id": self.update_id}
+        return data | {"ipc_handles": handles, "first_index": self.first_index}
 
 
 # --- the trainer's end: the session and its exported memory ---------------------------------------
@@ -477,12 +473,8 @@ class _Sending:
     def part(self, first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The delivery of tensors `first ..`: their slice of the metadata, and their records."""
         end, header = first + len(records), self.header
-        return {
-            **header,
-            **{key: header[key][first:end] for key in ("names", "dtype_names", "shapes")},
-            "ipc_handles": records,
-            "first_index": first,
-        }
+        sliced = {key: header[key][first:end] for key in ("names", "dtype_names", "shapes")}
+        return {**header, **sliced, "ipc_handles": records, "first_index": first}
 
     def announce(self) -> None:
         """Delivers the announcement and waits: a rejection anywhere stops the update here."""
