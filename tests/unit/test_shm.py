@@ -22,10 +22,10 @@ def test_session_names_are_fresh_and_recognised():
 
 
 def test_a_receiver_attaches_only_to_its_sessions_segments(session):
-    assert shm.segment_belongs_to(f"{session}-0", session)
+    assert shm._segment_belongs_to(f"{session}-0", session)
     other = shm.new_session_name()
     for name in (f"{other}-0", session, f"{session}-x", "torch_1_2_3", "/etc/passwd"):
-        assert not shm.segment_belongs_to(name, session)
+        assert not shm._segment_belongs_to(name, session)
 
 
 def test_a_segment_is_written_by_its_owner_and_read_by_an_attacher(session):
@@ -36,18 +36,18 @@ def test_a_segment_is_written_by_its_owner_and_read_by_an_attacher(session):
         assert not segment.contains(segment.address + 61, 4)
         attached = shm.attach_segment(segment.name)
         assert attached.nbytes == 64 and attached.tensor[:4].tolist() == [1, 2, 3, 4]
-        assert attached.identity == shm.segment_identity(segment.name)
+        assert attached.identity == shm._segment_identity(segment.name)
     finally:
         segment.unlink()
     assert segment.tensor[:4].tolist() == [1, 2, 3, 4]  # views outlive the name
-    assert shm.unlink_segment(segment.name) is False  # already gone, and says so
+    assert shm._unlink_segment(segment.name) is False  # already gone, and says so
 
 
 def test_a_missing_segment_is_a_validation_error_that_says_why(session):
     with pytest.raises(WeightValidationError, match="does not exist: the trainer unlinked it"):
         shm.attach_segment(f"{session}-9")
     with pytest.raises(WeightValidationError, match="does not exist"):
-        shm.segment_identity(f"{session}-9")
+        shm._segment_identity(f"{session}-9")
 
 
 def test_a_segment_needs_at_least_one_byte(session):

@@ -68,13 +68,10 @@ def _parse_info(cls: type[_InfoT], data: Any, *, what: str) -> _InfoT:
         )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
-    missing = sorted(
-        name
-        for name, f in fields.items()
-        if name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    )
+    required = [
+        n for n, f in fields.items() if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    missing = sorted(set(required) - set(data))
     problems = [
         f"{kind} keys {keys}" for kind, keys in (("unknown", unknown), ("missing", missing)) if keys
     ]
@@ -238,9 +235,7 @@ class WeightTransferUpdateInfo:
     _specs: list[TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lists: dict[str, Sequence[Any]] = {
-            k: getattr(self, k) for k in ("names", "dtype_names", "shapes")
-        }
+        lists = {k: getattr(self, k) for k in ("names", "dtype_names", "shapes")}
         for key, value in lists.items():
             if not isinstance(value, list | tuple):
                 raise WeightValidationError(f"{key} must be a list, got {type(value).__name__}")
@@ -349,9 +344,6 @@ def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tenso
         )
 
 
-# --- what a backend implements -------------------------------------------------------------------
-
-
 # --- what a receiver holds between updates ---------------------------------------------------
 
 _RELEASE_PERIOD_S = 1.0
@@ -446,6 +438,9 @@ def _stop_all_watches() -> None:
         watch.stop(deadline - time.monotonic())
 
 
+# --- what a backend implements -------------------------------------------------------------------
+
+
 class WeightTransferEngine(ABC):
     """Receiver side of a transfer backend, owned by one inference worker.
 
@@ -523,9 +518,7 @@ class WeightTransferEngine(ABC):
 
     @abstractmethod
     def receive_weights(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        load_weights: LoadWeightsFn,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, load_weights: LoadWeightsFn
     ) -> TransferStats:
         """Receives one update, handing tensors to `load_weights` as they arrive.
 
@@ -539,9 +532,7 @@ class WeightTransferEngine(ABC):
         """
 
     def refuse_update(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        reason: WeightSyncError,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: WeightSyncError
     ) -> None:
         """Refuses an update on the engine's behalf (busy, say), so the trainer learns why.
 

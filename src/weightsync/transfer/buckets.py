@@ -277,9 +277,7 @@ class _BufferPool(Generic[_BufferT]):
         release: Callable[[_BufferT], None] | None = None,
     ) -> None:
         self._buffers: list[_BufferT | None] = [None] * count
-        self._allocate = allocate
-        self._size = size
-        self._release = release
+        self._allocate, self._size, self._release = allocate, size, release
         self.free: list[int] = list(range(count))
 
     def take(self, nbytes: int) -> tuple[int, _BufferT]:
@@ -322,8 +320,7 @@ class _Window(Generic[_ItemT]):
     """At most `depth` items in flight; `land` waits for the oldest and finishes it."""
 
     def __init__(self, depth: int, land: Callable[[_ItemT], None]) -> None:
-        self._depth = depth
-        self._land = land
+        self._depth, self._land = depth, land
         self._items: deque[_ItemT] = deque()
 
     def __len__(self) -> int:
@@ -361,8 +358,7 @@ class _AnnouncedTensors:
         pairs: Iterator[tuple[str, torch.Tensor]],
         post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
     ) -> None:
-        self._pairs = pairs
-        self._post = post
+        self._pairs, self._post = pairs, post
 
     def take(self, spec: TensorSpec, index: int) -> torch.Tensor:
         """Returns the next tensor, which must be announced tensor `index`, matching `spec`."""

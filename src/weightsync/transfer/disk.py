@@ -214,16 +214,7 @@ class DiskWeightTransferEngine(WeightTransferEngine):
     init_info_cls = DiskWeightTransferInitInfo
     update_info_cls = DiskWeightTransferUpdateInfo
     needs_init: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        *,
-        worker_index: int = 0,
-        expected_specs: Mapping[str, TensorSpec] | None = None,
-        params: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
-        self._shut_down = False
+    _shut_down = False  # set by shutdown, cleared by init_transfer_engine
 
     @property
     def is_initialized(self) -> bool:

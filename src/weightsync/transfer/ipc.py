@@ -47,17 +47,11 @@ from weightsync.transfer.base import (
 from weightsync.transfer.base import _is_int as is_int
 from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.base import _Watch as Watch
-from weightsync.transfer.buckets import (
-    Bucket,
-    flat_layout,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-)
 from weightsync.transfer.buckets import _announced_buckets as announced_buckets
 from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
 from weightsync.transfer.buckets import _BufferPool as BufferPool
 from weightsync.transfer.buckets import _Window as Window
+from weightsync.transfer.buckets import flat_layout, pack_bucket, plan_buckets, unpack_bucket
 from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle, RegionCache, synchronize
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -178,12 +172,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of `parse_info`."""
         handles = None if self.ipc_handles is None else [h.to_dict() for h in self._handles]
-        return {
-            **super().to_dict(),
-            "update_id": self.update_id,
-            "ipc_handles": handles,
-            "first_index": self.first_index,
-        }
+        data = {**super().to_dict(), "update_id": self.update_id}
+        return data | {"ipc_handles": handles, "first_index": self.first_index}
 
 
 # --- the trainer's end: the session and its exported memory ---------------------------------------
@@ -262,11 +252,6 @@ class IPCTrainerSession:
         self._owned[name] = segment
         return segment
 
-    def _drop_segment(self, segment: memory.SharedSegment) -> None:
-        segment.unlink()
-        self._janitor.forget(segment.name)
-        self._owned.pop(segment.name, None)
-
     def shared_tensors(self, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
         """Allocates zeroed CPU tensors for `specs` in one shared-memory segment of this session.
 
@@ -312,22 +297,51 @@ class IPCTrainerSession:
 
     def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
         """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
-        if device in self._pools:
-            return self._pools[device]
 
         def allocate(nbytes: int) -> _BucketBuffer:
-            if device.type == "cpu":
-                created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-                return created.tensor, created
-            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+            if device.type != "cpu":
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+            created = self._new_segment(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+            return created.tensor, created
 
         def release(entry: _BucketBuffer) -> None:
-            if entry[1] is not None:
-                self._drop_segment(entry[1])
+            if (segment := entry[1]) is not None:
+                segment.unlink()
+                self._janitor.forget(segment.name)
+                self._owned.pop(segment.name, None)
 
-        size = lambda entry: entry[0].numel()  # noqa: E731
-        pool = self._pools[device] = BufferPool(self.wire.num_buffers, allocate, size, release)
-        return pool
+        if device not in self._pools:
+            self._pools[device] = BufferPool(
+                self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
+            )
+        return self._pools[device]
+
+    def _export_in_place(
+        self, spec: TensorSpec, tensor: torch.Tensor, exports: dict[int, CUDAStorageHandle]
+    ) -> IPCHandle:
+        """The record exporting `tensor` where it lies; `exports`: one CUDA export per storage."""
+        if spec.nbytes == 0:
+            return IPCHandle.for_tensor(spec, 0)
+        if not tensor.is_contiguous():
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; "
+                "make it contiguous or use packed=True"
+            )
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if tensor.is_cuda:
+            if key not in exports:
+                exports[key] = memory.export_cuda_storage(storage)
+            return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
+        address = int(tensor.data_ptr())
+        for segment in self._shared:
+            if segment.contains(address, spec.nbytes):
+                return IPCHandle.for_tensor(spec, address - segment.address, segment=segment.name)
+        raise WeightValidationError(
+            f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
+            "tensors in place; allocate them with session.shared_tensors(), move the model with "
+            "session.share_module(model), or use packed=True"
+        )
 
     def drop_buffers(self) -> None:
         """Frees (and unlinks) the bucket buffers; the next packed send allocates new ones."""
@@ -459,12 +473,8 @@ class _Sending:
     def part(self, first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The delivery of tensors `first ..`: their slice of the metadata, and their records."""
         end, header = first + len(records), self.header
-        return {
-            **header,
-            **{key: header[key][first:end] for key in ("names", "dtype_names", "shapes")},
-            "ipc_handles": records,
-            "first_index": first,
-        }
+        sliced = {key: header[key][first:end] for key in ("names", "dtype_names", "shapes")}
+        return {**header, **sliced, "ipc_handles": records, "first_index": first}
 
     def announce(self) -> None:
         """Delivers the announcement and waits: a rejection anywhere stops the update here."""
@@ -506,15 +516,15 @@ def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Excep
     )
     return error_cls(
         f"IPC weight transfer failed: {type(exc).__name__}: {exc}{cleanup}"
-        + ("; workers may hold _part of the update: send a complete one" if delivered else ""),
+        + ("; workers may hold part of the update: send a complete one" if delivered else ""),
         partially_applied=delivered,
     )
 
 
 def _send_packed(send: _Sending) -> None:
     """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
-    session, courier, stats = send.session, send.courier, send.stats
-    buckets = plan_buckets(send.specs, session.wire.bucket_size_bytes)
+    session, courier, stats, wire = send.session, send.courier, send.stats, send.session.wire
+    buckets = plan_buckets(send.specs, wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
     send.announce()
     device: torch.device | None = None
@@ -525,7 +535,7 @@ def _send_packed(send: _Sending) -> None:
         assert pool is not None
         pool.give_back(buffer_index)
 
-    window: Window[int] = Window(session.wire.num_buffers, land)
+    window: Window[int] = Window(wire.num_buffers, land)
     try:
         for first, bucket, tensors in announced_buckets(buckets, send.source, len(send.specs)):
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
@@ -536,9 +546,20 @@ def _send_packed(send: _Sending) -> None:
             courier.raise_if_failed()
             buffer_index, (buffer, segment) = pool.take(nbytes)
             window.push(buffer_index)
-            records = _pack_records(bucket, tensors, buffer, segment, session.wire.timeout_s)
-            what = f"_part {stats.num_buckets + 1} of {len(buckets)}"
-            courier.submit(send.part(first, records), what)
+            with torch.no_grad():  # parameters that require grad are copied as plain bytes
+                pack_bucket(bucket, tensors, buffer)
+            cuda = None
+            if buffer.is_cuda:
+                # Workers read on their own streams: the packed bytes must be in memory first.
+                synchronize(buffer.device, timeout_s=wire.timeout_s, what="packing a bucket")
+                cuda = memory.export_cuda_storage(buffer.untyped_storage())
+            name = segment.name if segment is not None else None
+            records = [
+                IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda)
+                for s in bucket.slots
+            ]
+            what = f"part {stats.num_buckets + 1} of {len(buckets)}"
+            courier.submit(send.part(first, [r.to_dict() for r in records]), what)
             stats.num_buckets += 1
         window.drain()
     except Exception as exc:
@@ -548,68 +569,15 @@ def _send_packed(send: _Sending) -> None:
         raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
 
 
-def _pack_records(
-    bucket: Bucket,
-    tensors: list[torch.Tensor],
-    buffer: torch.Tensor,
-    segment: memory.SharedSegment | None,
-    timeout_s: float,
-) -> list[dict[str, Any]]:
-    """Packs `tensors` into `buffer` and returns the records that locate them there."""
-    with torch.no_grad():  # parameters that require grad are copied as plain bytes
-        pack_bucket(bucket, tensors, buffer)
-    cuda = None
-    if buffer.is_cuda:
-        # Workers read on their own streams: the packed bytes must be in memory first.
-        synchronize(buffer.device, timeout_s=timeout_s, what="packing a bucket")
-        cuda = memory.export_cuda_storage(buffer.untyped_storage())
-    name = segment.name if segment is not None else None
-    return [
-        IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
-        for s in bucket.slots
-    ]
-
-
-def _in_place_record(
-    session: IPCTrainerSession,
-    spec: TensorSpec,
-    tensor: torch.Tensor,
-    exports: dict[int, CUDAStorageHandle],
-) -> IPCHandle:
-    """The record exporting `tensor` where it lies; `exports`: one CUDA export per storage."""
-    if spec.nbytes == 0:
-        return IPCHandle.for_tensor(spec, 0)
-    if not tensor.is_contiguous():
-        raise WeightValidationError(
-            f"tensor {spec.name!r} is not contiguous: unpacked IPC exports memory as it is; make it "
-            "contiguous or use packed=True"
-        )
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
-    if tensor.is_cuda:
-        if key not in exports:
-            exports[key] = memory.export_cuda_storage(storage)
-        return IPCHandle.for_tensor(spec, tensor.data_ptr() - key, cuda=exports[key])
-    address = int(tensor.data_ptr())
-    for segment in session._shared:
-        if segment.contains(address, spec.nbytes):
-            return IPCHandle.for_tensor(spec, address - segment.address, segment=segment.name)
-    raise WeightValidationError(
-        f"tensor {spec.name!r} is not in this session's shared memory: unpacked IPC exports "
-        "tensors in place; allocate them with session.shared_tensors(), move the model with "
-        "session.share_module(model), or use packed=True"
-    )
-
-
 def _send_unpacked(send: _Sending) -> None:
-    """Exports every tensor where it lies and delivers them in one _part, after the announcement."""
+    """Exports every tensor where it lies and delivers them in one part, after the announcement."""
     session, specs, source = send.session, send.specs, send.source
     tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
     source.check_exhausted(len(specs))
     _device_of(tensors, specs, None)
     exports: dict[int, CUDAStorageHandle] = {}
     records = [
-        _in_place_record(session, s, t, exports).to_dict()
+        session._export_in_place(s, t, exports).to_dict()
         for s, t in zip(specs, tensors, strict=True)
     ]
     for device in {t.device for t in tensors if t.is_cuda} if exports else ():
@@ -793,9 +761,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return True  # watched until shutdown stops it
 
     def receive_weights(
-        self,
-        update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
-        load_weights: LoadWeightsFn,
+        self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, load_weights: LoadWeightsFn
     ) -> TransferStats:
         """Handles one delivery: validates it, then hands its tensors to `load_weights`.
 

@@ -45,23 +45,17 @@ __all__ = [
     "REF_COUNTER_SLOTS",
     "SESSION_PREFIX",
     "SHM_LIMIT_ENV",
-    "AttachedSegment",
     "CUDAStorageHandle",
     "IPCHandle",
     "RegionCache",
     "SegmentJanitor",
     "SharedSegment",
     "attach_segment",
-    "check_ref_counter",
     "cuda_device_uuids",
     "export_cuda_storage",
-    "import_cuda_storage",
     "is_session_name",
     "new_session_name",
-    "segment_belongs_to",
-    "segment_identity",
     "synchronize",
-    "unlink_segment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,27 +81,21 @@ try:
     watch, tick = [fd, os.pidfd_open(owner)], None
 except (AttributeError, OSError):
     watch, tick = [fd], 0.5
-def take(chunk):
+def take():
     global rest
+    chunk = os.read(fd, 65536)
     *lines, rest = (rest + chunk).split(b"\\n")
     for line in lines:
         name = line[1:].strip().decode("ascii", "replace")
         if name.startswith(prefix):
             (names.add if line[:1] == b"+" else names.discard)(name)
+    return bool(chunk)
 while os.getppid() == owner:
     ready = select.select(watch, [], [], tick)[0]
-    if fd in ready:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        take(chunk)
-    elif ready:
-        break
-while select.select([fd], [], [], 0)[0]:
-    chunk = os.read(fd, 65536)
-    if not chunk:
-        break
-    take(chunk)
+    if ready and not (fd in ready and take()):
+        break  # the pipe reached its end, or the owner exited
+while select.select([fd], [], [], 0)[0] and take():
+    pass
 for name in names:
     try:
         _posixshmem.shm_unlink("/" + name)
@@ -126,12 +114,12 @@ def is_session_name(name: object) -> bool:
     return isinstance(name, str) and _SESSION_RE.fullmatch(name) is not None
 
 
-def segment_belongs_to(name: str, session: str) -> bool:
+def _segment_belongs_to(name: str, session: str) -> bool:
     """Whether a receiver of `session` may attach segment `name`: only the session's own."""
     return _SEGMENT_RE.fullmatch(name) is not None and name.startswith(session + "-")
 
 
-def unlink_segment(name: str) -> bool:
+def _unlink_segment(name: str) -> bool:
     """Removes `name` (mappings stay valid); False if it was already gone."""
     try:
         _posixshmem.shm_unlink("/" + name)
@@ -180,7 +168,7 @@ class SharedSegment:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            unlink_segment(name)
+            _unlink_segment(name)
             raise WeightTransferError(
                 f"cannot create shared-memory segment {name!r} of {nbytes} bytes: {exc}"
                 f"{_free_space_hint()}"
@@ -200,11 +188,11 @@ class SharedSegment:
 
     def unlink(self) -> None:
         """Removes the name; this process's views stay valid. Safe to call twice."""
-        unlink_segment(self.name)
+        _unlink_segment(self.name)
 
 
 @dataclass(frozen=True)
-class AttachedSegment:
+class _AttachedSegment:
     """A read-only mapping of another process's segment; `identity` is `(dev, inode, size)`."""
 
     name: str
@@ -230,7 +218,7 @@ def _open_existing(name: str) -> int:
     return fd
 
 
-def segment_identity(name: str) -> tuple[int, int, int]:
+def _segment_identity(name: str) -> tuple[int, int, int]:
     """`(device, inode, size)` of an existing segment: a mapping is current while it is unchanged."""
     fd = _open_existing(name)
     try:
@@ -240,7 +228,7 @@ def segment_identity(name: str) -> tuple[int, int, int]:
     return stat.st_dev, stat.st_ino, stat.st_size
 
 
-def attach_segment(name: str) -> AttachedSegment:
+def attach_segment(name: str) -> _AttachedSegment:
     """Maps segment `name` read-only."""
     fd = _open_existing(name)
     try:
@@ -256,7 +244,7 @@ def attach_segment(name: str) -> AttachedSegment:
         raise WeightValidationError(f"cannot map shared-memory segment {name!r}: {exc}") from exc
     finally:
         os.close(fd)
-    return AttachedSegment(name, (stat.st_dev, stat.st_ino, stat.st_size), tensor)
+    return _AttachedSegment(name, (stat.st_dev, stat.st_ino, stat.st_size), tensor)
 
 
 class SegmentJanitor:
@@ -476,12 +464,8 @@ class IPCHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form (the inverse of `from_dict`)."""
-        record: dict[str, Any] = {
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-        }
+        record: dict[str, Any] = {"offset": self.offset, "nbytes": self.nbytes}
+        record |= {"dtype": self.dtype, "shape": list(self.shape)}
         if self.segment is not None:
             record["segment"] = self.segment
         if self.cuda is not None:
@@ -540,7 +524,7 @@ def export_cuda_storage(storage: torch.UntypedStorage) -> CUDAStorageHandle:
     )  # fmt: skip
 
 
-def check_ref_counter(handle: CUDAStorageHandle, *, where: str) -> None:
+def _check_ref_counter(handle: CUDAStorageHandle, *, where: str) -> None:
     """Refuses a reference-count file or slot that is not one torch made for this user."""
     name = base64.b64decode(handle.ref_counter_handle).decode("ascii", "replace")
     if not _REF_COUNTER_RE.fullmatch(name):
@@ -589,7 +573,7 @@ def _allocation_extent(tensor: torch.Tensor) -> int:
     return int(base.value + size.value - tensor.data_ptr())
 
 
-def import_cuda_storage(handle: CUDAStorageHandle, *, where: str) -> torch.Tensor:
+def _import_cuda_storage(handle: CUDAStorageHandle, *, where: str) -> torch.Tensor:
     """Opens an exported storage on the local device with the same UUID, as a uint8 tensor."""
     devices = cuda_device_uuids()
     index = devices.get(handle.device_uuid)
@@ -600,7 +584,7 @@ def import_cuda_storage(handle: CUDAStorageHandle, *, where: str) -> torch.Tenso
             f"(available UUIDs: {available}); CUDA IPC needs trainer and receiver on the same "
             "GPU: check CUDA_VISIBLE_DEVICES"
         )
-    check_ref_counter(handle, where=where)
+    _check_ref_counter(handle, where=where)
     try:
         tensor = _rebuild(handle, index)
     except Exception as exc:  # a handle or event the driver refuses: garbage or revoked
@@ -657,7 +641,7 @@ class RegionCache:
 
     def __init__(self, session: str | None = None) -> None:
         self._session = session
-        self._segments: dict[str, AttachedSegment] = {}
+        self._segments: dict[str, _AttachedSegment] = {}
         self._cuda: dict[tuple[str, int], torch.Tensor] = {}
         self._used: set[object] = set()
         self._lock = threading.Lock()  # deliveries and the receiver's watch both change the maps
@@ -676,7 +660,7 @@ class RegionCache:
                     f"{where}: offset {handle.offset} + nbytes {handle.nbytes} reaches past "
                     f"the end of the CUDA storage ({handle.cuda.storage_nbytes} bytes)"
                 )
-            region = regions[key] = import_cuda_storage(handle.cuda, where=where)
+            region = regions[key] = _import_cuda_storage(handle.cuda, where=where)
             # Kept open across updates: importing a handle whose storage was freed would open it
             # anew, and the producer's reference count would be released twice.
             self._cuda[handle.cuda.cache_key] = region
@@ -691,13 +675,13 @@ class RegionCache:
 
     def _attach(self, name: str, where: str) -> torch.Tensor:
         """The mapping of `name`, remapped if the segment changed (a truncated one would SIGBUS)."""
-        if self._session is None or not segment_belongs_to(name, self._session):
+        if self._session is None or not _segment_belongs_to(name, self._session):
             raise WeightValidationError(
                 f"{where}.segment {name!r} is not a segment of session {self._session}: "
                 "initialize this worker with the trainer's current init_info"
             )
         try:
-            identity = segment_identity(name)
+            identity = _segment_identity(name)
             with self._lock:
                 cached = self._segments.get(name)
                 if cached is None or cached.identity != identity:
@@ -729,7 +713,7 @@ class RegionCache:
         gone = []
         for name, attached in list(self._segments.items()):
             try:
-                current: tuple[int, int, int] | None = segment_identity(name)
+                current: tuple[int, int, int] | None = _segment_identity(name)
             except WeightValidationError:  # unlinked: the name no longer opens
                 current = None
             if current != attached.identity:
