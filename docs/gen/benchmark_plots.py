@@ -98,11 +98,6 @@ SUMMARIES = {
         "64 concurrent streamed completions through `weightsync serve` against the same requests "
         "through `AsyncEngine` in process, and the steps a `keep` pause takes to land.",
     ),
-    "prepack": (
-        "Prepacked linears in the engine",
-        "Decode throughput of an engine with prepacked linears and of one without, same weights "
-        "and requests, and the time of a whole update over gloo and IPC into each.",
-    ),
     "replicas": (
         "Data-parallel replicas",
         "One whole weight update through a `--data-parallel-size N` server for N = 1, 2, 3, and "
