@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo
-from weightsync.transfer.base import _parse_info as parse_info
+from weightsync.transfer.base import TransferStats, WeightTransferUpdateInfo, _parse_info
 from weightsync.transfer.nccl import (
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferInitInfo,
@@ -91,7 +90,7 @@ def trainer_init(init_info: Mapping[str, Any]) -> GlooTrainerCommunicator:
         WeightValidationError: A malformed init info, or a `rank_offset` other than 1.
         WeightTransferTimeout: The workers did not join within `timeout_s`.
     """
-    info = parse_info(NCCLWeightTransferInitInfo, dict(init_info), what="init_info")
+    info = _parse_info(NCCLWeightTransferInitInfo, dict(init_info), what="init_info")
     if info.rank_offset != 1:
         raise WeightValidationError(
             f"init_info.rank_offset must be 1 (the trainer is rank 0), got {info.rank_offset}"

@@ -22,8 +22,7 @@ from typing import Any, BinaryIO
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer.base import TensorSpec
-from weightsync.transfer.base import _is_int as is_int
+from weightsync.transfer.base import TensorSpec, _is_int
 from weightsync.transfer.checksums import _byte_view
 
 _DTYPES = {
@@ -123,7 +122,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
             f"{where} has dtype {value.get('dtype')!r:.40}; supported: {sorted(_DTYPES)}"
         )
     shape = value.get("shape")
-    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise WeightValidationError(
             f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
         )
@@ -132,7 +131,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(is_int(o) for o in offsets)
+        or not all(_is_int(o) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1] <= data_size
         or offsets[1] - offsets[0] != nbytes
     ):

@@ -38,10 +38,10 @@ from weightsync.transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    _parse_info,
     _validate_specs,
     dtype_name,
 )
-from weightsync.transfer.base import _parse_info as parse_info
 
 __all__ = [
     "DiskWeightTransferEngine",
@@ -240,7 +240,7 @@ class DiskWeightTransferEngine(WeightTransferEngine):
                 return update_info
             # Built by hand: the names it lists say nothing of what the files hold.
             update_info = WeightDir(update_info.path, update_info.weight_version)
-        request = parse_info(WeightDir, update_info, what="update_info")
+        request = _parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
         )

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer.base import WireParams
-from weightsync.transfer.base import _is_int as is_int
+from weightsync.transfer.base import WireParams, _is_int
 
 __all__ = [
     "INIT_ERRORS",
@@ -75,7 +74,7 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
 
 def _check_world_size(world_size: object) -> int:
     """Returns `world_size` once a group that large can exist here (int >= 2, open-file limit)."""
-    if not is_int(world_size) or world_size < 2:
+    if not _is_int(world_size) or world_size < 2:
         raise WeightValidationError(
             f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
         )
@@ -113,7 +112,7 @@ def check_backend(backend: str) -> torch.device:
 def check_port(port: object, *, allow_zero: bool = True) -> int:
     """Returns `port` after checking it is a TCP port (0, a free one, only when allowed)."""
     low = 0 if allow_zero else 1
-    if not is_int(port) or not low <= port <= 65535:
+    if not _is_int(port) or not low <= port <= 65535:
         raise WeightValidationError(f"master_port must be an int in {low}-65535, got {port!r}")
     return port
 
@@ -177,7 +176,7 @@ class BroadcastGroup:
         timeout_s: float,
     ) -> None:
         _check_world_size(world_size)
-        if not is_int(rank) or not 0 <= rank < world_size:
+        if not _is_int(rank) or not 0 <= rank < world_size:
             raise WeightValidationError(
                 f"rank must be in [0, world_size={world_size}), got {rank!r}: world_size counts "
                 "the trainer (rank 0) plus every worker (rank_offset + worker index)"

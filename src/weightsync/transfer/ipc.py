@@ -42,16 +42,21 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     WireParams,
+    _is_int,
+    _parse_info,
+    _Watch,
     _WireKeywords,
 )
-from weightsync.transfer.base import _is_int as is_int
-from weightsync.transfer.base import _parse_info as parse_info
-from weightsync.transfer.base import _Watch as Watch
-from weightsync.transfer.buckets import _announced_buckets as announced_buckets
-from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
-from weightsync.transfer.buckets import _BufferPool as BufferPool
-from weightsync.transfer.buckets import _Window as Window
-from weightsync.transfer.buckets import flat_layout, pack_bucket, plan_buckets, unpack_bucket
+from weightsync.transfer.buckets import (
+    _announced_buckets,
+    _AnnouncedTensors,
+    _BufferPool,
+    _Window,
+    flat_layout,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
 from weightsync.transfer.memory import CUDAStorageHandle, IPCHandle, RegionCache, synchronize
 
 if TYPE_CHECKING:  # typing.Unpack for **kwargs is Python 3.12+
@@ -136,7 +141,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"update_id must be a non-empty string, got {self.update_id!r}"
             )
         first = self.first_index
-        if not is_int(first) or first < 0:
+        if not _is_int(first) or first < 0:
             raise WeightValidationError(f"first_index must be an int >= 0, got {first!r}")
         self._handles = []
         if self.ipc_handles is None:
@@ -170,7 +175,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         return list(self._handles)
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the JSON-safe dict form, the inverse of `parse_info`."""
+        """Returns the JSON-safe dict form, the inverse of `_parse_info`."""
         handles = None if self.ipc_handles is None else [h.to_dict() for h in self._handles]
         data = {**super().to_dict(), "update_id": self.update_id}
         return data | {"ipc_handles": handles, "first_index": self.first_index}
@@ -216,7 +221,7 @@ class IPCTrainerSession:
         self._owned: dict[str, memory.SharedSegment] = {}
         self._shared: list[memory.SharedSegment] = []
         # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
-        self._pools: dict[torch.device, BufferPool[_BucketBuffer]] = {}
+        self._pools: dict[torch.device, _BufferPool[_BucketBuffer]] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
 
@@ -295,7 +300,7 @@ class IPCTrainerSession:
                 shared[name].copy_(param.data)
                 param.data = shared[name]
 
-    def _pool(self, device: torch.device) -> BufferPool[_BucketBuffer]:
+    def _pool(self, device: torch.device) -> _BufferPool[_BucketBuffer]:
         """The bucket buffers on `device`: shared-memory segments (CPU) or CUDA memory."""
 
         def allocate(nbytes: int) -> _BucketBuffer:
@@ -311,7 +316,7 @@ class IPCTrainerSession:
                 self._owned.pop(segment.name, None)
 
         if device not in self._pools:
-            self._pools[device] = BufferPool(
+            self._pools[device] = _BufferPool(
                 self.wire.num_buffers, allocate, lambda entry: entry[0].numel(), release
             )
         return self._pools[device]
@@ -465,7 +470,7 @@ class _Sending:
 
     session: IPCTrainerSession
     specs: list[TensorSpec]
-    source: AnnouncedTensors
+    source: _AnnouncedTensors
     header: dict[str, Any]
     courier: _Courier
     stats: TransferStats
@@ -528,16 +533,16 @@ def _send_packed(send: _Sending) -> None:
     nbytes = max((b.nbytes for b in buckets), default=1)
     send.announce()
     device: torch.device | None = None
-    pool: BufferPool[_BucketBuffer] | None = None
+    pool: _BufferPool[_BucketBuffer] | None = None
 
     def land(buffer_index: int) -> None:
         courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
         assert pool is not None
         pool.give_back(buffer_index)
 
-    window: Window[int] = Window(wire.num_buffers, land)
+    window: _Window[int] = _Window(wire.num_buffers, land)
     try:
-        for first, bucket, tensors in announced_buckets(buckets, send.source, len(send.specs)):
+        for first, bucket, tensors in _announced_buckets(buckets, send.source, len(send.specs)):
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
             if pool is None:
                 pool = session._pool(device)
@@ -649,16 +654,16 @@ def ipc_trainer_send_weights(
         post = trainer_args.post_iter_func
         pairs = [(name, post((name, t)) if post else t) for name, t in iterator]
         announced = WeightTransferUpdateInfo.from_named_tensors(pairs, weight_version=version)
-        source = AnnouncedTensors(iter(pairs), None)
+        source = _AnnouncedTensors(iter(pairs), None)
     else:
-        announced = parse_info(
+        announced = _parse_info(
             WeightTransferUpdateInfo, trainer_args.update_info, what="update_info"
         )
         if version is not None and announced.weight_version not in (None, version):
             raise WeightValidationError(
                 f"weight_version is {version!r} but update_info says {announced.weight_version!r}"
             )
-        source = AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
+        source = _AnnouncedTensors(iter(iterator), trainer_args.post_iter_func)
     specs = announced.specs()
     # An IPC update is known by its update_id, not by a send_id.
     header = {**announced.to_dict(), "update_id": secrets.token_hex(8)}
@@ -727,7 +732,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         # Every send has a new update_id, so an announcement of one seen before is late or
         # repeated; the most recent ones are enough to tell.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
-        self._watch: Watch | None = None  # frees what a trainer left, between updates
+        self._watch: _Watch | None = None  # frees what a trainer left, between updates
 
     @property
     def is_initialized(self) -> bool:
@@ -753,7 +758,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.shutdown()
         self._session = info.session
         self._mappings = RegionCache(info.session)
-        self._watch = Watch(self._release_gone, name="weightsync-ipc-watch")
+        self._watch = _Watch(self._release_gone, name="weightsync-ipc-watch")
         logger.info("worker %d joined IPC session %s", self.worker_index, info.session)
 
     def _release_gone(self) -> bool:  # the watch's sweep: unmap what the trainer released
@@ -889,7 +894,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     def shutdown(self) -> None:
         """Drops every mapping and the session, and stops the watch. Safe to call twice."""
-        Watch.stop_if_any(self._watch)
+        _Watch.stop_if_any(self._watch)
         self._session, self._progress, self._watch = None, None, None
         self._announced.clear()
         self._mappings = RegionCache()

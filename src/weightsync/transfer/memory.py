@@ -38,8 +38,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer.base import TensorSpec, dtype_from_name, dtype_name
-from weightsync.transfer.base import _is_int as is_int
+from weightsync.transfer.base import TensorSpec, _is_int, dtype_from_name, dtype_name
 
 __all__ = [
     "REF_COUNTER_SLOTS",
@@ -370,7 +369,7 @@ class CUDAStorageHandle:
             if data[key] is not None or key != "event_handle":  # only the event may be absent
                 _b64(data[key], what=f"{where}.cuda.{key}")
         for key in ("storage_nbytes", "storage_offset", "ref_counter_offset"):
-            if not is_int(data[key]) or data[key] < 0:
+            if not _is_int(data[key]) or data[key] < 0:
                 raise WeightValidationError(
                     f"{where}.cuda.{key} must be an int >= 0, got {data[key]!r}"
                 )
@@ -412,11 +411,11 @@ class IPCHandle:
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
         shape = data["shape"]
-        if not isinstance(shape, list | tuple) or not all(is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
             raise WeightValidationError(f"{where}.shape must be a list of ints >= 0, got {shape!r}")
         offset, nbytes = data["offset"], data["nbytes"]
         for key, value in (("offset", offset), ("nbytes", nbytes)):
-            if not is_int(value) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise WeightValidationError(f"{where}.{key} must be an int >= 0, got {value!r}")
         if nbytes != math.prod(shape) * dtype.itemsize:
             raise WeightValidationError(

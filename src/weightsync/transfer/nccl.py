@@ -55,26 +55,26 @@ from weightsync.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     WireParams,
+    _is_int,
+    _parse_info,
     _Watch,
     _WireKeywords,
     dtype_name,
 )
-from weightsync.transfer.base import _is_int as is_int
-from weightsync.transfer.base import _parse_info as parse_info
 from weightsync.transfer.buckets import (
     Bucket,
     Slot,
+    _announced_buckets,
+    _AnnouncedTensors,
+    _BufferPool,
+    _byte_buffers,
     _direct_region,
     _DirectRegion,
+    _Window,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
 )
-from weightsync.transfer.buckets import _announced_buckets as announced_buckets
-from weightsync.transfer.buckets import _AnnouncedTensors as AnnouncedTensors
-from weightsync.transfer.buckets import _BufferPool as BufferPool
-from weightsync.transfer.buckets import _byte_buffers as byte_buffers
-from weightsync.transfer.buckets import _Window as Window
 from weightsync.transfer.group import (
     INIT_ERRORS,
     BroadcastGroup,
@@ -145,7 +145,7 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         check_port(self.master_port, allow_zero=False)
         for key, low in (("world_size", 2), ("rank_offset", 1)):
             value = getattr(self, key)
-            if not is_int(value) or value < low:
+            if not _is_int(value) or value < low:
                 raise WeightValidationError(f"{key} must be an int >= {low}, got {value!r}")
         self.timeout_s = self.wire.timeout_s  # validates the four, and keeps a float on the wire
 
@@ -299,7 +299,8 @@ def _checked(
 
 def _announced(v: dict[str, Any]) -> bool:
     return isinstance(v.get("send"), str) and (
-        isinstance(v.get("refused"), str) or (is_int(v.get("tensors")) and is_int(v.get("digest")))
+        isinstance(v.get("refused"), str)
+        or (_is_int(v.get("tensors")) and _is_int(v.get("digest")))
     )
 
 
@@ -410,7 +411,7 @@ def _early_refusal(group: BroadcastGroup, rank: int, n: int, send: str, digest: 
         raise group.malformed(key, f"{kept!r:.100}")
     for entry in kept or ():
         mine = isinstance(entry, dict) and (entry.get("update"), entry.get("send")) == (n, send)
-        mine = mine and is_int(entry.get("digest")) and entry.get("digest") == digest
+        mine = mine and _is_int(entry.get("digest")) and entry.get("digest") == digest
         if mine and isinstance(entry.get("refused"), str):
             return entry["refused"]  # type: ignore[no-any-return]
     return None
@@ -426,7 +427,7 @@ class _WorkerHandshake:
 
     def _latest(self) -> int:
         n = self._group.lookup(_LATEST)
-        if n is not None and (not is_int(n) or n < 1):
+        if n is not None and (not _is_int(n) or n < 1):
             raise self._group.malformed(_LATEST, f"{n!r:.100}")
         return n or 0
 
@@ -628,7 +629,7 @@ class TrainerGroup:
 
     def __init__(self, group: BroadcastGroup, info: NCCLWeightTransferInitInfo) -> None:
         self._group, self._info, self._wire = group, info, info.wire
-        self._pool = byte_buffers(info.num_buffers, group.device)
+        self._pool = _byte_buffers(info.num_buffers, group.device)
         self._seq = 0  # the number of the last update announced
         self._closed = False
 
@@ -700,13 +701,13 @@ class TrainerGroup:
         """One update: the handshake (steps 1-3), then the buckets (step 4); see trainer_send_weights."""
         self.connect()
         start = time.perf_counter()
-        window: Window[_InFlight] | None = None
+        window: _Window[_InFlight] | None = None
         sent = -1  # tensors taken from the iterator; -1: the handshake has not said go
         try:
             specs: list[TensorSpec] | None = None
             problem: WeightValidationError | None = None
             try:
-                specs = parse_info(
+                specs = _parse_info(
                     WeightTransferUpdateInfo, args.update_info, what="update_info"
                 ).specs()
             except WeightValidationError as exc:
@@ -717,12 +718,12 @@ class TrainerGroup:
             assert specs is not None
             sent = 0  # from the first tensor on, workers may hold new bytes
             buckets = _plan(specs, self._wire)
-            tensors = AnnouncedTensors(iter(iterator), args.post_iter_func)
+            tensors = _AnnouncedTensors(iter(iterator), args.post_iter_func)
             nbytes = sum(s.nbytes for s in specs)
             stats = TransferStats(len(specs), nbytes, num_buckets=len(buckets))
             self._pool.reset()
-            window = Window(self._info.num_buffers, self._land)
-            for first, bucket, bucket_tensors in announced_buckets(buckets, tensors, len(specs)):
+            window = _Window(self._info.num_buffers, self._land)
+            for first, bucket, bucket_tensors in _announced_buckets(buckets, tensors, len(specs)):
                 sent = first + len(bucket.slots)
                 if bucket.nbytes:
                     window.make_room()
@@ -939,7 +940,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         self._group: BroadcastGroup | None = None
         self._info: NCCLWeightTransferInitInfo | None = None
         self._wire = _DEFAULT_WIRE  # the group's, once joined
-        self._pool: BufferPool[torch.Tensor] | None = None
+        self._pool: _BufferPool[torch.Tensor] | None = None
         self._handshake: _WorkerHandshake | None = None
         self._watch: _Watch | None = None  # frees what a trainer left, between updates
         self._busy = threading.RLock()  # held by every call that uses the group
@@ -1057,7 +1058,7 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         except WeightValidationError as exc:
             self._refuse(update_info, str(exc))
             raise
-        window: Window[_InFlight] | None = None
+        window: _Window[_InFlight] | None = None
         touched = False  # whether any byte of the model may have been overwritten
         try:
             handshake.join(_send_identity(update_info), specs)
@@ -1067,10 +1068,10 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 loaded_names=[s.name for s in specs],
             )
             if self._pool is None:
-                self._pool = byte_buffers(info.num_buffers, group.device)
+                self._pool = _byte_buffers(info.num_buffers, group.device)
             self._pool.reset()
             buckets = _plan(specs, self._wire)
-            window = Window(info.num_buffers, lambda item: self._land(item, load_weights, stats))
+            window = _Window(info.num_buffers, lambda item: self._land(item, load_weights, stats))
             for bucket in buckets:
                 touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
                 window.make_room()

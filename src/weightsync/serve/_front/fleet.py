@@ -31,7 +31,7 @@ from weightsync.errors import (
 )
 from weightsync.serve._parser import ADMIN_API_KEY_ENV, API_KEY_ENV, _add_serve_arguments
 from weightsync.trainer._serve_process import ServeProcess
-from weightsync.trainer.http_client import _error_from_answer as error_from_answer
+from weightsync.trainer.http_client import _error_from_answer
 
 logger = logging.getLogger("weightsync.serve")
 
@@ -171,7 +171,7 @@ class Replica:
                 raise self.unavailable() from exc
             raise ReplicaUnavailableError(f"{self.name}: {method} {path} failed: {exc!r}") from exc
         if response.status_code >= 400:
-            raise error_from_answer(
+            raise _error_from_answer(
                 f"{self.name}: {method} {path}", response.status_code, response.text
             )
         answer: dict[str, Any] = response.json()
