@@ -32,7 +32,12 @@ from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt
-from weightsync.engine.weights import WeightUpdateStatus, unwrap_request, update_info_of
+from weightsync.engine.weights import (
+    AdapterCommit,
+    WeightUpdateStatus,
+    unwrap_request,
+    update_info_of,
+)
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
@@ -603,34 +608,49 @@ class AsyncEngine:
         async with self._transfer_lock:
             await _to_thread_uninterrupted(self._weights.init_transfer_engine, init_info)
 
-    async def start_weight_update(self) -> None:
-        """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
+    async def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
+        """Opens a weight-update transaction; see `LLMEngine.start_weight_update`.
+
+        With `lora_name`, the update is a LoRA adapter's: steps go on while its messages land.
+        """
         self._start()
         async with self._update_calls, self._at_step_boundary():
             with self.stats.counting_update_failures():
-                self._weights.start()
+                self._weights.start(lora_name=lora_name, lora_config=lora_config)
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`), off the event loop.
 
         No step runs until it ends; see `LLMEngine.update_weights` for when it is accepted and
-        what a failure leaves behind.
+        what a failure leaves behind. In a LoRA adapter's update, steps go on meanwhile: the
+        message lands in tensors no request uses until the update finishes.
         """
         self._start()
         update_info = update_info_of(request)
         try:
-            async with self._update_calls, self._transfer_lock, self._at_step_boundary():
-                bare = self._weights.status() is None
-                self._updating = True
-                try:
+            async with self._update_calls, self._transfer_lock:
+                status = self._weights.status()
+                if status is not None and status.lora_name is not None:
                     with self.stats.counting_update_failures():
                         stats = await _to_thread_uninterrupted(self._weights.update, update_info)
-                finally:
-                    self._updating = False
-                self.stats.record_update_message(stats.num_bytes, stats.seconds)
-                if bare and self._weights.status() is None:  # a whole update, finished
-                    self.stats.weight_updates += 1
-                return stats
+                    self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                    return stats
+                async with self._at_step_boundary():
+                    bare = status is None
+                    self._updating = True
+                    try:
+                        with self.stats.counting_update_failures():
+                            stats = await _to_thread_uninterrupted(
+                                self._weights.update, update_info
+                            )
+                    finally:
+                        self._updating = False
+                    self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                    if bare and self._weights.status() is None:  # a whole update, finished
+                        self.stats.weight_updates += 1
+                    return stats
         finally:
             self._notify()  # a bare update that ended resumes the engine it paused
 
@@ -658,6 +678,11 @@ class AsyncEngine:
             aborted = self._weights.abort()
         self._notify()
         return aborted
+
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None:
+        """What the last finish of an adapter's update did; see `LLMEngine`'s."""
+        return self._weights.last_adapter_commit
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update` would raise now; see `LLMEngine`'s."""

@@ -41,6 +41,7 @@ from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import ByteTokenizer, Prompt, Tokenizer
 from weightsync.engine.weights import (
+    AdapterCommit,
     LiveWeights,
     WeightUpdateStatus,
     unwrap_request,
@@ -549,7 +550,9 @@ class LLMEngine:
             unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
         """Opens a weight-update transaction, as vLLM's `start_weight_update`.
 
         Accepted while paused or idle. From now until `finish_weight_update` or
@@ -558,13 +561,27 @@ class LLMEngine:
         left open by a refused `update_weights` is ended first, unapplied (as by
         `abort_weight_update()`), and a new one begins.
 
+        With `lora_name` (a weightsync extension), the transaction updates that LoRA adapter
+        alone: its messages carry the adapter's A and B tensors under PEFT's names, checked
+        against the adapter before any byte moves, and land in a new version of it. Nothing
+        pauses and the model's weight version stays: running requests keep the adapter version
+        they were admitted with, requests admitted after `finish_weight_update` get the new one.
+        `lora_config` (PEFT's `r`, `lora_alpha`, `target_modules`, `use_rslora`) creates an
+        adapter that is not loaded yet, or gives a loaded one a new shape; without it the
+        loaded adapter's shapes are the contract. One transaction is open at a time, of the
+        model's weights or of an adapter.
+
         Raises:
-            EngineBusyError: Requests are in flight and the engine is not paused.
-            EngineStateError: The weights are asleep, or the engine was shut down.
+            EngineBusyError: Requests are in flight and the engine is not paused (an update of
+                the model's weights only).
+            EngineStateError: The weights are asleep, the engine was shut down, or an adapter
+                is named and the engine serves none (`enable_lora`).
+            LoRAAdapterNotFoundError: `lora_name` is not loaded and no `lora_config` is given.
+            LoRAAdapterError: `lora_config` is refused (a rank above `max_lora_rank`, say).
             WeightUpdateStateError: A transaction is already open.
         """
         self._check_not_shut_down("start_weight_update")
-        self.weights.start()
+        self.weights.start(lora_name=lora_name, lora_config=lora_config)
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -606,6 +623,12 @@ class LLMEngine:
         and version stay, and the engine returns to its pause state. So a client that knows
         only vLLM's calls (start, update, finish, resume) gets back to serving after a refusal.
 
+        An adapter's transaction (`start_weight_update(lora_name=...)`) ends with the new
+        version of the adapter built from the tensors it brought (each one must have landed),
+        labelled `weight_version` (else the adapter's count of versions);
+        `last_adapter_commit` then says which older versions the engine dropped to stay within
+        `EngineConfig.max_lora_versions`.
+
         Returns:
             Whether the update was applied: False when it ended unapplied after a refusal.
 
@@ -622,6 +645,11 @@ class LLMEngine:
                 or a 64-bit int.
         """
         return self.weights.finish(weight_version)
+
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None:
+        """What the last finish of an adapter's update did (its version, versions dropped)."""
+        return self.weights.last_adapter_commit
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update(weight_version)` would raise now; changes nothing.
