@@ -12,6 +12,7 @@ from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine._template_sandbox import CHARS_PER_TOKEN
 from weightsync.engine.chat_template import ChatTemplate
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt, Tokenizer
@@ -173,8 +174,9 @@ class InputProcessor:
         sampling_params: SamplingParams | None,
         *,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> Sequence:
-        """Returns the new request's sequence.
+        """Returns the new request's sequence (running with `lora`, if given).
 
         Raises:
             InvalidRequestError: An empty prompt, unknown token ids, a prompt that leaves no
@@ -212,6 +214,7 @@ class InputProcessor:
             ),
             prompt=text,
             cache_salt=cache_salt,
+            lora=lora,
         )
 
     @staticmethod

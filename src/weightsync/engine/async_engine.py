@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
@@ -325,19 +326,21 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's cumulative output as steps change it.
 
         The engine does not wait for the stream: when several steps ran since the stream last
         read, it gets the newest output, which carries every token since.
 
-        `cache_salt`: see `LLMEngine.add_request`.
+        `cache_salt`, `lora_name`: see `LLMEngine.add_request`.
 
         A request submitted while paused is queued and starts after resume. Leaving the stream
         early (break, cancellation) aborts the request.
 
         Raises:
             InvalidRequestError: A bad prompt, sampling parameters or duplicate `request_id`.
+            LoRAAdapterNotFoundError: No adapter named `lora_name` is loaded.
             EngineStateError: The engine was shut down or its loop died.
         """
         self._start()
@@ -348,7 +351,9 @@ class AsyncEngine:
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         arrived_at = time.monotonic()
-        self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        self.engine.add_request(
+            request_id, prompt, sampling_params, cache_salt=cache_salt, lora_name=lora_name
+        )
         self._streams[request_id] = queue
         self._notify()
         finished = False
@@ -373,6 +378,29 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._notify()
             self.stats.record_request(last, arrived_at, first_token_at)
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False
+    ) -> LoRAAdapter:
+        """Loads a PEFT adapter directory; see `LLMEngine.load_lora_adapter`.
+
+        The files are read and checked on a worker thread, so streams keep flowing. The step
+        thread never reads the registry (a request holds its adapter from `generate` on), so
+        no step boundary is needed: the registry's own lock orders loads against `generate`.
+        """
+        return await asyncio.to_thread(
+            self.engine.load_lora_adapter, lora_name, lora_path, load_inplace=load_inplace
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unloads an adapter; see `LLMEngine.unload_lora_adapter`."""
+        self.engine.unload_lora_adapter(lora_name)
+
+    def list_lora_adapters(self) -> list[LoRAAdapter]:
+        """The loaded LoRA adapters; see `LLMEngine.list_lora_adapters`."""
+        return self.engine.list_lora_adapters()
 
     def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""

@@ -35,6 +35,7 @@ from weightsync.engine._sequence import Sequence as Seq
 from weightsync.engine._sleep import Sleep
 from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.loader import load_model
+from weightsync.engine.lora import LoRAAdapter, LoRARegistry
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
@@ -47,7 +48,12 @@ from weightsync.engine.weights import (
     unwrap_request,
     update_info_of,
 )
-from weightsync.errors import EngineStateError, InvalidRequestError, TornWeightsError
+from weightsync.errors import (
+    EngineStateError,
+    InvalidRequestError,
+    LoRAAdapterNotFoundError,
+    TornWeightsError,
+)
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
 
@@ -64,6 +70,17 @@ def _placed(
     if config.prepack_linears:
         model.pack_linears()  # LiveWeights repacks them at each commit
     return model
+
+
+def _lora_registry(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device
+) -> LoRARegistry | None:
+    """The engine's LoRA adapters, empty; None when `config` does not enable LoRA."""
+    if not config.enable_lora:
+        return None
+    return LoRARegistry(
+        model.config, max_rank=config.max_lora_rank, dtype=model.dtype, device=device
+    )
 
 
 class LLMEngine:
@@ -128,10 +145,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(
-            num_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks, block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-        )
+        )  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager)
         blocks = config.num_kv_blocks
         self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size,
@@ -148,6 +164,7 @@ class LLMEngine:
             scheduler=self.scheduler,
         )
         self._sleep = Sleep(self.runner, self.weights)
+        self.loras = _lora_registry(model, config, self.device)
         self.num_steps = 0
         # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
@@ -166,29 +183,92 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queues a request; it is admitted by a later `step()` (after resume, if paused).
 
         Safe to call from another thread while a step runs. With `cache_salt`, the request
-        shares cached prefixes only with requests of the same salt (vLLM's `cache_salt`).
+        shares cached prefixes only with requests of the same salt (vLLM's `cache_salt`). With
+        `lora_name`, it runs with the LoRA adapter loaded under that name now, to its end, even
+        if another version is loaded under the name meanwhile.
 
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
+            LoRAAdapterNotFoundError: No adapter named `lora_name` is loaded.
             EngineStateError: The engine was shut down, or it is asleep.
         """
         self._check_not_shut_down("add_request")
         self._sleep.check_awake("add_request")
         with self._lock:
             seq = self.input_processor.process(
-                request_id, prompt, sampling_params, cache_salt=cache_salt
-            )
+                request_id, prompt, sampling_params, cache_salt=cache_salt,
+                lora=self._lora_of(lora_name),
+            )  # fmt: skip
             if request_id in self._live_ids:
                 raise InvalidRequestError(
                     f"request_id {request_id!r} is already in flight; use a unique id"
                 )
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+
+    def _lora_of(self, lora_name: str | None) -> LoRAAdapter | None:
+        """The current adapter named `lora_name` (None: the base model)."""
+        if lora_name is None:
+            return None
+        return self._lora_registry("a request's lora_name").get(lora_name)
+
+    def _lora_registry(self, what: str) -> LoRARegistry:
+        if self.loras is None:
+            raise LoRAAdapterNotFoundError(
+                f"{what} names a LoRA adapter, but LoRA is not enabled on this engine: build it "
+                "with EngineConfig(enable_lora=True) (weightsync serve --enable-lora)"
+            )
+        return self.loras
+
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False
+    ) -> LoRAAdapter:
+        """Loads the PEFT adapter directory `lora_path` under `lora_name` (vLLM's route's call).
+
+        The directory's `adapter_config.json` and `adapter_model.safetensors` are checked
+        against the model before anything is registered. Safe from any thread: requests take
+        the adapter when they are added, so a step never sees the registry change under it.
+
+        Args:
+            lora_name: The name requests give as `lora_name` (over HTTP: as `model`).
+            lora_path: The adapter's directory on this machine.
+            load_inplace: Replace the adapter loaded under `lora_name` by a new version; the
+                requests running on the old version finish on it.
+
+        Returns:
+            The adapter loaded.
+
+        Raises:
+            LoRAAdapterError: The adapter was refused (the message names the file and the
+                tensor), or `lora_name` is loaded and `load_inplace` is False; nothing changed.
+            LoRAAdapterNotFoundError: LoRA is not enabled (`EngineConfig.enable_lora`).
+        """
+        registry = self._lora_registry("load_lora_adapter")
+        adapter = registry.load(lora_name, lora_path, load_inplace=load_inplace)
+        logger.info(
+            "loaded LoRA adapter %r version %d (rank %d) from %s",
+            adapter.name, adapter.version, adapter.rank, lora_path,
+        )  # fmt: skip
+        return adapter
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unloads the adapter `lora_name`: new requests may not name it; running ones finish.
+
+        Raises:
+            LoRAAdapterNotFoundError: No adapter of that name is loaded, or LoRA is not enabled.
+        """
+        self._lora_registry("unload_lora_adapter").remove(lora_name)
+        logger.info("unloaded LoRA adapter %r", lora_name)
+
+    def list_lora_adapters(self) -> list[LoRAAdapter]:
+        """The loaded LoRA adapters (the current version of each), in load order."""
+        return [] if self.loras is None else self.loras.list()
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], **options: Any
@@ -290,8 +370,12 @@ class LLMEngine:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts to completion and returns their final outputs, in order.
+
+        `lora_name` runs every prompt with that LoRA adapter (see `add_request`).
 
         Outputs of other requests produced meanwhile are returned by the next `step()`.
 
@@ -305,7 +389,7 @@ class LLMEngine:
         batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
-            self.add_request(request_id, prompt, sp)
+            self.add_request(request_id, prompt, sp, lora_name=lora_name)
         finals: dict[str, RequestOutput] = {}
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
