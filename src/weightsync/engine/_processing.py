@@ -269,7 +269,10 @@ class OutputProcessor:
         weight_version: WeightVersion,
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> list[Sequence]:
-        """Appends each sampled token, tagged with `weight_version`, and applies stop conditions.
+        """Appends each sampled token, tagged with its version, and applies stop conditions.
+
+        A token's version is `weight_version`, or for a row of a LoRA adapter the version of
+        the adapter it runs with (`LoRAAdapter.weight_version`).
 
         Args:
             batch: The step's batch.
@@ -289,7 +292,9 @@ class OutputProcessor:
                 continue  # a prefill chunk that does not reach the end yet
             token, token_logprobs = next(sampled), next(sampled_logprobs)
             try:
-                item.seq.append_token(token, weight_version, token_logprobs)
+                lora = item.seq.lora
+                version = weight_version if lora is None else lora.weight_version
+                item.seq.append_token(token, version, token_logprobs)
                 self._check_stop(item.seq, token)
             except Exception as exc:  # this request's text or stop check: it alone ends
                 item.seq.fail(exc)

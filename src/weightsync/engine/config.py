@@ -49,6 +49,11 @@ class EngineConfig:
         max_loras: Most distinct LoRA adapters (versions count apart) among the running
             requests, vLLM's `max_loras`: a request whose adapter would exceed it waits.
         max_lora_rank: Largest adapter rank `r` accepted (vLLM's `max_lora_rank`).
+        max_lora_versions: Most versions of one LoRA adapter kept at once, the current one
+            and those requests still run with, when a live update of the adapter
+            (`start_weight_update(lora_name=...)`) commits a new one. Beyond it the oldest are
+            dropped, and their requests end as an abort ends them. The default, 4, lets a
+            rollout finish on the version it started with while three newer ones land.
         device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
             `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
             device's memory (the transfer backend receives into the model's parameters).
@@ -73,12 +78,13 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_lora_versions: int = 4
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in (
             "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_loras",
-            "max_lora_rank",
+            "max_lora_rank", "max_lora_versions",
         ):  # fmt: skip
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

@@ -28,6 +28,7 @@ from weightsync.config import WeightTransferConfig
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._isolation import run_batch
 from weightsync.engine._kv_cache import BlockManager
+from weightsync.engine._lora_sync import AdapterVersions
 from weightsync.engine._model_runner import ModelRunner
 from weightsync.engine._processing import InputProcessor, OutputProcessor
 from weightsync.engine._scheduler import Scheduler, check_pause_mode
@@ -152,6 +153,10 @@ class LLMEngine:
         blocks = config.num_kv_blocks
         self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size,
                                   eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
+        self.loras = _lora_registry(model, config, self.device)
+        # Callers on other threads only touch these inboxes, which each step drains first.
+        self._lock = threading.Lock()
+        self._inbox: deque[Seq] = deque()
         self.weights = LiveWeights(
             model,
             transfer_config=weight_transfer_config,
@@ -162,13 +167,10 @@ class LLMEngine:
             finish_bare_updates=finish_bare_updates,
             on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
             scheduler=self.scheduler,
+            adapters=self._adapter_versions(),
         )
         self._sleep = Sleep(self.runner, self.weights)
-        self.loras = _lora_registry(model, config, self.device)
         self.num_steps = 0
-        # Callers on other threads only touch these inboxes, which each step drains first.
-        self._lock = threading.Lock()
-        self._inbox: deque[Seq] = deque()
         self._abort_inbox: set[str] = set()
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
@@ -211,6 +213,18 @@ class LLMEngine:
                 )
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+
+    def _adapter_versions(self) -> AdapterVersions | None:
+        """What an adapter's live update lands in (None: LoRA is not enabled)."""
+        if self.loras is None:
+            return None
+        return AdapterVersions(
+            self.loras,
+            max_versions=self.config.max_lora_versions,
+            lock=self._lock,
+            unfinished=lambda: [*self._inbox, *self.scheduler.waiting, *self.scheduler.running],
+            abort=self.abort_request,
+        )
 
     def _lora_of(self, lora_name: str | None) -> LoRAAdapter | None:
         """The current adapter named `lora_name` (None: the base model)."""

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from weightsync.engine.model_config import LlamaConfig
+from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import LoRAAdapterError, LoRAAdapterNotFoundError, WeightValidationError
 from weightsync.transfer._safetensors import open_regular, read_header, read_tensor
 from weightsync.transfer.base import _is_int
@@ -111,6 +112,8 @@ class LoRAAdapter:
         base_model_name_or_path: The base model the adapter's config names (None: none).
         weights: (layer index, Hugging Face module) -> (A (rank, in), B (out, rank)), in the
             model's dtype and on its device.
+        label: The label a live update gave this version (its `finish_weight_update`'s
+            `weight_version`); None: none, the version number stands.
     """
 
     name: str
@@ -125,6 +128,12 @@ class LoRAAdapter:
     _fused: Mapping[tuple[int, str], tuple[tuple[int, torch.Tensor, torch.Tensor], ...]] = field(
         repr=False, compare=False
     )
+    label: WeightVersion | None = None
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version its requests' tokens carry: `label`, else `version`."""
+        return self.label if self.label is not None else self.version
 
     @property
     def cache_key(self) -> bytes:
@@ -420,11 +429,13 @@ class LoRARegistry:
         *,
         load_inplace: bool = False,
         path: str | None = None,
+        label: WeightVersion | None = None,
     ) -> LoRAAdapter:
         """Checks and registers an adapter built from `tensors` under `name`; returns it.
 
         A new name gets a new id and version 1; `load_inplace` over a loaded name keeps its id
-        and takes the next version. Requests running on the previous version keep it.
+        and takes the next version. Requests running on the previous version keep it. `label`
+        names the version in its requests' outputs (see `LoRAAdapter.label`).
 
         Raises:
             LoRAAdapterError: The adapter was refused, or `name` is loaded and `load_inplace` is
@@ -441,6 +452,7 @@ class LoRARegistry:
             identity = {
                 "lora_int_id": next(self._ids) if previous is None else previous.lora_int_id,
                 "version": 1 if previous is None else previous.version + 1,
+                "label": label,
             }
             adapter = _with_identity(adapter, **identity)
             self._adapters[name] = adapter
@@ -459,9 +471,11 @@ class LoRARegistry:
         return adapter
 
 
-def _with_identity(adapter: LoRAAdapter, *, lora_int_id: int, version: int) -> LoRAAdapter:
+def _with_identity(
+    adapter: LoRAAdapter, *, lora_int_id: int, version: int, label: WeightVersion | None
+) -> LoRAAdapter:
     """`adapter` under another id and version: the same tensors, a new immutable object."""
-    fields = {**adapter.__dict__, "lora_int_id": lora_int_id, "version": version}
+    fields = {**adapter.__dict__, "lora_int_id": lora_int_id, "version": version, "label": label}
     return LoRAAdapter(**fields)
 
 
