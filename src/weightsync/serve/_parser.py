@@ -130,6 +130,12 @@ def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
                        help="multiply by the plain weights, without the prepacked copies a "
                        "float32 model on a CPU otherwise gets (see "
                        "EngineConfig.prepack_linears)")  # fmt: skip
+    model.add_argument("--max-lora-versions", type=_positive_int,
+                       default=4,
+                       help="most versions of one LoRA adapter kept at once when a live update "
+                       "(/start_weight_update with lora_name) commits a new one: the current one "
+                       "and those requests still run with; beyond it the oldest are dropped and "
+                       "their requests aborted (default: %(default)s)")  # fmt: skip
 
 
 def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:

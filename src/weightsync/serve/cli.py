@@ -218,6 +218,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         weight_update_staging=args.weight_update_staging,
         refuse_non_finite_weights=args.refuse_non_finite_weights,
         prepack_linears=not args.no_prepack_linears,
+        max_lora_versions=args.max_lora_versions,
         device=args.device,
     )
 

@@ -30,6 +30,16 @@ def test_options_reach_the_namespace():
     assert config is None
 
 
+def test_max_lora_versions_reaches_the_engine_config():
+    from weightsync import EngineConfig
+    from weightsync.serve.cli import _engine_config
+
+    args, _ = _parse_serve_args(["serve", "debug", "--max-lora-versions", "2"])
+    assert _engine_config(args).max_lora_versions == 2
+    default, _ = _parse_serve_args(["serve", "debug"])
+    assert _engine_config(default).max_lora_versions == EngineConfig().max_lora_versions
+
+
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(WeightValidationError, match="gloo"):
         _parse_serve_args(["serve", "--weight-transfer-config.backend", "carrier-pigeon"])
