@@ -12,6 +12,10 @@ medians, and the median of the per-round ratios.
 The model is the `small` preset (23M parameters, float32) unless `--hidden-size` and
 `--num-layers` ask for another Llama shape: the adapter's share of the bytes is about
 `2 * r / hidden_size`, so it shrinks as models grow (a 4096-wide model at rank 16: under 1 %).
+
+Torch runs on one thread (`--threads`): on a small machine shared with other work, a copy split
+across threads waits for whichever thread the scheduler preempted, and a 9 MB copy then takes
+anything from 5 to 200 ms; one thread measures the transfer, not that lottery.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def _bench_backend(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = _model_config(args)
     engine_config = EngineConfig(
@@ -105,14 +110,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_layers": config.num_hidden_layers,
             "dtype": "float32",
             "parameters": sum(t.numel() for _, t in full),
-        },  # fmt: skip
+        },
         "adapter": {"rank": args.rank, "target_modules": MODULES, "tensors": len(adapter)},
         "bytes": {
             "full": full_bytes,
             "adapter": adapter_bytes,
             "adapter_over_full": adapter_bytes / full_bytes,
-        },  # fmt: skip
+        },
         "repeats": args.repeats,
+        "threads": args.threads,
         "goal_adapter_over_full": 0.05,
     }
     for backend in args.backends:
@@ -130,6 +136,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["gloo", "ipc"], choices=["gloo", "ipc"])
     parser.add_argument("--hidden-size", type=int, help="another model width (default: small)")
     parser.add_argument("--num-layers", type=int, default=8, help="with --hidden-size")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     result = run(args)
