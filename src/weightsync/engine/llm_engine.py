@@ -261,7 +261,8 @@ class LLMEngine:
         Raises:
             LoRAAdapterError: The adapter was refused (the message names the file and the
                 tensor), or `lora_name` is loaded and `load_inplace` is False; nothing changed.
-            LoRAAdapterNotFoundError: LoRA is not enabled (`EngineConfig.enable_lora`).
+            LoRAAdapterNotFoundError: `lora_path` is not a directory, or LoRA is not enabled
+                (`EngineConfig.enable_lora`).
         """
         registry = self._lora_registry("load_lora_adapter")
         adapter = registry.load(lora_name, lora_path, load_inplace=load_inplace)

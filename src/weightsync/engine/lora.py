@@ -254,13 +254,17 @@ def build_lora_adapter(
         lora_int_id: The engine's id for `name`.
         version: The version this build is.
         path: The directory read, if any (recorded).
-        where: How errors name the source (default: the path, else `name`).
+        where: How errors name the source when there is no `path` (default: `name`);
+            with a `path`, they name its `adapter_config.json` or `adapter_model.safetensors`.
 
     Raises:
         LoRAAdapterError: The first problem, naming the file and the tensor, expected and actual.
     """
-    where = where or path or repr(name)
-    rank, scaling = _check_config(config, where, max_rank)
+    where = where or repr(name)
+    config_where = str(Path(path) / ADAPTER_CONFIG_FILE) if path is not None else where
+    if path is not None:
+        where = str(Path(path) / ADAPTER_WEIGHTS_FILE)
+    rank, scaling = _check_config(config, config_where, max_rank)
     shapes = _module_shapes(model_config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
@@ -318,14 +322,18 @@ def read_lora_directory(
         (the config, PEFT tensor name -> tensor on the CPU).
 
     Raises:
-        LoRAAdapterError: A missing directory or file, JSON that does not parse, or a damaged
-            safetensors file; the message names the file.
+        LoRAAdapterNotFoundError: `path` is not a directory.
+        LoRAAdapterError: A missing file, JSON that does not parse, or a damaged safetensors
+            file; the message names the file.
     """
     directory = Path(path)
     config_path = directory / ADAPTER_CONFIG_FILE
     weights_path = directory / ADAPTER_WEIGHTS_FILE
-    if not directory.is_dir():
-        raise _fail(str(directory), "not a directory: give a PEFT adapter directory")
+    if not directory.is_dir():  # vLLM answers this one 404: no adapter found there
+        raise LoRAAdapterNotFoundError(
+            f"LoRA adapter {directory}: no adapter found there (not a directory): give the path "
+            "of a PEFT adapter directory on this machine"
+        )
     for required in (config_path, weights_path):
         if not required.is_file():
             raise _fail(
@@ -416,6 +424,7 @@ class LoRARegistry:
 
         Raises:
             LoRAAdapterError: The adapter was refused (see `build_lora_adapter`); nothing changed.
+            LoRAAdapterNotFoundError: `path` is not a directory.
         """
         self.check_can_load(name, load_inplace=load_inplace)
         config, tensors = read_lora_directory(path)

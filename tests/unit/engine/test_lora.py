@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import DTYPE, debug_model, greedy, make_engine
-from lora_helpers import (
+
+from lora_adapters import (
     adapter_tensors,
     merged_model,
     peft_config,
     peft_name,
     write_adapter,
 )
-
 from weightsync.engine import AsyncEngine, EngineConfig, LLMEngine
 from weightsync.engine.lora import LoRABatch
 from weightsync.errors import (
@@ -180,6 +180,7 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
 
 CASES = ["shape", "rank", "module", "layer", "lm_head", "dora", "bias", "missing_b",
          "missing_file", "json", "safetensors"]  # fmt: skip
+CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json"}  # the others name the tensors' file
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -194,11 +195,19 @@ def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(tmp_path, base_mod
         with pytest.raises(LoRAAdapterError) as refused:
             engine.load_lora_adapter(name, str(path), load_inplace=inplace)
         message = str(refused.value)
-        assert str(path) in message and named in message, message
+        file = "adapter_config.json" if case in CONFIG_CASES else "adapter_model.safetensors"
+        assert str(path / file) in message and named in message, message
     assert engine.list_lora_adapters() == before
     assert tokens(engine, lora_name="a") == answer
     with pytest.raises(LoRAAdapterNotFoundError):
         engine.add_request("r", PROMPT, lora_name="new")
+
+
+def test_a_path_that_is_no_directory_is_not_found(tmp_path):
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterNotFoundError, match="no adapter found there"):
+        engine.load_lora_adapter("a", str(tmp_path / "nowhere"))
+    assert engine.list_lora_adapters() == []
 
 
 def test_a_shape_refusal_says_expected_and_actual(tmp_path, base_model):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import DTYPE, debug_model, greedy, small_config
-from lora_helpers import adapter_tensors, peft_config, write_adapter
 
+from lora_adapters import adapter_tensors, peft_config, write_adapter
 from weightsync.engine import LLMEngine
 from weightsync.errors import (
     IncompleteWeightUpdateError,

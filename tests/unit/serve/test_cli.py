@@ -72,7 +72,8 @@ def test_the_parsers_defaults_are_the_engines_and_the_servers():
 
     args = build_parser().parse_args(["serve"])
     defaults = EngineConfig()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "enable_lora", "max_loras", "max_lora_rank"):  # fmt: skip
         assert getattr(args, name) == getattr(defaults, name), name
     assert args.max_request_bytes == ServerConfig().max_request_bytes
     assert set(build_parser().parse_args(["serve"]).__dict__) >= {"dtype", "device"}
@@ -93,3 +94,44 @@ def test_a_cuda_device_without_cuda_is_a_one_line_error(capsys):
     assert main(["serve", "debug", "--port", "0", "--device", "cuda"]) != 0
     err = capsys.readouterr().err
     assert "EngineConfig.device is 'cuda'" in err and err.count("\n") == 1
+
+
+def test_lora_flags_in_vllms_two_forms():
+    args = build_parser().parse_args([
+        "serve", "debug", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
+        "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+    ])  # fmt: skip
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 4, 32)
+    assert [(m.name, m.path) for m in args.lora_modules] == [
+        ("sql", "/adapters/sql"), ("chat", "/adapters/chat"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-modules", '{"name": "x"}'], "must be name=path or a JSON object"),
+        (["--lora-modules", "{not json"], "is neither name=path nor JSON"),
+        (["--max-loras", "0"], "expected an integer >= 1"),
+    ],
+)
+def test_bad_lora_flags_are_one_line_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "debug", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-modules", "a=/nonexistent/adapter"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "no adapter found"),
+        (["--enable-lora", "--lora-modules", "debug=/x"], "is the served model's name"),
+        (["--enable-lora", "--data-parallel-size", "2"], "does not serve them yet"),
+    ],
+)
+def test_lora_settings_that_cannot_serve_stop_the_server_at_start(capsys, argv, message):
+    assert main(["serve", "debug", "--port", "0", "--num-kv-blocks", "64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -373,6 +373,10 @@ class FleetControl:
         tree["parallel_config"]["data_parallel_size"] = self.config.world_size
         return dict(tree)
 
+    def lora_adapters(self) -> list[Any]:
+        """None: a data-parallel server serves no LoRA adapters (`--enable-lora` is refused)."""
+        return []
+
     async def metrics(self) -> bytes:
         """Each live replica's metrics under its `engine` index, and their sums (`total`)."""
         live = self.fleet.live()
