@@ -458,12 +458,12 @@ class LoRARegistry:
         with self._lock:
             self.check_can_load(name, load_inplace=load_inplace)  # another load may have won
             previous = self._adapters.get(name)
-            identity = {
-                "lora_int_id": next(self._ids) if previous is None else previous.lora_int_id,
-                "version": 1 if previous is None else previous.version + 1,
-                "label": label,
-            }
-            adapter = _with_identity(adapter, **identity)
+            adapter = _with_identity(
+                adapter,
+                lora_int_id=next(self._ids) if previous is None else previous.lora_int_id,
+                version=1 if previous is None else previous.version + 1,
+                label=label,
+            )
             self._adapters[name] = adapter
         return adapter
 
