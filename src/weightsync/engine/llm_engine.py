@@ -158,17 +158,14 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: deque[Seq] = deque()
         self.weights = LiveWeights(
-            model,
-            transfer_config=weight_transfer_config,
-            weight_version=weight_version,
-            worker_index=worker_index,
-            staging=config.weight_update_staging,
+            model, transfer_config=weight_transfer_config, weight_version=weight_version,
+            worker_index=worker_index, staging=config.weight_update_staging,
             refuse_non_finite=config.refuse_non_finite_weights,
             finish_bare_updates=finish_bare_updates,
             on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
             scheduler=self.scheduler,
-            adapters=self._adapter_versions(),
-        )
+            adapters=self._adapter_versions(),  # what an adapter's live update lands in
+        )  # fmt: skip
         self._sleep = Sleep(self.runner, self.weights)
         self.num_steps = 0
         self._abort_inbox: set[str] = set()

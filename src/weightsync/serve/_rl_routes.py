@@ -8,6 +8,10 @@ behind the same calls (`EngineClient`); what the server answers of itself comes 
 failure is JSON naming the field and the weightsync error type with the status of its class
 (never a 500 for a known failure). Transfer calls block on a worker thread, never on the event
 loop, so streams keep flowing. IPC handles arrive as JSON records: nothing is unpickled.
+
+One concept: vLLM's RL control surface over HTTP, route by route. Its length is the routes'
+docstrings (they are the schema's descriptions) and the checks of their bodies; cut in two, a
+reader would look for a route in the wrong half.
 """
 
 from __future__ import annotations
