@@ -360,7 +360,10 @@ class LiveWeights:
 
     def _holds_model(self) -> bool:
         """Whether an update of the model's weights (not an adapter's) is open."""
-        return self._transaction is not None and self._transaction.adapter is None
+        # Read once: an adapter's message may end its transaction on the transfer thread while
+        # the step thread asks.
+        txn = self._transaction
+        return txn is not None and txn.adapter is None
 
     def status(self) -> WeightUpdateStatus | None:
         """The update in progress, or None."""

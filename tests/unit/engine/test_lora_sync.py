@@ -3,12 +3,15 @@ backend) in the four-call transaction, landed in a new version beside the one re
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from engine_helpers import DTYPE, debug_model, greedy, small_config
 
 from lora_adapters import adapter_tensors, peft_config, write_adapter
-from weightsync.engine import LLMEngine
+from weightsync.engine import AsyncEngine, LLMEngine
+from weightsync.engine.outputs import RequestOutput
 from weightsync.errors import (
     IncompleteWeightUpdateError,
     LoRAAdapterError,
@@ -17,7 +20,11 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.trainer import IPCWeightSender, sync_weights
-from weightsync.transfer.ipc import IPCTrainerSendWeightsArgs, ipc_trainer_send_weights
+from weightsync.transfer.ipc import (
+    IPCTrainerSendWeightsArgs,
+    ipc_trainer_init,
+    ipc_trainer_send_weights,
+)
 
 PROMPT = "LoRA adapters ride on the base weights"
 MAX_TOKENS = 10
@@ -221,3 +228,48 @@ def test_the_engine_generates_while_an_adapter_update_is_open(base_model, tmp_pa
     assert engine.weight_update is not None and engine.weight_update.lora_name == "a"
     assert tokens(engine, "a") == answer  # generate() would refuse during a full update
     assert engine.abort_weight_update() is True
+
+
+def test_the_async_engine_streams_through_an_open_adapter_update(base_model, tmp_path):
+    engine = AsyncEngine.from_engine(
+        loaded_from_directory(base_model, tmp_path, adapter_tensors(base_model, seed=34))
+    )
+    sent = in_model_dtype(adapter_tensors(base_model, seed=35))
+    session = ipc_trainer_init()
+
+    async def main() -> tuple[RequestOutput, RequestOutput]:
+        loop = asyncio.get_running_loop()
+
+        def deliver(update_info):  # on the trainer's thread, as a trainer process would call
+            request = {"update_info": update_info}
+            asyncio.run_coroutine_threadsafe(engine.update_weights(request), loop).result(60)
+
+        stream = engine.generate(PROMPT, greedy(64), lora_name="a")
+        await anext(stream)
+        await engine.pause_generation(mode="keep")  # holds the request mid-generation
+        await engine.init_weight_transfer_engine({"init_info": session.init_info})
+        await engine.start_weight_update(lora_name="a")
+        await engine.resume_generation()  # an adapter's open update holds nothing
+        during = await asyncio.wait_for(anext(stream), 60)
+        args = IPCTrainerSendWeightsArgs(session, deliver)
+        await asyncio.to_thread(ipc_trainer_send_weights, sent, args)
+        assert await engine.finish_weight_update("v2") is True
+        async for output in stream:
+            during = output
+        after = None
+        async for output in engine.generate(PROMPT, greedy(4), lora_name="a"):
+            after = output
+        assert after is not None
+        return during, after
+
+    async def run() -> tuple[RequestOutput, RequestOutput]:
+        try:
+            return await main()
+        finally:
+            await engine.shutdown()
+            session.close()
+
+    during, after = asyncio.run(run())
+    assert set(during.outputs[0].weight_versions) == {1} and during.finished
+    assert len(during.outputs[0].token_ids) == 64
+    assert after.outputs[0].weight_versions == ["v2"] * 4
