@@ -98,7 +98,7 @@ def _module_shapes(config: LlamaConfig) -> dict[str, _ModuleShape]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one version is one object: compared by identity
 class LoRAAdapter:
     """One loaded version of a LoRA adapter: immutable, shared by every request that uses it.
 
@@ -392,10 +392,9 @@ class LoRARegistry:
         """
         with self._lock:
             adapter = self._adapters.get(name)
+            loaded = sorted(self._adapters)
         if adapter is None:
-            raise LoRAAdapterNotFoundError(
-                f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}"
-            )
+            raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r} is not loaded; loaded: {loaded}")
         return adapter
 
     def list(self) -> list[LoRAAdapter]:
@@ -407,7 +406,7 @@ class LoRARegistry:
         """Refuses a second load of `name` unless `load_inplace` (before any file is read).
 
         Raises:
-            InvalidRequestError: `name` is empty, or loaded and `load_inplace` is False.
+            LoRAAdapterError: `name` is empty, or loaded and `load_inplace` is False.
         """
         if not isinstance(name, str) or not name:
             raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r}")

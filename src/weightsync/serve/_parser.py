@@ -121,7 +121,8 @@ class _LoRAModules(argparse.Action):
             if (
                 not isinstance(fields, dict)
                 or not {"name", "path"} <= set(fields) <= {"name", "path", "base_model_name"}
-                or not all(isinstance(v, str) and v for v in fields.values())
+                or not all(isinstance(fields[k], str) and fields[k] for k in ("name", "path"))
+                or not isinstance(fields.get("base_model_name"), str | None)
             ):
                 parser.error(
                     f"--lora-modules: {item!r} must be name=path or a JSON object with string "

@@ -20,7 +20,7 @@ from lora_adapters import (
     peft_name,
     write_adapter,
 )
-from weightsync.engine import AsyncEngine, EngineConfig, LLMEngine
+from weightsync.engine import AsyncEngine, CompletionOutput, EngineConfig, LLMEngine
 from weightsync.engine.lora import LoRABatch
 from weightsync.errors import (
     EngineConfigError,
@@ -71,10 +71,12 @@ def test_an_adapter_on_some_modules_only_equals_its_merged_weights(tmp_path, bas
     assert tokens(engine, lora_name="vu") == tokens(merged)
 
 
-def run_together(engine: LLMEngine, requests: list[tuple[str, str | None]]) -> dict[str, list]:
-    """Adds every request before the first step, so they share batches; returns each one's tokens."""
+def run_together(
+    engine: LLMEngine, requests: list[tuple[str, str | None]], **params: object
+) -> dict[str, CompletionOutput]:
+    """Adds every request before the first step, so they share batches; returns each output."""
     for request_id, lora_name in requests:
-        engine.add_request(request_id, f"{PROMPT} {request_id}", greedy(MAX_TOKENS),
+        engine.add_request(request_id, f"{PROMPT} {request_id}", greedy(MAX_TOKENS, **params),
                            lora_name=lora_name)  # fmt: skip
     finals = {}
     while engine.has_unfinished_requests():
@@ -92,11 +94,17 @@ def test_a_batch_mixing_base_rows_and_two_adapters_gives_each_row_its_own_answer
         tensors = adapter_tensors(base_model, seed=seed)
         engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
     requests = [("base1", None), ("a1", "a"), ("b1", "b"), ("base2", None), ("a2", "a")]
-    together = run_together(engine, requests)
+    together = run_together(engine, requests, logprobs=2)
     for request_id, lora_name in requests:
         alone = tokens(engine, f"{PROMPT} {request_id}", lora_name)
         assert together[request_id].token_ids == alone, request_id
     assert together["a1"].token_ids != tokens(engine, f"{PROMPT} a1")  # the adapter acted
+    # The same batch on an engine without LoRA: its base rows answer to the last bit.
+    plain = run_together(make_engine(debug_model()), [(rid, None) for rid, _ in requests],
+                         logprobs=2)  # fmt: skip
+    for request_id in ("base1", "base2"):
+        assert together[request_id].logprobs == plain[request_id].logprobs
+        assert together[request_id].top_logprobs == plain[request_id].top_logprobs
 
 
 def test_base_rows_answer_bit_for_bit_as_an_engine_without_lora(tmp_path, base_model):

@@ -100,10 +100,11 @@ def test_lora_flags_in_vllms_two_forms():
     args = build_parser().parse_args([
         "serve", "debug", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
         "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+        '{"name": "base", "path": "/adapters/base", "base_model_name": null}',
     ])  # fmt: skip
     assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 4, 32)
     assert [(m.name, m.path) for m in args.lora_modules] == [
-        ("sql", "/adapters/sql"), ("chat", "/adapters/chat"),
+        ("sql", "/adapters/sql"), ("chat", "/adapters/chat"), ("base", "/adapters/base"),
     ]  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def test_lora_flags_in_vllms_two_forms():
     [
         (["--lora-modules", '{"name": "x"}'], "must be name=path or a JSON object"),
         (["--lora-modules", "{not json"], "is neither name=path nor JSON"),
+        (["--lora-modules", '{"name": "x", "path": 3}'], "with string fields 'name' and 'path'"),
         (["--max-loras", "0"], "expected an integer >= 1"),
     ],
 )
