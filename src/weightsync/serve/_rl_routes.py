@@ -326,6 +326,13 @@ async def _start_weight_update(
     if lora_name is None:  # vLLM's call, exactly
         await _engine(request).start_weight_update()
         return {"message": "Weight update started"}
+    if lora_name == _view(request).config.model_name:  # as /v1/load_lora_adapter refuses it
+        raise RequestRefused(
+            400,
+            f"field 'lora_name': the lora adapter '{lora_name}' conflicts with a served base "
+            "model: name the adapter apart from the model",
+            param="lora_name",
+        )
     await _engine(request).start_weight_update(lora_name=lora_name, lora_config=lora_config)
     return {"message": "Weight update started", "lora_name": lora_name}
 

@@ -47,6 +47,9 @@ def test_an_adapter_is_pushed_through_the_routes_and_the_finish_names_its_versio
         # A config without a name, and an adapter the server does not hold: refused by name.
         refused = client.post("/start_weight_update", json={"lora_config": CONFIG})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora_config"
+        named_as_the_model = {"lora_name": "debug", "lora_config": CONFIG}
+        refused = client.post("/start_weight_update", json=named_as_the_model)
+        assert refused.status_code == 400 and "conflicts with a served base model" in refused.text
         unknown = client.post("/start_weight_update", json={"lora_name": "b"})
         assert unknown.json()["error"]["type"] == "LoRAAdapterNotFoundError"
         assert "'b' is not loaded" in unknown.json()["error"]["message"]
