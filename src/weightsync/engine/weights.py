@@ -26,6 +26,12 @@ An update is refused on a busy, unpaused engine (and a broadcast's trainer learn
 transaction is open or weights are torn the scheduler stays paused, and an engine that an update
 paused resumes once the update ends.
 
+A transaction may instead be addressed to a LoRA adapter (`start(lora_name=...)`): the same
+calls, the same refusals, checked against the adapter's specs, landed in fresh tensors of its next
+version that the engine's adapters (an `AdapterSink`) make current at finish. The model's weights
+and version stay, nothing pauses, and a failure only drops the fresh tensors. One transaction is
+open at a time, of the model or of an adapter.
+
 One concept: the update transaction and what guards it. Its record, its refusals, the ends of an
 update (finished, refused at finish, failed, aborted, replaced) and the pause it holds are one
 state machine, read in one place; cut in two, each half would need the other's rules.
