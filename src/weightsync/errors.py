@@ -14,6 +14,8 @@ __all__ = [
     "EngineTimeoutError",
     "IncompleteWeightUpdateError",
     "InvalidRequestError",
+    "LoRAAdapterError",
+    "LoRAAdapterNotFoundError",
     "NonFiniteWeightsError",
     "ReplicaUnavailableError",
     "TornWeightsError",
@@ -38,6 +40,14 @@ class WeightSyncError(Exception):
 
 class WeightValidationError(WeightSyncError, ValueError):
     """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
+
+
+class LoRAAdapterError(WeightValidationError):
+    """A LoRA adapter was refused before it was loaded: its files, config or tensors are wrong.
+
+    The message names the file and the tensor or key at fault, the expected and the actual
+    value; the adapters loaded before stay as they were.
+    """
 
 
 class NonFiniteWeightsError(WeightValidationError):
@@ -72,6 +82,10 @@ class EngineConfigError(WeightSyncError, ValueError):
 
 class InvalidRequestError(WeightSyncError, ValueError):
     """A request or its sampling parameters are invalid; the engine is unaffected."""
+
+
+class LoRAAdapterNotFoundError(InvalidRequestError):
+    """A request or a call names a LoRA adapter that is not loaded (vLLM answers 404)."""
 
 
 class EngineStateError(WeightSyncError, RuntimeError):

@@ -28,8 +28,10 @@ MAX_EXAMPLES = 15
 def server():
     # Short sequences and few of them: a generated completion asking for the most of everything
     # still ends in well under a second.
+    # With LoRA enabled, so that its routes (in the schema) are served too.
     server = Server("debug", "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "48",
-                    "--max-num-seqs", "8", "--max-num-batched-tokens", "64")  # fmt: skip
+                    "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                    "--enable-lora")  # fmt: skip
     yield server
     server.stop()
     server.kill()

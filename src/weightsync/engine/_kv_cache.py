@@ -9,8 +9,10 @@ hash until they are reused, oldest freed first, so a prefix stays reusable while
 
 A request's `cache_salt` seeds its chain: the first block's hash starts from the salt's hash, so
 requests share cached blocks only with requests of the same salt (or, unsalted, with the unsalted
-ones). A request that asks for prompt log-probabilities takes no cached prefix: it computes each
-prompt token to score it (it still offers its blocks to others).
+ones). A request's LoRA adapter seeds it too (its id and version): KV computed under one adapter
+version is never reused by another, nor by the base model. A request that asks for prompt
+log-probabilities takes no cached prefix: it computes each prompt token to score it (it still
+offers its blocks to others).
 
 Weights change the meaning of cached KV. `bump_epoch` (after a weight update) forgets every hash,
 and a sequence whose KV predates the current epoch never registers its blocks, so a prefix is only
@@ -45,12 +47,17 @@ def _chain_hash(previous: bytes, token_ids: list[int]) -> bytes:
 
 
 def _chain_start(seq: Sequence) -> bytes:
-    """What the first block's hash chains from: b"" unsalted, else the salt's own hash."""
+    """What the first block's hash chains from: b"" unsalted and base, else a 32-byte hash."""
     # A salt's hash is 32 bytes and the unsalted start is empty, so no salt, whatever its text,
-    # starts the chain of another salt or of the unsalted requests.
-    if seq.cache_salt is None:
-        return b""
-    return hashlib.sha256(b"cache_salt:" + seq.cache_salt.encode("utf-8", "surrogatepass")).digest()
+    # starts the chain of another salt or of the unsalted requests. An adapter's key is hashed
+    # with it, apart from the salt by the prefixes, so no salt can pose as an adapter.
+    start = b""
+    if seq.cache_salt is not None:
+        salt = seq.cache_salt.encode("utf-8", "surrogatepass")
+        start = hashlib.sha256(b"cache_salt:" + salt).digest()
+    if seq.lora is not None:
+        start = hashlib.sha256(b"lora_adapter:" + seq.lora.cache_key + b":" + start).digest()
+    return start
 
 
 class BlockManager:

@@ -12,6 +12,7 @@ from weightsync.engine._lanes import DecodeLanes
 from weightsync.engine._sampler import TokenLogprobs, position_logprobs, sample, token_logprobs
 from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
+from weightsync.engine.lora import LoRABatch
 from weightsync.engine.model import LlamaForCausalLM, _check_fits_memory
 
 _SCORED_POSITIONS = 256  # prompt positions whose logits are scored together
@@ -212,8 +213,9 @@ class ModelRunner:
             log-probabilities (None for a request that did not ask for them).
         """
         input_ids, positions, meta, sample_rows = self.prepare(batch)
+        lora = self._lora_batch(batch)
         try:
-            hidden = self.model(input_ids, positions, meta)  # (tokens, hidden)
+            hidden = self.model(input_ids, positions, meta, lora)  # (tokens, hidden)
         except BaseException:
             self.lanes.clear()  # the lanes' planned fills may not all have happened
             raise
@@ -224,6 +226,15 @@ class ModelRunner:
         sampling = [item.seq for item in batch if item.samples]
         tokens = sample(logits, sampling, self.eos_token_ids)
         return tokens, token_logprobs(logits, [s.sampling_params for s in sampling], tokens)
+
+    def _lora_batch(self, batch: list[ScheduledSequence]) -> LoRABatch | None:
+        """The step's token rows grouped by LoRA adapter, in `prepare`'s order (None: no adapter)."""
+        spans = []
+        first = 0
+        for item in batch:
+            spans.append((item.seq.lora, first, item.num_tokens))
+            first += item.num_tokens
+        return LoRABatch.of_rows(spans, self.device)
 
     def _score_prompts(self, batch: list[ScheduledSequence], hidden: torch.Tensor) -> None:
         """Fills the prompt log-probabilities of the prompt tokens this step's chunks predict.

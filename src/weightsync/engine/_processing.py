@@ -12,6 +12,7 @@ from weightsync.engine._scheduler import ScheduledSequence
 from weightsync.engine._sequence import Sequence
 from weightsync.engine._template_sandbox import CHARS_PER_TOKEN
 from weightsync.engine.chat_template import ChatTemplate
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt, Tokenizer
@@ -173,8 +174,9 @@ class InputProcessor:
         sampling_params: SamplingParams | None,
         *,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> Sequence:
-        """Returns the new request's sequence.
+        """Returns the new request's sequence (running with `lora`, if given).
 
         Raises:
             InvalidRequestError: An empty prompt, unknown token ids, a prompt that leaves no
@@ -212,6 +214,7 @@ class InputProcessor:
             ),
             prompt=text,
             cache_salt=cache_salt,
+            lora=lora,
         )
 
     @staticmethod
@@ -266,7 +269,10 @@ class OutputProcessor:
         weight_version: WeightVersion,
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> list[Sequence]:
-        """Appends each sampled token, tagged with `weight_version`, and applies stop conditions.
+        """Appends each sampled token, tagged with its version, and applies stop conditions.
+
+        A token's version is `weight_version`, or for a row of a LoRA adapter the version of
+        the adapter it runs with (`LoRAAdapter.weight_version`).
 
         Args:
             batch: The step's batch.
@@ -286,7 +292,9 @@ class OutputProcessor:
                 continue  # a prefill chunk that does not reach the end yet
             token, token_logprobs = next(sampled), next(sampled_logprobs)
             try:
-                item.seq.append_token(token, weight_version, token_logprobs)
+                lora = item.seq.lora
+                version = weight_version if lora is None else lora.weight_version
+                item.seq.append_token(token, version, token_logprobs)
                 self._check_stop(item.seq, token)
             except Exception as exc:  # this request's text or stop check: it alone ends
                 item.seq.fail(exc)

@@ -155,16 +155,16 @@ class Scheduler:
     def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Moves waiting sequences into the batch while budget, seats and blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             # A wait-mode pause admits only sequences that were preempted, never new ones.
-            if self.state is PauseState.DRAINING and not seq.was_started:
+            if seq is None or (self.state is PauseState.DRAINING and not seq.was_started):
                 break
             hits = self.block_manager.match_prefix(seq)
             cached_tokens = len(hits) * self.block_manager.block_size
             num_tokens = min(seq.num_tokens - cached_tokens, budget)
             if not self.block_manager.can_allocate(hits, cached_tokens + num_tokens):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, hits, cached_tokens + num_tokens)
             if not seq.was_started:
                 seq.num_cached_tokens = cached_tokens
@@ -173,6 +173,18 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence whose LoRA adapter fits `max_loras` beside the running ones.
+
+        A sequence whose adapter would be one too many keeps its place in the queue (vLLM holds
+        it back the same way); the base model always fits.
+        """
+        active = {id(s.lora) for s in self.running if s.lora is not None}
+        for seq in self.waiting:
+            if seq.lora is None or id(seq.lora) in active or len(active) < self.config.max_loras:
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees `seq`'s blocks and queues it first, to be recomputed from its tokens."""

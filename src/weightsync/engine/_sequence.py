@@ -8,6 +8,7 @@ import logging
 import torch
 
 from weightsync.engine._sampler import TokenLogprobs
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import (
     CompletionOutput,
     FinishReason,
@@ -45,6 +46,8 @@ class Sequence:
         prompt: The prompt text, if the prompt was given as text.
         cache_salt: Seeds its prefix-cache hashes: only requests with the same salt (or none)
             share cached blocks.
+        lora: The LoRA adapter (one version of it) it runs with, from admission to its end;
+            None: the base model.
 
     Attributes:
         token_ids: Prompt then output token ids.
@@ -78,10 +81,12 @@ class Sequence:
         decoder: IncrementalDecoder,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.cache_salt = cache_salt
+        self.lora = lora
         self.sampling_params = sampling_params
         self.generator = generator
         self.decoder = decoder

@@ -28,11 +28,17 @@ from typing import Any, TypeVar
 
 from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt
-from weightsync.engine.weights import WeightUpdateStatus, unwrap_request, update_info_of
+from weightsync.engine.weights import (
+    AdapterCommit,
+    WeightUpdateStatus,
+    unwrap_request,
+    update_info_of,
+)
 from weightsync.errors import EngineConfigError, EngineStateError, InvalidRequestError
 from weightsync.transfer.base import TransferStats
 
@@ -320,19 +326,21 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's cumulative output as steps change it.
 
         The engine does not wait for the stream: when several steps ran since the stream last
         read, it gets the newest output, which carries every token since.
 
-        `cache_salt`: see `LLMEngine.add_request`.
+        `cache_salt`, `lora_name`: see `LLMEngine.add_request`.
 
         A request submitted while paused is queued and starts after resume. Leaving the stream
         early (break, cancellation) aborts the request.
 
         Raises:
             InvalidRequestError: A bad prompt, sampling parameters or duplicate `request_id`.
+            LoRAAdapterNotFoundError: No adapter named `lora_name` is loaded.
             EngineStateError: The engine was shut down or its loop died.
         """
         self._start()
@@ -343,7 +351,9 @@ class AsyncEngine:
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         arrived_at = time.monotonic()
-        self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        self.engine.add_request(
+            request_id, prompt, sampling_params, cache_salt=cache_salt, lora_name=lora_name
+        )
         self._streams[request_id] = queue
         self._notify()
         finished = False
@@ -368,6 +378,29 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._notify()
             self.stats.record_request(last, arrived_at, first_token_at)
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False
+    ) -> LoRAAdapter:
+        """Loads a PEFT adapter directory; see `LLMEngine.load_lora_adapter`.
+
+        The files are read and checked on a worker thread, so streams keep flowing. The step
+        thread never reads the registry (a request holds its adapter from `generate` on), so
+        no step boundary is needed: the registry's own lock orders loads against `generate`.
+        """
+        return await asyncio.to_thread(
+            self.engine.load_lora_adapter, lora_name, lora_path, load_inplace=load_inplace
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unloads an adapter; see `LLMEngine.unload_lora_adapter`."""
+        self.engine.unload_lora_adapter(lora_name)
+
+    def list_lora_adapters(self) -> list[LoRAAdapter]:
+        """The loaded LoRA adapters; see `LLMEngine.list_lora_adapters`."""
+        return self.engine.list_lora_adapters()
 
     def tokenize(self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None) -> list[int]:
         """The token ids of a prompt, checked as `generate` checks it; see `LLMEngine.tokenize`."""
@@ -603,34 +636,49 @@ class AsyncEngine:
         async with self._transfer_lock:
             await _to_thread_uninterrupted(self._weights.init_transfer_engine, init_info)
 
-    async def start_weight_update(self) -> None:
-        """Opens a weight-update transaction; see `LLMEngine.start_weight_update`."""
+    async def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
+        """Opens a weight-update transaction; see `LLMEngine.start_weight_update`.
+
+        With `lora_name`, the update is a LoRA adapter's: steps go on while its messages land.
+        """
         self._start()
         async with self._update_calls, self._at_step_boundary():
             with self.stats.counting_update_failures():
-                self._weights.start()
+                self._weights.start(lora_name=lora_name, lora_config=lora_config)
 
     async def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`), off the event loop.
 
         No step runs until it ends; see `LLMEngine.update_weights` for when it is accepted and
-        what a failure leaves behind.
+        what a failure leaves behind. In a LoRA adapter's update, steps go on meanwhile: the
+        message lands in tensors no request uses until the update finishes.
         """
         self._start()
         update_info = update_info_of(request)
         try:
-            async with self._update_calls, self._transfer_lock, self._at_step_boundary():
-                bare = self._weights.status() is None
-                self._updating = True
-                try:
+            async with self._update_calls, self._transfer_lock:
+                status = self._weights.status()
+                if status is not None and status.lora_name is not None:
                     with self.stats.counting_update_failures():
                         stats = await _to_thread_uninterrupted(self._weights.update, update_info)
-                finally:
-                    self._updating = False
-                self.stats.record_update_message(stats.num_bytes, stats.seconds)
-                if bare and self._weights.status() is None:  # a whole update, finished
-                    self.stats.weight_updates += 1
-                return stats
+                    self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                    return stats
+                async with self._at_step_boundary():
+                    bare = status is None
+                    self._updating = True
+                    try:
+                        with self.stats.counting_update_failures():
+                            stats = await _to_thread_uninterrupted(
+                                self._weights.update, update_info
+                            )
+                    finally:
+                        self._updating = False
+                    self.stats.record_update_message(stats.num_bytes, stats.seconds)
+                    if bare and self._weights.status() is None:  # a whole update, finished
+                        self.stats.weight_updates += 1
+                    return stats
         finally:
             self._notify()  # a bare update that ended resumes the engine it paused
 
@@ -658,6 +706,11 @@ class AsyncEngine:
             aborted = self._weights.abort()
         self._notify()
         return aborted
+
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None:
+        """What the last finish of an adapter's update did; see `LLMEngine`'s."""
+        return self._weights.last_adapter_commit
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update` would raise now; see `LLMEngine`'s."""

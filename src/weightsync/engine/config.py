@@ -44,6 +44,16 @@ class EngineConfig:
             serve. Costs a second copy of the weight matrices in memory, and a repack of the
             updated matrices when a weight update commits (before any step sees the new
             version).
+        enable_lora: Serve LoRA adapters (`LLMEngine.load_lora_adapter`, a request's
+            `lora_name`). Off: no adapter loads and the forward pass is the base model's alone.
+        max_loras: Most distinct LoRA adapters (versions count apart) among the running
+            requests, vLLM's `max_loras`: a request whose adapter would exceed it waits.
+        max_lora_rank: Largest adapter rank `r` accepted (vLLM's `max_lora_rank`).
+        max_lora_versions: Most versions of one LoRA adapter kept at once, the current one
+            and those requests still run with, when a live update of the adapter
+            (`start_weight_update(lora_name=...)`) commits a new one. Beyond it the oldest are
+            dropped, and their requests end as an abort ends them. The default, 4, lets a
+            rollout finish on the version it started with while three newer ones land.
         device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
             `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
             device's memory (the transfer backend receives into the model's parameters).
@@ -65,10 +75,17 @@ class EngineConfig:
     weight_update_staging: bool = False
     refuse_non_finite_weights: bool = False
     prepack_linears: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_lora_versions: int = 4
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        for name in (
+            "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_loras",
+            "max_lora_rank", "max_lora_versions",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
@@ -86,7 +103,9 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise EngineConfigError(f"EngineConfig.seed must be an int, got {self.seed!r}")
-        for name in ("weight_update_staging", "refuse_non_finite_weights", "prepack_linears"):
+        for name in (
+            "weight_update_staging", "refuse_non_finite_weights", "prepack_linears", "enable_lora",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(
                     f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}"

@@ -28,6 +28,7 @@ from weightsync.config import WeightTransferConfig
 from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._isolation import run_batch
 from weightsync.engine._kv_cache import BlockManager
+from weightsync.engine._lora_sync import AdapterVersions
 from weightsync.engine._model_runner import ModelRunner
 from weightsync.engine._processing import InputProcessor, OutputProcessor
 from weightsync.engine._scheduler import Scheduler, check_pause_mode
@@ -35,18 +36,25 @@ from weightsync.engine._sequence import Sequence as Seq
 from weightsync.engine._sleep import Sleep
 from weightsync.engine.config import EngineConfig, _check_optional
 from weightsync.engine.loader import load_model
+from weightsync.engine.lora import LoRAAdapter, LoRARegistry
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.pause import PauseMode, PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import ByteTokenizer, Prompt, Tokenizer
 from weightsync.engine.weights import (
+    AdapterCommit,
     LiveWeights,
     WeightUpdateStatus,
     unwrap_request,
     update_info_of,
 )
-from weightsync.errors import EngineStateError, InvalidRequestError, TornWeightsError
+from weightsync.errors import (
+    EngineStateError,
+    InvalidRequestError,
+    LoRAAdapterNotFoundError,
+    TornWeightsError,
+)
 from weightsync.transfer.base import TransferStats
 from weightsync.transfer.checksums import weight_checksums
 
@@ -63,6 +71,17 @@ def _placed(
     if config.prepack_linears:
         model.pack_linears()  # LiveWeights repacks them at each commit
     return model
+
+
+def _lora_registry(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device
+) -> LoRARegistry | None:
+    """The engine's LoRA adapters, empty; None when `config` does not enable LoRA."""
+    if not config.enable_lora:
+        return None
+    return LoRARegistry(
+        model.config, max_rank=config.max_lora_rank, dtype=model.dtype, device=device
+    )
 
 
 class LLMEngine:
@@ -127,30 +146,28 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(
-            num_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks, block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-        )
+        )  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager)
         blocks = config.num_kv_blocks
         self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size,
                                   eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
+        self.loras = _lora_registry(model, config, self.device)
+        # Callers on other threads only touch these inboxes, which each step drains first.
+        self._lock = threading.Lock()
+        self._inbox: deque[Seq] = deque()
         self.weights = LiveWeights(
-            model,
-            transfer_config=weight_transfer_config,
-            weight_version=weight_version,
-            worker_index=worker_index,
-            staging=config.weight_update_staging,
+            model, transfer_config=weight_transfer_config, weight_version=weight_version,
+            worker_index=worker_index, staging=config.weight_update_staging,
             refuse_non_finite=config.refuse_non_finite_weights,
             finish_bare_updates=finish_bare_updates,
             on_write=self.block_manager.bump_epoch,  # KV of the old weights must not be reused
             scheduler=self.scheduler,
-        )
+            adapters=self._adapter_versions(),  # what an adapter's live update lands in
+        )  # fmt: skip
         self._sleep = Sleep(self.runner, self.weights)
         self.num_steps = 0
-        # Callers on other threads only touch these inboxes, which each step drains first.
-        self._lock = threading.Lock()
-        self._inbox: deque[Seq] = deque()
         self._abort_inbox: set[str] = set()
         self._live_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
@@ -165,29 +182,105 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queues a request; it is admitted by a later `step()` (after resume, if paused).
 
         Safe to call from another thread while a step runs. With `cache_salt`, the request
-        shares cached prefixes only with requests of the same salt (vLLM's `cache_salt`).
+        shares cached prefixes only with requests of the same salt (vLLM's `cache_salt`). With
+        `lora_name`, it runs with the LoRA adapter loaded under that name now, to its end, even
+        if another version is loaded under the name meanwhile.
 
         Raises:
             InvalidRequestError: Duplicate id, empty prompt, unknown token ids, or a prompt that
                 leaves no room for output within `max_model_len`.
+            LoRAAdapterNotFoundError: No adapter named `lora_name` is loaded.
             EngineStateError: The engine was shut down, or it is asleep.
         """
         self._check_not_shut_down("add_request")
         self._sleep.check_awake("add_request")
         with self._lock:
             seq = self.input_processor.process(
-                request_id, prompt, sampling_params, cache_salt=cache_salt
-            )
+                request_id, prompt, sampling_params, cache_salt=cache_salt,
+                lora=self._lora_of(lora_name),
+            )  # fmt: skip
             if request_id in self._live_ids:
                 raise InvalidRequestError(
                     f"request_id {request_id!r} is already in flight; use a unique id"
                 )
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+
+    def _adapter_versions(self) -> AdapterVersions | None:
+        """What an adapter's live update lands in (None: LoRA is not enabled)."""
+        if self.loras is None:
+            return None
+        return AdapterVersions(
+            self.loras,
+            max_versions=self.config.max_lora_versions,
+            lock=self._lock,
+            unfinished=lambda: [*self._inbox, *self.scheduler.waiting, *self.scheduler.running],
+            abort=self.abort_request,
+        )
+
+    def _lora_of(self, lora_name: str | None) -> LoRAAdapter | None:
+        """The current adapter named `lora_name` (None: the base model)."""
+        if lora_name is None:
+            return None
+        return self._lora_registry("a request's lora_name").get(lora_name)
+
+    def _lora_registry(self, what: str) -> LoRARegistry:
+        if self.loras is None:
+            raise LoRAAdapterNotFoundError(
+                f"{what} names a LoRA adapter, but LoRA is not enabled on this engine: build it "
+                "with EngineConfig(enable_lora=True) (weightsync serve --enable-lora)"
+            )
+        return self.loras
+
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False
+    ) -> LoRAAdapter:
+        """Loads the PEFT adapter directory `lora_path` under `lora_name` (vLLM's route's call).
+
+        The directory's `adapter_config.json` and `adapter_model.safetensors` are checked
+        against the model before anything is registered. Safe from any thread: requests take
+        the adapter when they are added, so a step never sees the registry change under it.
+
+        Args:
+            lora_name: The name requests give as `lora_name` (over HTTP: as `model`).
+            lora_path: The adapter's directory on this machine.
+            load_inplace: Replace the adapter loaded under `lora_name` by a new version; the
+                requests running on the old version finish on it.
+
+        Returns:
+            The adapter loaded.
+
+        Raises:
+            LoRAAdapterError: The adapter was refused (the message names the file and the
+                tensor), or `lora_name` is loaded and `load_inplace` is False; nothing changed.
+            LoRAAdapterNotFoundError: `lora_path` is not a directory, or LoRA is not enabled
+                (`EngineConfig.enable_lora`).
+        """
+        registry = self._lora_registry("load_lora_adapter")
+        adapter = registry.load(lora_name, lora_path, load_inplace=load_inplace)
+        logger.info(
+            "loaded LoRA adapter %r version %d (rank %d) from %s",
+            adapter.name, adapter.version, adapter.rank, lora_path,
+        )  # fmt: skip
+        return adapter
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unloads the adapter `lora_name`: new requests may not name it; running ones finish.
+
+        Raises:
+            LoRAAdapterNotFoundError: No adapter of that name is loaded, or LoRA is not enabled.
+        """
+        self._lora_registry("unload_lora_adapter").remove(lora_name)
+        logger.info("unloaded LoRA adapter %r", lora_name)
+
+    def list_lora_adapters(self) -> list[LoRAAdapter]:
+        """The loaded LoRA adapters (the current version of each), in load order."""
+        return [] if self.loras is None else self.loras.list()
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], **options: Any
@@ -289,8 +382,12 @@ class LLMEngine:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts to completion and returns their final outputs, in order.
+
+        `lora_name` runs every prompt with that LoRA adapter (see `add_request`).
 
         Outputs of other requests produced meanwhile are returned by the next `step()`.
 
@@ -304,7 +401,7 @@ class LLMEngine:
         batch, params = InputProcessor.pair_prompts(prompts, sampling_params)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in batch]
         for request_id, prompt, sp in zip(ids, batch, params, strict=True):
-            self.add_request(request_id, prompt, sp)
+            self.add_request(request_id, prompt, sp, lora_name=lora_name)
         finals: dict[str, RequestOutput] = {}
         others: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
@@ -549,7 +646,9 @@ class LLMEngine:
             unwrap_request(request, "init_info", "init_weight_transfer_engine")
         )
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
         """Opens a weight-update transaction, as vLLM's `start_weight_update`.
 
         Accepted while paused or idle. From now until `finish_weight_update` or
@@ -558,13 +657,27 @@ class LLMEngine:
         left open by a refused `update_weights` is ended first, unapplied (as by
         `abort_weight_update()`), and a new one begins.
 
+        With `lora_name` (a weightsync extension), the transaction updates that LoRA adapter
+        alone: its messages carry the adapter's A and B tensors under PEFT's names, checked
+        against the adapter before any byte moves, and land in a new version of it. Nothing
+        pauses and the model's weight version stays: running requests keep the adapter version
+        they were admitted with, requests admitted after `finish_weight_update` get the new one.
+        `lora_config` (PEFT's `r`, `lora_alpha`, `target_modules`, `use_rslora`) creates an
+        adapter that is not loaded yet, or gives a loaded one a new shape; without it the
+        loaded adapter's shapes are the contract. One transaction is open at a time, of the
+        model's weights or of an adapter.
+
         Raises:
-            EngineBusyError: Requests are in flight and the engine is not paused.
-            EngineStateError: The weights are asleep, or the engine was shut down.
+            EngineBusyError: Requests are in flight and the engine is not paused (an update of
+                the model's weights only).
+            EngineStateError: The weights are asleep, the engine was shut down, or an adapter
+                is named and the engine serves none (`enable_lora`).
+            LoRAAdapterNotFoundError: `lora_name` is not loaded and no `lora_config` is given.
+            LoRAAdapterError: `lora_config` is refused (a rank above `max_lora_rank`, say).
             WeightUpdateStateError: A transaction is already open.
         """
         self._check_not_shut_down("start_weight_update")
-        self.weights.start()
+        self.weights.start(lora_name=lora_name, lora_config=lora_config)
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one weight update message: `{"update_info": {...}}`, as vLLM's `LLM` takes it.
@@ -606,6 +719,12 @@ class LLMEngine:
         and version stay, and the engine returns to its pause state. So a client that knows
         only vLLM's calls (start, update, finish, resume) gets back to serving after a refusal.
 
+        An adapter's transaction (`start_weight_update(lora_name=...)`) ends with the new
+        version of the adapter built from the tensors it brought (each one must have landed),
+        labelled `weight_version` (else the adapter's count of versions);
+        `last_adapter_commit` then says which older versions the engine dropped to stay within
+        `EngineConfig.max_lora_versions`.
+
         Returns:
             Whether the update was applied: False when it ended unapplied after a refusal.
 
@@ -622,6 +741,11 @@ class LLMEngine:
                 or a 64-bit int.
         """
         return self.weights.finish(weight_version)
+
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None:
+        """What the last finish of an adapter's update did (its version, versions dropped)."""
+        return self.weights.last_adapter_commit
 
     def check_finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
         """Raises what `finish_weight_update(weight_version)` would raise now; changes nothing.

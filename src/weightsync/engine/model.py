@@ -13,7 +13,11 @@ batch); attention finds each token's context through `AttentionMetadata`, or, wi
 the tokens as one sequence with plain causal attention (the reference path).
 
 On a CPU in float32 each linear multiplies by a prepacked copy of its weight (`pack_linears`),
-rebuilt from the plain weight, which updates write into, when an update commits.
+rebuilt from the plain weight, which updates write into, when an update commits. LoRA adapters
+(`weightsync.engine.lora`) add their low-rank products to their rows of each projection's output;
+the base path stays as it is.
+
+One concept: the Llama-family model, its forward pass and its Hugging Face names.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 
 from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
 from weightsync.engine._packed_linear import PackedLinear, pack_weight, packing_unavailable
+from weightsync.engine.lora import LoRABatch
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer.base import TensorSpec
@@ -152,13 +157,17 @@ class _LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionMetadata | None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Rotary self-attention over `x` (tokens, hidden): paged when `attention` is given.
 
-        `cos` and `sin` are the rotary tables at the tokens' positions (tokens, head_dim).
+        `cos` and `sin` are the rotary tables at the tokens' positions (tokens, head_dim);
+        `lora` adds its adapters' products to their rows of each projection.
         """
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (tokens, q_size + 2 * kv_size)
+        if lora is not None:
+            lora.add(qkv, x, self.layer_index, "qkv_proj")
         # Queries and keys rotate together, as one (tokens, heads + kv_heads, head_dim) tensor:
         # half as many small elementwise ops per layer as rotating them apart.
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
@@ -174,23 +183,35 @@ class _LlamaAttention(nn.Module):
             if attention is None
             else paged_attention(self.layer_index, q, k, v, attention)
         )
-        return self.o_proj(out.reshape(tokens, self.q_size))  # type: ignore[no-any-return]
+        out = out.reshape(tokens, self.q_size)
+        projected: torch.Tensor = self.o_proj(out)
+        if lora is not None:
+            lora.add(projected, out, self.layer_index, "o_proj")
+        return projected
 
 
 class _LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, gate and up fused."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.gate_up_proj = PackedLinear(
             config.hidden_size, 2 * config.intermediate_size, bias=False
         )
         self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Applies the MLP to `x` (tokens, hidden)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Applies the MLP to `x` (tokens, hidden), with `lora`'s products on its rows."""
+        gate_up: torch.Tensor = self.gate_up_proj(x)  # (tokens, 2 * intermediate)
+        if lora is not None:
+            lora.add(gate_up, x, self.layer_index, "gate_up_proj")
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(hidden)
+        if lora is not None:
+            lora.add(out, hidden, self.layer_index, "down_proj")
+        return out
 
 
 class _LlamaDecoderLayer(nn.Module):
@@ -199,7 +220,7 @@ class _LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = _LlamaAttention(config, layer_index)
-        self.mlp = _LlamaMLP(config)
+        self.mlp = _LlamaMLP(config, layer_index)
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -209,10 +230,11 @@ class _LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionMetadata | None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Runs the block on `x` (tokens, hidden); arguments as for `LlamaAttention.forward`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)  # type: ignore[no-any-return]
 
 
 class _LlamaModel(nn.Module):
@@ -311,6 +333,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attention: AttentionMetadata | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Runs the decoder over a flat list of tokens.
 
@@ -319,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
             positions: (tokens,) position of each token in its sequence; defaults to 0..tokens-1.
             attention: Where the tokens sit in the paged KV cache. None means the tokens are one
                 whole sequence, attended causally without a cache.
+            lora: The step's rows grouped by LoRA adapter; None (no adapter rows) runs the
+                base weights alone.
 
         Returns:
             (tokens, hidden_size) final hidden states; see `compute_logits`.
@@ -328,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (tokens, head_dim)
         x = self.model.embed_tokens(input_ids)  # (tokens, hidden)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attention)
+            x = layer(x, cos, sin, attention, lora)
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

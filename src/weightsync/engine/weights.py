@@ -26,6 +26,12 @@ An update is refused on a busy, unpaused engine (and a broadcast's trainer learn
 transaction is open or weights are torn the scheduler stays paused, and an engine that an update
 paused resumes once the update ends.
 
+A transaction may instead be addressed to a LoRA adapter (`start(lora_name=...)`): the same
+calls, the same refusals, checked against the adapter's specs, landed in fresh tensors of its next
+version that the engine's adapters (an `AdapterSink`) make current at finish. The model's weights
+and version stay, nothing pauses, and a failure only drops the fresh tensors. One transaction is
+open at a time, of the model or of an adapter.
+
 One concept: the update transaction and what guards it. Its record, its refusals, the ends of an
 update (finished, refused at finish, failed, aborted, replaced) and the pause it holds are one
 state machine, read in one place; cut in two, each half would need the other's rules.
@@ -37,7 +43,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +65,7 @@ from weightsync.errors import (
     WeightValidationError,
 )
 from weightsync.transfer.base import (
+    TensorSpec,
     TransferStats,
     WeightTransferEngine,
     WeightTransferUpdateInfo,
@@ -70,7 +77,14 @@ from weightsync.transfer.disk import (
     WeightDir,
 )
 
-__all__ = ["LiveWeights", "WeightUpdateStatus", "unwrap_request", "update_info_of"]
+__all__ = [
+    "AdapterCommit",
+    "AdapterSink",
+    "LiveWeights",
+    "WeightUpdateStatus",
+    "unwrap_request",
+    "update_info_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +99,74 @@ class WeightUpdateStatus:
         num_landed: Weights delivered completely.
         complete: Every announced weight landed and no message of it was refused: the update
             may finish now.
+        lora_name: The LoRA adapter the update is addressed to; None: the model's weights.
     """
 
     explicit: bool
     num_announced: int
     num_landed: int
     complete: bool
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterCommit:
+    """What the finish of a LoRA adapter's update did.
+
+    Attributes:
+        lora_name: The adapter.
+        weight_version: The version the adapter took (the label given at finish, else the
+            adapter's own count of versions).
+        dropped_versions: Older versions of the adapter that requests still used and that the
+            engine let go to stay within its limit of versions per adapter (oldest first);
+            their requests ended as an abort ends them.
+    """
+
+    lora_name: str
+    weight_version: WeightVersion
+    dropped_versions: list[WeightVersion]
+
+
+class AdapterSink(Protocol):
+    """Where an adapter's update lands: the engine's LoRA adapters, as `LiveWeights` sees them."""
+
+    def adapter_specs(
+        self, lora_name: str, lora_config: Mapping[str, Any] | None
+    ) -> dict[str, TensorSpec]:
+        """The tensors an update of `lora_name` must bring, by PEFT name.
+
+        Without `lora_config`, those of the adapter's current version; with it, those of the
+        adapter it describes (a new one, or a new shape of a loaded one).
+
+        Raises:
+            LoRAAdapterNotFoundError: No config, and no adapter of that name is loaded.
+            LoRAAdapterError: The config is refused (a rank above the maximum, say).
+        """
+        ...
+
+    def commit_adapter(
+        self,
+        lora_name: str,
+        tensors: dict[str, torch.Tensor],
+        lora_config: Mapping[str, Any] | None,
+        weight_version: WeightVersion | None,
+    ) -> AdapterCommit:
+        """Builds the adapter's new version from `tensors` and makes it current.
+
+        Raises:
+            LoRAAdapterError: The builder refused the tensors; nothing changed.
+        """
+        ...
+
+
+@dataclass
+class _AdapterTarget:
+    """Where an adapter transaction lands: fresh tensors of the adapter's next version."""
+
+    lora_name: str
+    lora_config: Mapping[str, Any] | None
+    specs: dict[str, TensorSpec]
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -110,6 +186,7 @@ class _Transaction:
     refused: str | None = None
     label: WeightVersion | None = None
     staged: dict[str, torch.Tensor] | None = None
+    adapter: _AdapterTarget | None = None  # an adapter's update: the model's weights stay
 
     @property
     def complete(self) -> bool:
@@ -161,6 +238,21 @@ def _info_field(info: Any, key: str) -> Any:
     return getattr(info, key, None)
 
 
+def _copier(
+    tensors: Mapping[str, torch.Tensor],
+) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+    """A `load_weights` that copies each received tensor into `tensors[name]`."""
+
+    def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in pairs:
+                target = tensors[name]
+                if tensor.data_ptr() != target.data_ptr():  # else it landed in place
+                    target.copy_(tensor)
+
+    return load
+
+
 def _non_finite_names(weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> list[str]:
     """The names among `names` whose tensor holds a NaN or an infinity, sorted."""
     # One flag per tensor, read back at once: a model on a GPU pays one synchronization.
@@ -192,6 +284,8 @@ class LiveWeights:
         scheduler: The scheduler these weights guard: an update needs it paused or idle, and
             it stays paused while an update is open or weights are torn. None: no scheduler
             (the weights alone, as a test drives them).
+        adapters: The engine's LoRA adapters, which an update addressed to one of them
+            (`start(lora_name=...)`) lands in; None: no adapter takes updates.
     """
 
     def __init__(
@@ -206,9 +300,12 @@ class LiveWeights:
         finish_bare_updates: bool = True,
         on_write: Callable[[], None] | None = None,
         scheduler: Scheduler | None = None,
+        adapters: AdapterSink | None = None,
     ) -> None:
         self.model = model
         self.scheduler = scheduler
+        self.adapters = adapters
+        self.last_adapter_commit: AdapterCommit | None = None  # what the last finish of one did
         self._resume_when_done = False  # an update paused the running engine
         self.transfer_config = transfer_config
         self.worker_index = worker_index
@@ -261,15 +358,28 @@ class LiveWeights:
 
     @property
     def holds_generation(self) -> bool:
-        """Whether the engine must not run a forward pass: an update is open or weights are torn."""
-        return self._transaction is not None or self.is_torn
+        """Whether the engine must not run a forward pass: model weights in update, or torn.
+
+        An adapter's update holds nothing: it lands beside the version requests use.
+        """
+        return self._holds_model() or self.is_torn
+
+    def _holds_model(self) -> bool:
+        """Whether an update of the model's weights (not an adapter's) is open."""
+        # Read once: an adapter's message may end its transaction on the transfer thread while
+        # the step thread asks.
+        txn = self._transaction
+        return txn is not None and txn.adapter is None
 
     def status(self) -> WeightUpdateStatus | None:
         """The update in progress, or None."""
         txn = self._transaction
         if txn is None:
             return None
-        return WeightUpdateStatus(txn.explicit, len(txn.announced), len(txn.landed), txn.complete)
+        lora_name = txn.adapter.lora_name if txn.adapter is not None else None
+        return WeightUpdateStatus(
+            txn.explicit, len(txn.announced), len(txn.landed), txn.complete, lora_name
+        )
 
     # --- the transfer engine ------------------------------------------------------------------
 
@@ -340,7 +450,9 @@ class LiveWeights:
 
     # --- the transaction ----------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
         """Opens a transaction (`start_weight_update`).
 
         Needs no transfer engine, as vLLM's: a transaction with no message is a relabel (its
@@ -352,30 +464,90 @@ class LiveWeights:
 
         An idle, unpaused engine pauses for the transaction and resumes after it.
 
+        With `lora_name`, the transaction updates that LoRA adapter instead of the model: its
+        messages carry the adapter's tensors under PEFT's names and are checked against the
+        adapter's specs (the loaded version's; or, with `lora_config`, those of the adapter the
+        config describes, created at finish). They land in fresh tensors of a new version, so
+        nothing pauses: requests go on with the version they were admitted with, and those
+        admitted after the finish get the new one. One transaction is open at a time, of the
+        model or of an adapter.
+
+        Args:
+            lora_name: The adapter to update; None: the model's weights.
+            lora_config: PEFT's adapter config (`r`, `lora_alpha`, `target_modules`,
+                `use_rslora`) of the adapter to build; None: the loaded adapter's shapes.
+
         Raises:
-            EngineBusyError: Requests are in flight and the engine is not paused.
-            EngineStateError: The weights are asleep.
+            EngineBusyError: Requests are in flight and the engine is not paused (an update of
+                the model's weights only).
+            EngineStateError: The weights are asleep, or an adapter is named and the engine
+                serves none.
+            LoRAAdapterNotFoundError: `lora_name` is not loaded and no `lora_config` is given.
+            LoRAAdapterError: `lora_config` is refused (a rank above the maximum, say).
             WeightUpdateStateError: A transaction is already open (and no message of it was
                 refused); it is left as it was.
         """
         self._require_awake("start_weight_update")
-        self.check_idle("start_weight_update")
+        if lora_name is None:
+            if lora_config is not None:
+                raise WeightValidationError(
+                    "start_weight_update: lora_config is given without lora_name: name the "
+                    "adapter the config describes"
+                )
+            self.check_idle("start_weight_update")
         running = self._running()
         txn = self._transaction
         if txn is not None and txn.refused is None:
-            raise WeightUpdateStateError(
-                "start_weight_update: a weight update is already in progress: finish it with "
-                "finish_weight_update(...) or end it with abort_weight_update()"
+            whose = (
+                f" (LoRA adapter {txn.adapter.lora_name!r}'s; one update at a time, of the "
+                "model or of an adapter)"
+                if txn.adapter is not None
+                else ""
             )
+            raise WeightUpdateStateError(
+                f"start_weight_update: a weight update is already in progress{whose}: finish it "
+                "with finish_weight_update(...) or end it with abort_weight_update()"
+            )
+        adapter = None if lora_name is None else self._adapter_target(lora_name, lora_config)
         if txn is not None:
             self._end_refused(txn, "start_weight_update")
-        self._transaction = _Transaction(explicit=True)
+        self._transaction = _Transaction(explicit=True, adapter=adapter)
         self._settle(running)
+
+    def _adapter_target(
+        self, lora_name: str, lora_config: Mapping[str, Any] | None
+    ) -> _AdapterTarget:
+        """Fresh tensors for the next version of adapter `lora_name`; refused before any opens."""
+        if self.adapters is None:
+            raise EngineStateError(
+                f"start_weight_update: lora_name={lora_name!r}, but this engine serves no LoRA "
+                "adapters: start it with enable_lora=True (weightsync serve --enable-lora)"
+            )
+        if not isinstance(lora_name, str) or not lora_name:
+            raise WeightValidationError(
+                f"start_weight_update: lora_name must be a non-empty string, got {lora_name!r:.80}"
+            )
+        if lora_config is not None and not isinstance(lora_config, Mapping):
+            raise WeightValidationError(
+                "start_weight_update: lora_config must be a JSON object (PEFT's adapter config), "
+                f"got {type(lora_config).__name__}"
+            )
+        specs = self.adapters.adapter_specs(lora_name, lora_config)
+        device = next(iter(self.model.parameters())).device
+        tensors = {
+            name: torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            for name, spec in specs.items()
+        }
+        config = dict(lora_config) if lora_config is not None else None
+        return _AdapterTarget(lora_name, config, specs, tensors)
 
     def update(
         self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir | list[Any]
     ) -> TransferStats:
         """Receives one message of the open transaction; opens an implicit one if none is open.
+
+        In an adapter's transaction (see `start`), the message lands in the adapter's next
+        version, checked against the adapter's specs, and the engine need not be paused.
 
         A list (vLLM's data-parallel form, one update info per worker rank) gives this worker
         its own entry, `update_info[worker_index]`. A `WeightDir` (prime-rl's `weight_dir`)
@@ -394,6 +566,9 @@ class LiveWeights:
             WeightTransferError: The transfer failed after bytes moved; the transaction is
                 over, its weights torn (or restored, with staging).
         """
+        txn = self._transaction
+        if txn is not None and txn.adapter is not None:
+            return self._update_adapter(txn.adapter, update_info)
         try:
             self.check_idle("update_weights")
         except EngineBusyError as exc:
@@ -423,6 +598,32 @@ class LiveWeights:
             raise
         return self._update(transfer, own)
 
+    def _update_adapter(
+        self,
+        target: _AdapterTarget,
+        update_info: Mapping[str, Any] | WeightTransferUpdateInfo | WeightDir | list[Any],
+    ) -> TransferStats:
+        """`update` in an adapter's transaction: checked against the adapter, into its tensors."""
+        try:
+            self._require_awake("update_weights")
+            if isinstance(update_info, WeightDir | DiskWeightTransferUpdateInfo):
+                raise WeightValidationError(
+                    f"update_weights: the update in progress is LoRA adapter "
+                    f"{target.lora_name!r}'s, and weight_dir loads the model's weights: send the "
+                    "adapter's tensors with update_info (or load an adapter directory with "
+                    "load_lora_adapter)"
+                )
+            transfer = self._require_transfer("update_weights")
+            own = self._own_entry(update_info) if isinstance(update_info, list) else update_info
+        except WeightSyncError as exc:
+            self._note_refusal(exc)
+            raise
+        # Unknown names (the model's own weights among them), shapes and dtypes are refused
+        # against the adapter's specs before any byte moves; bytes land in the new version's
+        # tensors, in place where the backend can.
+        with transfer.receiving_into(target.specs, target.tensors):
+            return self._update(transfer, own)
+
     def _directory_reader(self) -> WeightTransferEngine:
         """The configured `disk` engine, else one of its own beside a broadcast or IPC backend."""
         if isinstance(self._transfer, DiskWeightTransferEngine):
@@ -447,12 +648,12 @@ class LiveWeights:
             raise
         txn, stats = self._transaction_for(transfer, info)
         names = list(info.names)
-        if self.staging:
+        if self.staging and txn.adapter is None:  # an adapter's update lands in fresh tensors
             self._stage_or_refuse(transfer, txn, names, update_info)
         if stats is None:
             stats = self._receive(transfer, txn, info, names)
         loaded = names if stats.loaded_names is None else stats.loaded_names
-        if loaded:
+        if loaded and txn.adapter is None:  # the model's weights changed: their KV is stale
             self._on_write()
         if txn.update_id is None:
             txn.update_id = getattr(info, "update_id", None)
@@ -538,8 +739,9 @@ class LiveWeights:
         names: list[str],
     ) -> TransferStats:
         """Receives one message into `txn`; a failure after bytes moved ends it."""
+        load = self._load if txn.adapter is None else _copier(txn.adapter.tensors)
         try:
-            return transfer.receive_weights(info, self._load)
+            return transfer.receive_weights(info, load)
         except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
                 self._transaction = None  # an implicit transaction that never began
@@ -563,9 +765,14 @@ class LiveWeights:
         """
         txn = self._finishable(weight_version)
         if txn.refused is not None:
-            torn = sorted(txn.touched) if txn.staged is None else []
+            torn = sorted(txn.touched) if txn.staged is None and txn.adapter is None else []
             if torn:
                 raise self._refused_torn_error(txn, torn)
+            return
+        if txn.adapter is not None:
+            bad = self._non_finite_adapter(txn.adapter)
+            if bad:
+                raise self._non_finite_adapter_error(txn.adapter, bad)
             return
         bad = self._non_finite(txn)
         if bad:
@@ -614,6 +821,9 @@ class LiveWeights:
             if torn:
                 raise self._refused_torn_error(txn, torn)
             return False
+        if txn.adapter is not None:
+            self._commit_adapter(txn, txn.adapter, weight_version)
+            return True
         bad = self._non_finite(txn)
         if bad:
             self._end_failed(txn)
@@ -636,9 +846,44 @@ class LiveWeights:
         )
         return True
 
+    def _commit_adapter(
+        self, txn: _Transaction, target: _AdapterTarget, weight_version: WeightVersion | None
+    ) -> None:
+        """Finishes an adapter's transaction: its tensors become the adapter's new version."""
+        bad = self._non_finite_adapter(target)
+        if bad:
+            self._end_failed(txn)
+            raise self._non_finite_adapter_error(target, bad)
+        assert self.adapters is not None  # an adapter's transaction opened only with them
+        self._transaction = None  # whatever the builder says, this transaction is over
+        label = weight_version if weight_version is not None else txn.label
+        commit = self.adapters.commit_adapter(
+            target.lora_name, target.tensors, target.lora_config, label
+        )
+        self.last_adapter_commit = commit
+        logger.info(
+            "LoRA adapter %r updated to version %r: %d tensors%s", commit.lora_name,
+            commit.weight_version, len(target.tensors),
+            f"; versions dropped: {commit.dropped_versions}" if commit.dropped_versions else "",
+        )  # fmt: skip
+
+    def _non_finite_adapter(self, target: _AdapterTarget) -> list[str]:
+        if not self.refuse_non_finite:
+            return []
+        return _non_finite_names(target.tensors.items(), set(target.tensors))
+
+    def _non_finite_adapter_error(
+        self, target: _AdapterTarget, bad: list[str]
+    ) -> NonFiniteWeightsError:
+        return NonFiniteWeightsError(
+            f"finish_weight_update refused: {len(bad)} tensors of LoRA adapter "
+            f"{target.lora_name!r} hold a NaN or an infinity (e.g. {bad[:3]}); the adapter "
+            "keeps its current version: check the trainer's weights, then send a finite update"
+        )
+
     def _end_refused(self, txn: _Transaction, call: str) -> list[str]:
         """Ends, unapplied, a transaction a refused message left open; returns what it tears."""
-        torn = sorted(txn.touched) if txn.staged is None else []
+        torn = sorted(txn.touched) if txn.staged is None and txn.adapter is None else []
         self._end_failed(txn)
         logger.warning(
             "%s: an update_weights of the update in progress was refused (%s): the update ends "
@@ -666,6 +911,16 @@ class LiveWeights:
             )
         if txn.refused is not None:
             return txn  # it ends unapplied (see `finish`)
+        if txn.adapter is not None:
+            # The new version is built from these tensors alone: each one must have landed.
+            unsent = sorted(txn.adapter.specs.keys() - txn.landed)
+            if unsent:
+                raise IncompleteWeightUpdateError(
+                    f"finish_weight_update: LoRA adapter {txn.adapter.lora_name!r}'s update "
+                    f"must bring all {len(txn.adapter.specs)} of its tensors, but {len(unsent)} "
+                    f"have not landed (e.g. {unsent[:3]}): send them with update_weights(...) "
+                    "or end the update with abort_weight_update()"
+                )
         missing = sorted(txn.announced - txn.landed)
         if missing:
             raise IncompleteWeightUpdateError(
@@ -721,7 +976,7 @@ class LiveWeights:
             WeightValidationError: `new_version` is not a valid label.
         """
         _check_label(new_version, param="new_version")
-        if self._transaction is not None:
+        if self._holds_model():
             raise WeightUpdateStateError(
                 "update_weight_version: a weight update is in progress; its "
                 "finish_weight_update(weight_version) sets the version"
@@ -749,6 +1004,12 @@ class LiveWeights:
         self._transaction = None
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
+        if txn.adapter is not None:  # its tensors were fresh ones: they go, nothing else moved
+            logger.warning(
+                "update of LoRA adapter %r ended unapplied: the adapter keeps its version",
+                txn.adapter.lora_name,
+            )
+            return
         if not txn.touched:
             return
         self._on_write()
@@ -821,7 +1082,7 @@ class LiveWeights:
         scheduler = self.scheduler
         if scheduler is None:
             return
-        in_update, torn = self.in_update, self.is_torn
+        in_update, torn = self._holds_model(), self.is_torn
         if in_update or torn:
             if scheduler.state is not PauseState.PAUSED:
                 scheduler.pause("keep")  # queued and frozen requests wait for the update
@@ -861,7 +1122,7 @@ class LiveWeights:
                 f"{call}: {self.torn_cause()}, so the engine does not generate: land an "
                 "update that covers them with update_weights(...) first"
             )
-        if self.in_update:
+        if self._holds_model():
             raise WeightUpdateStateError(
                 f"{call}: a weight update is in progress: finish_weight_update(...) or "
                 "abort_weight_update() first"

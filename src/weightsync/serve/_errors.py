@@ -26,6 +26,7 @@ from weightsync import (
     WeightTransferTimeout,
     WeightValidationError,
 )
+from weightsync.errors import LoRAAdapterNotFoundError
 from weightsync.serve._fields import unknown_field_message
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ _STATUS: tuple[tuple[type[WeightSyncError], int], ...] = (
     (ReplicaUnavailableError, 503),  # a data-parallel replica died: the fleet cannot act whole
     (EngineStateError, 409),  # busy, paused, torn, an update in progress, calls out of order
     (WeightValidationError, 400),
+    (LoRAAdapterNotFoundError, 404),  # vLLM's answer to an adapter it does not hold
     (InvalidRequestError, 400),
     (EngineConfigError, 400),
 )
@@ -61,7 +63,7 @@ class RequestRefused(WeightSyncError):
 
 
 def status_of(exc: WeightSyncError) -> int:
-    """The HTTP status of a weightsync error: 400, 409, 502, 503 or 504 (500 only if unknown)."""
+    """The HTTP status of a weightsync error: 400, 404, 409, 502, 503 or 504 (500 if unknown)."""
     for cls, status in _STATUS:
         if isinstance(exc, cls):
             return status

@@ -18,14 +18,15 @@ import torch
 
 import weightsync
 from weightsync.engine.async_engine import AsyncEngine
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.serve.config import ServerConfig
 
 
 def vllm_config(engine: AsyncEngine, config: ServerConfig) -> dict[str, Any]:
     """The `vllm_config` tree of one engine, as vLLM's `config_format=json` writes it.
 
-    A dtype is written as vLLM writes a `torch.dtype` (`"torch.float32"`); a section with no
-    meaning here (LoRA) is null, as vLLM's is when the feature is off.
+    A dtype is written as vLLM writes a `torch.dtype` (`"torch.float32"`); `lora_config` is
+    null unless LoRA is enabled, as vLLM's is.
     """
     llm = engine.engine
     engine_config = llm.config
@@ -60,7 +61,12 @@ def vllm_config(engine: AsyncEngine, config: ServerConfig) -> dict[str, Any]:
             "max_model_len": llm.max_model_len,
         },
         "device_config": {"device": str(llm.device)},
-        "lora_config": None,
+        "lora_config": {
+            "max_lora_rank": engine_config.max_lora_rank,
+            "max_loras": engine_config.max_loras,
+        }
+        if engine_config.enable_lora
+        else None,
         "weight_transfer_config": dataclasses.asdict(transfer) if transfer is not None else None,
     }
 
@@ -86,13 +92,24 @@ def _as_text(tree: dict[str, Any]) -> str:
 
 def model_card(config: ServerConfig, max_model_len: int) -> dict[str, Any]:
     """The model card of the model served, as vLLM's `ModelCard` (`created`: 0, no date)."""
+    return _card(config.model_name, config.model_path or config.model_name, None, max_model_len)
+
+
+def lora_card(config: ServerConfig, adapter: LoRAAdapter) -> dict[str, Any]:
+    """An adapter's card, as vLLM lists one: `root` its path, `parent` the served model."""
+    return _card(adapter.name, adapter.path, config.model_name, None)
+
+
+def _card(
+    model_id: str, root: str | None, parent: str | None, max_model_len: int | None
+) -> dict[str, Any]:
     return {
-        "id": config.model_name,
+        "id": model_id,
         "object": "model",
         "created": 0,
         "owned_by": "weightsync",
-        "root": config.model_path or config.model_name,
-        "parent": None,
+        "root": root,
+        "parent": parent,
         "max_model_len": max_model_len,
         "permission": [
             {

@@ -5,7 +5,8 @@ server-sent events, one chunk per engine step that changed a choice, then `data:
 choice also carries its `token_ids`, the `weight_versions` that generated them (both as deltas in
 a stream) and `prompt_token_ids`: what an RL trainer needs and OpenAI's shape lacks. They come
 whether or not the request sets vLLM's `return_token_ids`; a chat answer also has vLLM's
-top-level `prompt_token_ids`.
+top-level `prompt_token_ids`. A request whose `model` names a loaded LoRA adapter runs with it,
+and the answer's `model` is the adapter's name, as vLLM's.
 """
 
 from __future__ import annotations
@@ -35,10 +36,32 @@ from weightsync.serve._protocol import ChatCompletionRequest, CompletionRequest,
 from weightsync.serve._sse import ChunkFrame, EventStream, sse
 from weightsync.serve._view import EngineView
 
-__all__ = ["router"]
+__all__ = ["check_model", "router"]
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 """The `/v1` routes; each needs the API key when the server has one."""
+
+
+def check_model(state: EngineView, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names; None for the served model (or none given).
+
+    Raises:
+        RequestRefused: A 404 for a name that is neither the model nor a loaded adapter, as
+            vLLM (and OpenAI) answer an unknown model.
+    """
+    if model is None or model == state.config.model_name:
+        return None
+    adapters = [adapter.name for adapter in state.engine.list_lora_adapters()]
+    if model in adapters:
+        return model
+    also = f" or one of its LoRA adapters {adapters}" if adapters else ""
+    raise RequestRefused(
+        404,
+        f"model {model!r} is not served here; this server serves "
+        f"{state.config.model_name!r}{also} (see GET /v1/models)",
+        param="model",
+        error_type="NotFound",
+    )
 
 
 class _Run:
@@ -46,14 +69,8 @@ class _Run:
 
     def __init__(self, state: EngineView, body: _SamplingFields, prompts: list[str | list[int]],
                  max_tokens: int, logprobs: int | None, kind: str) -> None:  # fmt: skip
-        if body.model is not None and body.model != state.config.model_name:
-            raise RequestRefused(  # a 404, as vLLM (and OpenAI) answer an unknown model
-                404,
-                f"model {body.model!r} is not served here; this server serves "
-                f"{state.config.model_name!r} (see GET /v1/models)",
-                param="model",
-                error_type="NotFound",
-            )
+        self.lora_name = check_model(state, body.model)
+        self.model_name = self.lora_name or state.config.model_name  # what the answer names
         _check_supported(body)
         self.state = state
         self.body = body
@@ -125,7 +142,8 @@ class _Run:
 
         async def pump(index: int, request_id: str, ids: list[int], params: SamplingParams) -> None:
             try:
-                stream = engine.generate(ids, params, request_id, cache_salt=self.body.cache_salt)
+                stream = engine.generate(ids, params, request_id, cache_salt=self.body.cache_salt,
+                                         lora_name=self.lora_name)  # fmt: skip
                 async for output in stream:
                     queue.put_nowait((index, output))
                 queue.put_nowait((index, None))
@@ -167,7 +185,9 @@ class _Run:
         # AsyncEngine.generate is an async generator: closing it aborts an unfinished request.
         stream = cast(
             AsyncGenerator[RequestOutput, None],
-            self.state.engine.generate(ids, params, request_id, cache_salt=self.body.cache_salt),
+            self.state.engine.generate(
+                ids, params, request_id, cache_salt=self.body.cache_salt, lora_name=self.lora_name
+            ),
         )
         first = asyncio.ensure_future(anext(stream))
         try:
@@ -273,7 +293,7 @@ async def _create_completion(body: CompletionRequest, request: Request) -> Respo
     state: EngineView = request.app.state.serve
     run = _Run(state, body, body.prompts(), body.max_tokens, body.logprobs, "cmpl")
     base = {"id": run.id, "object": "text_completion", "created": run.created,
-            "model": state.config.model_name}  # fmt: skip
+            "model": run.model_name}  # fmt: skip
     prompt_of = [ids for ids in run.prompt_ids for _ in range(body.n)]
     # vLLM's echo: a text prompt as it was sent, unless truncated; token ids as they decode.
     tokenizer = state.engine.engine.tokenizer
@@ -339,7 +359,7 @@ async def _create_chat_completion(
     except InvalidRequestError as exc:
         raise RequestRefused(400, str(exc), param=exc.param or "messages") from None
     run = _Run(state, body, [prompt], body.max_output_tokens(), body.num_logprobs(), "chatcmpl")
-    model = state.config.model_name
+    model = run.model_name
     asked = body.num_logprobs() is not None
 
     def choice(index: int, output: RequestOutput, start: int, chars: int) -> dict[str, Any]:

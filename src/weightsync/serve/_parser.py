@@ -8,9 +8,11 @@ page from this very parser without installing the package. Its scheduler default
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 API_KEY_ENV = "WEIGHTSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "WEIGHTSYNC_ADMIN_API_KEY"
@@ -81,7 +83,75 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                      choices=["debug", "info", "warning", "error"])  # fmt: skip
     _add_model_arguments(serve)
     _add_scheduler_arguments(serve)
+    _add_lora_arguments(serve)
     _add_data_parallel_arguments(serve)
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One `--lora-modules` entry: `name`, `path` and an optional `base_model_name`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+class _LoRAModules(argparse.Action):
+    """`--lora-modules` as vLLM takes it: `name=path`, or JSON `{"name": ..., "path": ...}`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        modules: list[LoRAModule] = []
+        for item in [values] if isinstance(values, str) else values or []:
+            if not item:
+                continue
+            if "=" in item and "," not in item and not item.lstrip().startswith("{"):
+                name, path = item.split("=", 1)
+                fields: Any = {"name": name, "path": path}
+            else:
+                try:
+                    fields = json.loads(item)
+                except ValueError:
+                    parser.error(f"--lora-modules: {item!r} is neither name=path nor JSON")
+            if (
+                not isinstance(fields, dict)
+                or not {"name", "path"} <= set(fields) <= {"name", "path", "base_model_name"}
+                or not all(isinstance(fields[k], str) and fields[k] for k in ("name", "path"))
+                or not isinstance(fields.get("base_model_name"), str | None)
+            ):
+                parser.error(
+                    f"--lora-modules: {item!r} must be name=path or a JSON object with string "
+                    "fields 'name' and 'path' (and optionally 'base_model_name')"
+                )
+            modules.append(LoRAModule(**fields))
+        setattr(namespace, self.dest, modules)
+
+
+def _add_lora_arguments(serve: argparse.ArgumentParser) -> None:
+    lora = serve.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: mounts /v1/load_lora_adapter and "
+                      "/v1/unload_lora_adapter, and a request whose model names a loaded "
+                      "adapter runs with it")  # fmt: skip
+    lora.add_argument("--max-loras", type=_positive_int, default=1,
+                      help="most distinct adapters among the running requests; a request whose "
+                      "adapter would exceed it waits (default: %(default)s)")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
+                      help="largest adapter rank r accepted (default: %(default)s)")  # fmt: skip
+    lora.add_argument("--max-lora-versions", type=_positive_int, default=4,
+                      help="most versions of one adapter kept at once when a live update "
+                      "(/start_weight_update with lora_name) commits a new one: the current one "
+                      "and those requests still run with; beyond it the oldest are dropped and "
+                      "their requests aborted (default: %(default)s)")  # fmt: skip
+    lora.add_argument("--lora-modules", nargs="+", action=_LoRAModules, default=None,
+                      metavar="NAME=PATH",
+                      help="adapters loaded at start, each name=path or JSON "
+                      '\'{"name": ..., "path": ...}\' (needs --enable-lora)')  # fmt: skip
 
 
 def _add_data_parallel_arguments(serve: argparse.ArgumentParser) -> None:

@@ -8,6 +8,10 @@ behind the same calls (`EngineClient`); what the server answers of itself comes 
 failure is JSON naming the field and the weightsync error type with the status of its class
 (never a 500 for a known failure). Transfer calls block on a worker thread, never on the event
 loop, so streams keep flowing. IPC handles arrive as JSON records: nothing is unpickled.
+
+One concept: vLLM's RL control surface over HTTP, route by route. Its length is the routes'
+docstrings (they are the schema's descriptions) and the checks of their bodies; cut in two, a
+reader would look for a route in the wrong half.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pydantic import Field, StrictInt, StrictStr
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
-from weightsync.engine.weights import WeightUpdateStatus
+from weightsync.engine.weights import AdapterCommit, WeightUpdateStatus
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import RequestRefused, error_body
 from weightsync.serve._fields import RequestBody
@@ -48,13 +52,17 @@ class EngineClient(Protocol):
     async def resume_generation(self) -> None: ...
     async def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None: ...
     async def shutdown_weight_transfer_engine(self) -> None: ...
-    async def start_weight_update(self) -> None: ...
+    async def start_weight_update(
+        self, *, lora_name: str | None = ..., lora_config: Mapping[str, Any] | None = ...
+    ) -> None: ...
     async def update_weights(
         self, request: Mapping[str, Any]
     ) -> TransferStats | Mapping[str, Any]: ...
     @property
     def weight_update(self) -> WeightUpdateStatus | Mapping[str, Any] | None: ...
     async def finish_weight_update(self, weight_version: WeightVersion | None = ...) -> bool: ...
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None: ...
     async def abort_weight_update(self) -> bool: ...
     async def update_weight_version(self, new_version: WeightVersion) -> None: ...
     async def reset_weights(self) -> None: ...
@@ -129,9 +137,17 @@ class InitWeightTransferRequest(_Body):
 
 
 class StartWeightUpdateRequest(_Body):
-    """`/start_weight_update`: an optional body (older vLLM sent `is_checkpoint_format`)."""
+    """`/start_weight_update`: an optional body (older vLLM sent `is_checkpoint_format`).
+
+    `lora_name` (a weightsync extension) addresses the update to a LoRA adapter: only its
+    tensors travel, under PEFT's names, and nothing pauses. `lora_config` (PEFT's
+    `adapter_config.json` fields: `r`, `lora_alpha`, `target_modules`, `use_rslora`) creates
+    an adapter not loaded yet; without it the loaded adapter's shapes are the contract.
+    """
 
     is_checkpoint_format: bool = True
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    lora_config: dict[str, Any] | None = None
 
 
 class UpdateWeightsRequest(_Body):
@@ -299,8 +315,26 @@ async def _start_weight_update(
             "supported; send true or leave it out",
             param="is_checkpoint_format",
         )
-    await _engine(request).start_weight_update()
-    return {"message": "Weight update started"}
+    lora_name = body.lora_name if body is not None else None
+    lora_config = body.lora_config if body is not None else None
+    if lora_name is None and lora_config is not None:
+        raise RequestRefused(
+            400,
+            "field 'lora_config' needs 'lora_name': name the LoRA adapter the config describes",
+            param="lora_config",
+        )
+    if lora_name is None:  # vLLM's call, exactly
+        await _engine(request).start_weight_update()
+        return {"message": "Weight update started"}
+    if lora_name == _view(request).config.model_name:  # as /v1/load_lora_adapter refuses it
+        raise RequestRefused(
+            400,
+            f"field 'lora_name': the lora adapter '{lora_name}' conflicts with a served base "
+            "model: name the adapter apart from the model",
+            param="lora_name",
+        )
+    await _engine(request).start_weight_update(lora_name=lora_name, lora_config=lora_config)
+    return {"message": "Weight update started", "lora_name": lora_name}
 
 
 @router.post("/update_weights", operation_id="update_weights")
@@ -355,9 +389,20 @@ async def _finish_weight_update(
     refused and not sent again: the update then ends unapplied, as `/abort_weight_update` ends
     it, with the previous weights and version; so vLLM's calls alone get a server back to
     serving after a refusal.
+
+    A LoRA adapter's update adds `lora_name`, the adapter's new `weight_version` and
+    `dropped_versions`: the older versions of the adapter that requests still used and that
+    the server let go to keep `--max-lora-versions` (their requests ended as an abort ends
+    them), oldest first.
     """
-    applied = await _engine(request).finish_weight_update(body.weight_version if body else None)
-    return {"message": "Weight update finished", "applied": applied}
+    engine = _engine(request)
+    before = engine.last_adapter_commit
+    applied = await engine.finish_weight_update(body.weight_version if body else None)
+    answer: Answer = {"message": "Weight update finished", "applied": applied}
+    commit = engine.last_adapter_commit
+    if applied and commit is not None and commit is not before:
+        answer |= dataclasses.asdict(commit)
+    return answer
 
 
 @router.post("/abort_weight_update", operation_id="abort_weight_update")

@@ -23,7 +23,7 @@ from weightsync.serve._auth import require_api_key
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._http import unless_disconnected
 from weightsync.serve._logprobs import written_logprob
-from weightsync.serve._openai_routes import _Run, _stream
+from weightsync.serve._openai_routes import _Run, _stream, check_model
 from weightsync.serve._protocol import ChatMessage, CompletionRequest, StreamOptions, _Body
 from weightsync.serve._sse import ChunkFrame, EventStream
 from weightsync.serve._view import EngineView
@@ -191,17 +191,6 @@ def _refuse_chat_fields(body: TokenizeChatRequest) -> None:
         )
 
 
-def _check_model(state: EngineView, model: str | None) -> None:
-    if model is not None and model != state.config.model_name:
-        raise RequestRefused(
-            404,
-            f"model {model!r} is not served here; this server serves "
-            f"{state.config.model_name!r} (see GET /v1/models)",
-            param="model",
-            error_type="NotFound",
-        )
-
-
 @router.post("/tokenize", operation_id="tokenize")
 async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """A text's (or a conversation's) token ids, as vLLM's: `count`, `max_model_len`, `tokens`.
@@ -209,7 +198,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     `return_token_strs` adds each token's text, as the tokenizer decodes it alone.
     """
     state: EngineView = request.app.state.serve
-    _check_model(state, body.model)
+    check_model(state, body.model)  # an adapter's name is fine: it shares the tokenizer
     llm = state.engine.engine
     tokenizer = llm.tokenizer
     try:
@@ -248,7 +237,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def _detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     """The text of token ids (`{"prompt": ...}`), special tokens written out, as vLLM's."""
     state: EngineView = request.app.state.serve
-    _check_model(state, body.model)
+    check_model(state, body.model)
     tokenizer = state.engine.engine.tokenizer
     vocab_size = tokenizer.vocab_size
     for position, token in enumerate(body.tokens):
@@ -320,7 +309,7 @@ async def _generate(body: GenerateRequest, request: Request) -> Response | Event
         return Response(status_code=499)  # nobody reads it: the client left
     outs = [f.outputs[0] for f in finals]
     return JSONResponse({
-        "request_id": run.id, "model": state.config.model_name, "created": run.created,
+        "request_id": run.id, "model": run.model_name, "created": run.created,
         "choices": [{**choice(i, final, 0, 0), "finish_reason": out.finish_reason or "stop"}
                     for i, (final, out) in enumerate(zip(finals, outs, strict=True))],
         "usage": run.usage(sum(len(o.token_ids) for o in outs)),

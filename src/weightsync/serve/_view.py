@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightsync.engine.async_engine import AsyncEngine
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.pause import PauseMode
 from weightsync.serve import _info, _metrics
 from weightsync.serve.config import ServerConfig
@@ -93,6 +94,10 @@ class ServerView(Protocol):
 
     async def metrics(self) -> bytes:
         """The server's metrics in Prometheus's text format."""
+        ...
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """The LoRA adapters loaded (`/v1/models` lists them after the base model)."""
         ...
 
 
@@ -188,3 +193,7 @@ class EngineView:
     async def metrics(self) -> bytes:
         """The engine's metrics in Prometheus's text format."""
         return _metrics.render(_metrics.engine_families(self.engine, self.config.model_name))
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """The engine's LoRA adapters, in load order."""
+        return self.engine.list_lora_adapters()

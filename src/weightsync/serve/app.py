@@ -45,6 +45,7 @@ def create_app(
     >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
     ['/v1/chat/completions', '/v1/completions', '/v1/models']
     """
+    from weightsync.serve._lora_routes import router as lora
     from weightsync.serve._openai_routes import router as completions
     from weightsync.serve._token_routes import router as tokens
 
@@ -60,4 +61,6 @@ def create_app(
         logger.info("engine shut down")
 
     view = EngineView(engine, config or ServerConfig())
-    return build_app(engine, view, [completions, tokens], close=close, title="weightsync serve")
+    # vLLM mounts its LoRA routes only with an environment flag; here, with LoRA enabled.
+    routers = [completions, tokens, *([lora] if engine.engine.config.enable_lora else [])]
+    return build_app(engine, view, routers, close=close, title="weightsync serve")

@@ -32,6 +32,7 @@ import weightsync
 from weightsync import (
     AsyncEngine,
     EngineConfig,
+    EngineConfigError,
     LlamaConfig,
     LlamaForCausalLM,
     LLMEngine,
@@ -174,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finish_bare_updates=not args.replica,  # a replica's front finishes them, on all
         )
         config = _server_config(args)
+        _load_lora_modules(engine, args, config.model_name)
     except WeightSyncError as exc:
         sock.close()
         return _fail(str(exc), status=2)
@@ -205,6 +207,26 @@ def _server_config(args: argparse.Namespace, *, world_size: int = 1) -> ServerCo
     )
 
 
+def _load_lora_modules(engine: LLMEngine, args: argparse.Namespace, model_name: str) -> None:
+    """Loads the `--lora-modules` adapters before the server answers (vLLM's static adapters).
+
+    Raises:
+        EngineConfigError: `--lora-modules` without `--enable-lora`, or an adapter named as the
+            model is served.
+        LoRAAdapterError: An adapter refused (the message names the file and the tensor).
+    """
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        raise EngineConfigError("--lora-modules needs --enable-lora")
+    for module in modules:
+        if module.name == model_name:
+            raise EngineConfigError(
+                f"--lora-modules: the adapter name {module.name!r} is the served model's name; "
+                "give the adapter another name"
+            )
+        engine.load_lora_adapter(module.name, module.path)
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's scheduler, cache, seed and device options, from the command line."""
     return EngineConfig(
@@ -218,6 +240,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         weight_update_staging=args.weight_update_staging,
         refuse_non_finite_weights=args.refuse_non_finite_weights,
         prepack_linears=not args.no_prepack_linears,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_lora_versions=args.max_lora_versions,
         device=args.device,
     )
 
@@ -242,6 +268,13 @@ def _serve_data_parallel(
     from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
 
+    if args.enable_lora:
+        sock.close()
+        return _fail(
+            "--enable-lora serves adapters from one engine; a data-parallel server "
+            "(--data-parallel-size > 1) does not serve them yet: drop one of the two",
+            status=2,
+        )
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:
         logger.warning("%d replicas share %d cores: each computes slowly and starts slowly; "

@@ -329,9 +329,11 @@ class EngineProcess:
         """Joins a trainer's transfer: `{"init_info": {...}}`; blocks until the group forms."""
         self.client.init_weight_transfer_engine(request)
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
         """Opens a weight-update transaction (see `LLMEngine.start_weight_update`)."""
-        self.client.start_weight_update()
+        self.client.start_weight_update(lora_name=lora_name, lora_config=lora_config)
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update: `{"update_info": {...}}` (see `LLMEngine.update_weights`).

@@ -21,6 +21,7 @@ from weightsync._keys import bearer, check_api_key
 from weightsync.engine.outputs import RequestOutput, WeightVersion
 from weightsync.engine.sampling import SamplingParams
 from weightsync.engine.tokenizer import Prompt
+from weightsync.engine.weights import AdapterCommit
 from weightsync.errors import (
     EngineStateError,
     EngineTimeoutError,
@@ -30,7 +31,7 @@ from weightsync.errors import (
     WeightTransferTimeout,
 )
 from weightsync.trainer._completions import accumulate, completion_body, to_output
-from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats
+from weightsync.transfer.base import CLIENT_MARGIN_S, DEFAULT_TIMEOUT_S, TransferStats, _is_int
 
 __all__ = ["HTTPEngineClient"]
 
@@ -114,6 +115,7 @@ class HTTPEngineClient:
         self._admin_api_key = admin_api_key
         # One connection pool shared by every thread that calls this client.
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self.last_adapter_commit: AdapterCommit | None = None  # see finish_weight_update
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -208,9 +210,19 @@ class HTTPEngineClient:
             "POST", "/init_weight_transfer_engine", body={"init_info": dict(request["init_info"])}
         )
 
-    def start_weight_update(self) -> None:
-        """`POST /start_weight_update`: opens the weight-update transaction."""
-        self._call("POST", "/start_weight_update")
+    def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
+        """`POST /start_weight_update`: opens the weight-update transaction.
+
+        With `lora_name` (and, for an adapter not loaded yet, PEFT's `lora_config`), the
+        transaction is that LoRA adapter's (see `LLMEngine.start_weight_update`).
+        """
+        if lora_name is None and lora_config is None:
+            self._call("POST", "/start_weight_update")  # vLLM's call, exactly
+            return
+        body = {"lora_name": lora_name, "lora_config": dict(lora_config) if lora_config else None}
+        self._call("POST", "/start_weight_update", body=body)
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """`POST /update_weights` with `{"update_info": {...}}`; returns the server's stats."""
@@ -220,8 +232,15 @@ class HTTPEngineClient:
         return TransferStats(**answer.get("stats", {}))
 
     def finish_weight_update(self, weight_version: WeightVersion | None = None) -> None:
-        """`POST /finish_weight_update`: ends the transaction; the version moves."""
-        self._call("POST", "/finish_weight_update", body={"weight_version": weight_version})
+        """`POST /finish_weight_update`: ends the transaction; the version moves.
+
+        After an adapter's update, `last_adapter_commit` holds what the server answered.
+        """
+        answer = self._call(
+            "POST", "/finish_weight_update", body={"weight_version": weight_version}
+        )
+        if "lora_name" in answer:
+            self.last_adapter_commit = _adapter_commit(answer)
 
     def abort_weight_update(self) -> bool:
         """`POST /abort_weight_update`: ends the transaction on purpose; whether one was open."""
@@ -335,3 +354,26 @@ class HTTPEngineClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _adapter_commit(answer: Mapping[str, Any]) -> AdapterCommit:
+    """The adapter commit a `/finish_weight_update` answer reports, its types checked."""
+    name, version = answer.get("lora_name"), answer.get("weight_version")
+    dropped = answer.get("dropped_versions")
+
+    def is_version(value: object) -> bool:
+        return isinstance(value, str) or _is_int(value)
+
+    if (
+        not isinstance(name, str)
+        or not is_version(version)
+        or not isinstance(dropped, list)
+        or not all(is_version(v) for v in dropped)
+    ):
+        raise WeightSyncError(
+            "/finish_weight_update answered an adapter's update with lora_name "
+            f"{name!r:.80}, weight_version {version!r:.80} and dropped_versions "
+            f"{dropped!r:.200}; expected a string, a version (string or int) and a list of "
+            "versions: is the server a weightsync server of this version?"
+        )
+    return AdapterCommit(name, version, list(dropped))  # type: ignore[arg-type]

@@ -88,8 +88,13 @@ class EngineClient(Protocol):
     def init_weight_transfer_engine(self, request: Mapping[str, Any]) -> None:
         """Joins the trainer's transfer (`{"init_info": {...}}`); may block until it forms."""
 
-    def start_weight_update(self) -> None:
-        """Opens a weight-update transaction; no forward pass runs until it ends."""
+    def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
+        """Opens a weight-update transaction; no forward pass runs until it ends.
+
+        With `lora_name`, the transaction is that LoRA adapter's, and generation goes on.
+        """
 
     def update_weights(self, request: Mapping[str, Any]) -> TransferStats:
         """Receives one update message (`{"update_info": {...}}`); while paused or idle."""
@@ -233,6 +238,8 @@ class WeightSender(ABC):
         weights: Iterable[tuple[str, torch.Tensor]],
         *,
         weight_version: WeightVersion | None = None,
+        lora_name: str | None = None,
+        lora_config: Mapping[str, Any] | None = None,
     ) -> TransferStats:
         """Pushes `(name, tensor)` pairs into every engine as one update transaction.
 
@@ -246,7 +253,12 @@ class WeightSender(ABC):
             weights: `(name, tensor)` pairs under the engine's (Hugging Face) names, e.g.
                 `model.named_parameters()`.
             weight_version: The label the engines' weight version takes (the trainer's step);
-                None counts updates.
+                None counts updates. With `lora_name`, the label of the adapter's new version.
+            lora_name: Update this LoRA adapter instead of the model: `weights` are its A and B
+                tensors under PEFT's names (`peft.get_peft_model_state_dict(model).items()`),
+                and the engines need not be paused.
+            lora_config: PEFT's adapter config (`r`, `lora_alpha`, `target_modules`,
+                `use_rslora`), to create the adapter where it is not loaded yet.
 
         Raises:
             EngineBusyError: An engine is running requests and is not paused; nothing moved.
@@ -262,7 +274,12 @@ class WeightSender(ABC):
         started: list[int] = []  # list.append is atomic: call_each's threads may share it
 
         def start(index: int) -> None:
-            self.engines[index].start_weight_update()
+            if lora_name is None and lora_config is None:
+                self.engines[index].start_weight_update()  # vLLM's call, exactly
+            else:
+                self.engines[index].start_weight_update(
+                    lora_name=lora_name, lora_config=lora_config
+                )
             started.append(index)
 
         limit = self.wire.client_timeout_s
@@ -568,8 +585,14 @@ def sync_weights(
     weight_version: WeightVersion | None = None,
     mode: PauseMode = "keep",
     clear_cache: bool = True,
+    lora_name: str | None = None,
+    lora_config: Mapping[str, Any] | None = None,
 ) -> TransferStats:
     """Pauses the sender's engines, pushes `weights` into them, and resumes them.
+
+    With `lora_name`, only that LoRA adapter's tensors travel, and nothing pauses: each engine
+    builds a new version of the adapter beside the one in use; requests running keep the
+    version they were admitted with, and requests admitted after the update get the new one.
 
     Every engine pauses (all at once, and all at a step boundary) before any byte moves, and
     resumes only after every engine holds the complete update. With `mode="keep"` (the default)
@@ -586,6 +609,9 @@ def sync_weights(
             with the old ones first) or `abort` (they end now).
         clear_cache: Drop the KV cache at the pause, so kept requests recompute it with the new
             weights (False: they continue on KV of the old weights; faster, slightly stale).
+        lora_name: Update this LoRA adapter instead of the model: `weights` are its tensors
+            under PEFT's names, e.g. `peft.get_peft_model_state_dict(model).items()`.
+        lora_config: PEFT's adapter config, to create the adapter where it is not loaded yet.
 
     Returns:
         The trainer side's transfer stats.
@@ -610,6 +636,10 @@ def sync_weights(
     >>> engine.weight_version
     'step-1'
     """
+    if lora_name is not None:  # an adapter's update lands beside the version in use
+        return sender.send(
+            weights, weight_version=weight_version, lora_name=lora_name, lora_config=lora_config
+        )
     start = time.perf_counter()
     try:  # an engine that fails to pause must not leave the others paused for nothing
         call_each(sender.engines, lambda e: e.pause_generation(mode=mode, clear_cache=clear_cache))

@@ -14,6 +14,7 @@ found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -24,7 +25,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypedDict, TypeGuard, TypeVar
 
@@ -482,6 +483,31 @@ class WeightTransferEngine(ABC):
             expected_specs = {name: TensorSpec.of(name, t) for name, t in params.items()}
         self.expected_specs = dict(expected_specs) if expected_specs is not None else None
         self.params = dict(params) if params is not None else None
+
+    @contextlib.contextmanager
+    def receiving_into(
+        self,
+        expected_specs: Mapping[str, TensorSpec],
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Points the calls made inside at other tensors than the model's, then back.
+
+        An engine receiving into something else than its weights (a LoRA adapter's fresh
+        tensors, say) checks each message against `expected_specs` instead, before any byte
+        moves, and lets the backend write in place only into `params`. The tensors still reach
+        the caller through `load_weights`, unless received in place.
+
+        Args:
+            expected_specs: What the messages inside may announce, by name.
+            params: Tensors the backend may write straight into; None: none.
+        """
+        saved = self.expected_specs, self.params
+        self.expected_specs = dict(expected_specs)
+        self.params = dict(params) if params is not None else None
+        try:
+            yield
+        finally:
+            self.expected_specs, self.params = saved
 
     def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
         """Parses a plain dict into this backend's init info dataclass."""

@@ -30,6 +30,16 @@ def test_options_reach_the_namespace():
     assert config is None
 
 
+def test_max_lora_versions_reaches_the_engine_config():
+    from weightsync import EngineConfig
+    from weightsync.serve.cli import _engine_config
+
+    args, _ = _parse_serve_args(["serve", "debug", "--max-lora-versions", "2"])
+    assert _engine_config(args).max_lora_versions == 2
+    default, _ = _parse_serve_args(["serve", "debug"])
+    assert _engine_config(default).max_lora_versions == EngineConfig().max_lora_versions
+
+
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(WeightValidationError, match="gloo"):
         _parse_serve_args(["serve", "--weight-transfer-config.backend", "carrier-pigeon"])
@@ -62,7 +72,8 @@ def test_the_parsers_defaults_are_the_engines_and_the_servers():
 
     args = build_parser().parse_args(["serve"])
     defaults = EngineConfig()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "enable_lora", "max_loras", "max_lora_rank"):  # fmt: skip
         assert getattr(args, name) == getattr(defaults, name), name
     assert args.max_request_bytes == ServerConfig().max_request_bytes
     assert set(build_parser().parse_args(["serve"]).__dict__) >= {"dtype", "device"}
@@ -83,3 +94,46 @@ def test_a_cuda_device_without_cuda_is_a_one_line_error(capsys):
     assert main(["serve", "debug", "--port", "0", "--device", "cuda"]) != 0
     err = capsys.readouterr().err
     assert "EngineConfig.device is 'cuda'" in err and err.count("\n") == 1
+
+
+def test_lora_flags_in_vllms_two_forms():
+    args = build_parser().parse_args([
+        "serve", "debug", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
+        "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+        '{"name": "base", "path": "/adapters/base", "base_model_name": null}',
+    ])  # fmt: skip
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 4, 32)
+    assert [(m.name, m.path) for m in args.lora_modules] == [
+        ("sql", "/adapters/sql"), ("chat", "/adapters/chat"), ("base", "/adapters/base"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-modules", '{"name": "x"}'], "must be name=path or a JSON object"),
+        (["--lora-modules", "{not json"], "is neither name=path nor JSON"),
+        (["--lora-modules", '{"name": "x", "path": 3}'], "with string fields 'name' and 'path'"),
+        (["--max-loras", "0"], "expected an integer >= 1"),
+    ],
+)
+def test_bad_lora_flags_are_one_line_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "debug", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-modules", "a=/nonexistent/adapter"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "no adapter found"),
+        (["--enable-lora", "--lora-modules", "debug=/x"], "is the served model's name"),
+        (["--enable-lora", "--data-parallel-size", "2"], "does not serve them yet"),
+    ],
+)
+def test_lora_settings_that_cannot_serve_stop_the_server_at_start(capsys, argv, message):
+    assert main(["serve", "debug", "--port", "0", "--num-kv-blocks", "64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -32,6 +32,7 @@ from typing import Any
 
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
+from weightsync.engine.weights import AdapterCommit
 from weightsync.errors import WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
 from weightsync.serve._front.fleet import Fleet, Replica, raise_failures
@@ -58,6 +59,7 @@ class FleetControl:
     # see the same updates.
     _updates: asyncio.Lock = field(default_factory=asyncio.Lock)
     _weight_update: Body | None = None  # replica 0's, as the last update_weights left it
+    _last_adapter_commit: AdapterCommit | None = None  # see last_adapter_commit
 
     def watch_replicas(self) -> None:
         """From now on, a replica's death ends the update on the others (call on the loop)."""
@@ -175,11 +177,20 @@ class FleetControl:
         async with self._updates:
             await self.fleet.all("POST", "/shutdown_weight_transfer_engine")
 
-    async def start_weight_update(self) -> None:
-        """Opens the transaction on every replica; if one refuses, none keeps it open."""
+    async def start_weight_update(
+        self, *, lora_name: str | None = None, lora_config: Mapping[str, Any] | None = None
+    ) -> None:
+        """Opens the transaction on every replica; if one refuses, none keeps it open.
+
+        With `lora_name`, the transaction is that LoRA adapter's on every replica (each one
+        checks it against its own copy of the adapter).
+        """
+        body: Body | None = None
+        if lora_name is not None:
+            body = {"lora_name": lora_name, "lora_config": lora_config}
         async with self._updates:
             self.fleet.require_alive()
-            outcomes = await self.fleet.each("POST", "/start_weight_update")
+            outcomes = await self.fleet.each("POST", "/start_weight_update", body=body)
             if any(isinstance(o, BaseException) for o in outcomes):
                 opened = [r for r, o in zip(self.fleet.replicas, outcomes, strict=True)
                           if not isinstance(o, BaseException)]  # fmt: skip
@@ -249,7 +260,19 @@ class FleetControl:
                 raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
         raise_failures(checks)
         answers = raise_failures(await self.fleet.each("POST", "/finish_weight_update", body=body))
+        if "lora_name" in answers[0]:  # an adapter's update: what any replica dropped
+            dropped: list[WeightVersion] = []
+            for answer in answers:
+                dropped += [v for v in answer["dropped_versions"] if v not in dropped]
+            self._last_adapter_commit = AdapterCommit(
+                answers[0]["lora_name"], answers[0]["weight_version"], dropped
+            )
         return all(bool(a.get("applied", True)) for a in answers)
+
+    @property
+    def last_adapter_commit(self) -> AdapterCommit | None:
+        """What the last finish of an adapter's update did, as the replicas answered."""
+        return self._last_adapter_commit
 
     async def _end_everywhere(self) -> None:
         """Ends the update on every live replica (each restores or marks what it touched)."""
@@ -349,6 +372,10 @@ class FleetControl:
         )["vllm_config"]
         tree["parallel_config"]["data_parallel_size"] = self.config.world_size
         return dict(tree)
+
+    def lora_adapters(self) -> list[Any]:
+        """None: a data-parallel server serves no LoRA adapters (`--enable-lora` is refused)."""
+        return []
 
     async def metrics(self) -> bytes:
         """Each live replica's metrics under its `engine` index, and their sums (`total`)."""

@@ -1,0 +1,79 @@
+"""vLLM's LoRA routes: `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`.
+
+Mounted when the server runs with `--enable-lora` (vLLM mounts them only with its environment
+flag `VLLM_ALLOW_RUNTIME_LORA_UPDATING`); without it they are a 404, as vLLM's are. Bodies and
+success answers are vLLM's: `{"lora_name", "lora_path", "load_inplace"}` in, plain text
+`Success: LoRA adapter '<name>' added successfully.` out. Refusals are weightsync's JSON errors
+with vLLM's statuses and messages: a name already loaded without `load_inplace` is a 400, an
+unknown name (or a `lora_path` that is no directory) a 404, and a bad adapter a 400 naming the
+file and the tensor, where vLLM answers 500. They change weights the server computes with, so
+they need the admin key when the server has one, as the RL routes.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from weightsync.serve._auth import require_admin_key
+from weightsync.serve._errors import RequestRefused
+from weightsync.serve._fields import RequestBody
+from weightsync.serve._view import EngineView
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["lora"], dependencies=[Depends(require_admin_key)])
+"""The LoRA routes; each needs the admin key when the server has one."""
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """`/v1/load_lora_adapter`: a PEFT adapter directory on the server's machine, by name.
+
+    `load_inplace` loads a new version under a name already loaded; requests running on the
+    old version finish on it.
+    """
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """`/v1/unload_lora_adapter`: the adapter's name (vLLM's `lora_int_id` is accepted, unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+@router.post("/load_lora_adapter", response_class=PlainTextResponse,
+             operation_id="load_lora_adapter")  # fmt: skip
+async def _load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> str:
+    """Loads a PEFT adapter directory under `lora_name`, checked against the model first."""
+    state: EngineView = request.app.state.serve
+    if not body.lora_name or not body.lora_path:
+        raise RequestRefused(
+            400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name"
+        )
+    if body.lora_name == state.config.model_name:
+        raise RequestRefused(
+            400,
+            f"The lora adapter '{body.lora_name}' conflicts with a served base model.",
+            param="lora_name",
+        )
+    await state.engine.load_lora_adapter(
+        body.lora_name, body.lora_path, load_inplace=body.load_inplace
+    )
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@router.post("/unload_lora_adapter", response_class=PlainTextResponse,
+             operation_id="unload_lora_adapter")  # fmt: skip
+async def _unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> str:
+    """Unloads an adapter: new requests may not name it; running ones finish on it."""
+    state: EngineView = request.app.state.serve
+    if not body.lora_name:
+        raise RequestRefused(
+            400, "'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name"
+        )
+    await state.engine.unload_lora_adapter(body.lora_name)
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -1,0 +1,337 @@
+"""LoRA adapters in the engine: PEFT directories checked before loading, many adapters in one
+batch, base rows untouched, the prefix cache kept apart per adapter version, and versions that a
+running request keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import DTYPE, debug_model, greedy, make_engine
+
+from lora_adapters import (
+    adapter_tensors,
+    merged_model,
+    peft_config,
+    peft_name,
+    write_adapter,
+)
+from weightsync.engine import AsyncEngine, CompletionOutput, EngineConfig, LLMEngine
+from weightsync.engine.lora import LoRABatch
+from weightsync.errors import (
+    EngineConfigError,
+    LoRAAdapterError,
+    LoRAAdapterNotFoundError,
+)
+
+PROMPT = "LoRA adapters ride on the base weights"  # 3+ blocks of 8 tokens
+MAX_TOKENS = 10
+
+
+def lora_engine(**config: object) -> LLMEngine:
+    settings = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8, **config}
+    return make_engine(**settings)
+
+
+def tokens(engine: LLMEngine, prompt: str = PROMPT, lora_name: str | None = None) -> list[int]:
+    output = engine.generate([prompt], greedy(MAX_TOKENS), lora_name=lora_name)[0]
+    return output.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return debug_model()
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_adapter_tokens_equal_the_merged_weights(tmp_path, base_model, use_rslora):
+    tensors = adapter_tensors(base_model, rank=4, seed=3)
+    path = write_adapter(tmp_path / "a", tensors, peft_config(4, 16, use_rslora=use_rslora))
+    engine = lora_engine()
+    adapter = engine.load_lora_adapter("a", str(path))
+    scaling = 16 / math.sqrt(4) if use_rslora else 16 / 4
+    assert adapter.scaling == scaling and adapter.rank == 4
+    assert adapter.base_model_name_or_path == "debug" and adapter.version == 1
+    merged = make_engine(merged_model(base_model, tensors, scaling))
+    with_adapter = tokens(engine, lora_name="a")
+    assert with_adapter == tokens(merged)
+    assert with_adapter != tokens(engine)  # the adapter changes the answer
+
+
+def test_an_adapter_on_some_modules_only_equals_its_merged_weights(tmp_path, base_model):
+    tensors = adapter_tensors(base_model, rank=2, seed=4, modules=("v_proj", "up_proj"))
+    config = peft_config(2, 4, target_modules=["v_proj", "up_proj"])
+    engine = lora_engine()
+    engine.load_lora_adapter("vu", str(write_adapter(tmp_path / "vu", tensors, config)))
+    merged = make_engine(merged_model(base_model, tensors, 2.0))
+    assert tokens(engine, lora_name="vu") == tokens(merged)
+
+
+def run_together(
+    engine: LLMEngine, requests: list[tuple[str, str | None]], **params: object
+) -> dict[str, CompletionOutput]:
+    """Adds every request before the first step, so they share batches; returns each output."""
+    for request_id, lora_name in requests:
+        engine.add_request(request_id, f"{PROMPT} {request_id}", greedy(MAX_TOKENS, **params),
+                           lora_name=lora_name)  # fmt: skip
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output.outputs[0]
+    return finals
+
+
+def test_a_batch_mixing_base_rows_and_two_adapters_gives_each_row_its_own_answer(
+    tmp_path, base_model
+):
+    engine = lora_engine()
+    for name, seed in (("a", 5), ("b", 6)):
+        tensors = adapter_tensors(base_model, seed=seed)
+        engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
+    requests = [("base1", None), ("a1", "a"), ("b1", "b"), ("base2", None), ("a2", "a")]
+    together = run_together(engine, requests, logprobs=2)
+    for request_id, lora_name in requests:
+        alone = tokens(engine, f"{PROMPT} {request_id}", lora_name)
+        assert together[request_id].token_ids == alone, request_id
+    assert together["a1"].token_ids != tokens(engine, f"{PROMPT} a1")  # the adapter acted
+    # The same batch on an engine without LoRA: its base rows answer to the last bit.
+    plain = run_together(make_engine(debug_model()), [(rid, None) for rid, _ in requests],
+                         logprobs=2)  # fmt: skip
+    for request_id in ("base1", "base2"):
+        assert together[request_id].logprobs == plain[request_id].logprobs
+        assert together[request_id].top_logprobs == plain[request_id].top_logprobs
+
+
+def test_base_rows_answer_bit_for_bit_as_an_engine_without_lora(tmp_path, base_model):
+    engine = lora_engine()
+    tensors = adapter_tensors(base_model, seed=7)
+    engine.load_lora_adapter("a", str(write_adapter(tmp_path / "a", tensors, peft_config())))
+    plain = make_engine(debug_model())
+    params = greedy(MAX_TOKENS, logprobs=3)
+    prompts = [f"{PROMPT} {i}" for i in range(3)]
+    with_lora = engine.generate(prompts, params)
+    without = plain.generate(prompts, params)
+    for got, expected in zip(with_lora, without, strict=True):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert got.outputs[0].logprobs == expected.outputs[0].logprobs  # exact floats
+        assert got.outputs[0].top_logprobs == expected.outputs[0].top_logprobs
+
+
+def test_a_batch_without_adapter_rows_takes_the_base_path():
+    rows = [(None, 0, 5), (None, 5, 1)]
+    assert LoRABatch.of_rows(rows, torch.device("cpu")) is None
+
+
+def test_the_prefix_cache_never_shares_kv_between_adapters_or_versions(tmp_path, base_model):
+    engine = lora_engine()
+    for name, seed in (("a", 8), ("b", 9)):
+        tensors = adapter_tensors(base_model, seed=seed)
+        engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
+
+    def cached(lora_name: str | None) -> int:
+        output = engine.generate([PROMPT], greedy(2), lora_name=lora_name)[0]
+        return output.num_cached_tokens
+
+    assert cached("a") == 0
+    assert cached("b") == 0  # same prompt, another adapter: nothing reused
+    assert cached(None) == 0  # nor by the base model
+    assert cached("a") > 0 and cached("b") > 0 and cached(None) > 0  # same adapter: reused
+    newer = adapter_tensors(base_model, seed=10)
+    path = write_adapter(tmp_path / "a2", newer, peft_config())
+    engine.load_lora_adapter("a", str(path), load_inplace=True)
+    assert cached("a") == 0  # a new version computes its own KV
+
+
+def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
+    """Writes an adapter broken as `case` says; returns it and what the error must name."""
+    tensors = adapter_tensors(base_model, rank=4, seed=11)
+    config = peft_config(4)
+    name_a = peft_name(1, "k_proj", "A")
+    named = name_a
+    if case == "shape":
+        tensors[name_a] = torch.zeros(4, 63)
+    elif case == "rank":
+        tensors = adapter_tensors(base_model, rank=16, seed=11)
+        config, named = peft_config(16), "rank r=16 exceeds the maximum LoRA rank 8"
+    elif case == "module":
+        tensors[peft_name(0, "q_proj", "A").replace("q_proj", "qkv_proj")] = torch.zeros(4, 64)
+        named = "qkv_proj"
+    elif case == "layer":
+        tensors[peft_name(9, "q_proj", "A")] = torch.zeros(4, 64)
+        named = "layer 9 does not exist"
+    elif case == "lm_head":
+        config, named = peft_config(4, target_modules=["q_proj", "lm_head"]), "'lm_head'"
+    elif case == "dora":
+        config, named = peft_config(4, use_dora=True), "use_dora"
+    elif case == "bias":
+        config, named = peft_config(4, bias="all"), "bias='all'"
+    elif case == "missing_b":
+        del tensors[peft_name(1, "k_proj", "B")]
+        named = peft_name(1, "k_proj", "B")
+    path = write_adapter(tmp_path / case, tensors, config)
+    if case == "missing_file":
+        (path / "adapter_model.safetensors").unlink()
+        named = "adapter_model.safetensors"
+    elif case == "json":
+        (path / "adapter_config.json").write_text("{'r': 4,")
+        named = "adapter_config.json: not valid JSON"
+    elif case == "safetensors":
+        (path / "adapter_model.safetensors").write_bytes(b"\x00" * 4)
+        named = "adapter_model.safetensors"
+    return path, named
+
+
+CASES = ["shape", "rank", "module", "layer", "lm_head", "dora", "bias", "missing_b",
+         "missing_file", "json", "safetensors"]  # fmt: skip
+CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json"}  # the others name the tensors' file
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(tmp_path, base_model, case):
+    engine = lora_engine()
+    good = adapter_tensors(base_model, rank=4, seed=12)
+    engine.load_lora_adapter("a", str(write_adapter(tmp_path / "good", good, peft_config(4))))
+    before = engine.list_lora_adapters()
+    answer = tokens(engine, lora_name="a")
+    path, named = bad_adapter(tmp_path, base_model, case)
+    for name, inplace in (("a", True), ("new", False)):
+        with pytest.raises(LoRAAdapterError) as refused:
+            engine.load_lora_adapter(name, str(path), load_inplace=inplace)
+        message = str(refused.value)
+        file = "adapter_config.json" if case in CONFIG_CASES else "adapter_model.safetensors"
+        assert str(path / file) in message and named in message, message
+    assert engine.list_lora_adapters() == before
+    assert tokens(engine, lora_name="a") == answer
+    with pytest.raises(LoRAAdapterNotFoundError):
+        engine.add_request("r", PROMPT, lora_name="new")
+
+
+def test_a_path_that_is_no_directory_is_not_found(tmp_path):
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterNotFoundError, match="no adapter found there"):
+        engine.load_lora_adapter("a", str(tmp_path / "nowhere"))
+    assert engine.list_lora_adapters() == []
+
+
+def test_a_shape_refusal_says_expected_and_actual(tmp_path, base_model):
+    path, _ = bad_adapter(tmp_path, base_model, "shape")
+    with pytest.raises(LoRAAdapterError, match=r"expected .*\[4, 64\].* got float32 \[4, 63\]"):
+        lora_engine().load_lora_adapter("a", str(path))
+
+
+def test_loading_a_loaded_name_needs_load_inplace(tmp_path, base_model):
+    engine = lora_engine()
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    first = engine.load_lora_adapter("a", str(path))
+    with pytest.raises(LoRAAdapterError, match=r"has already been loaded.*load_inplace"):
+        engine.load_lora_adapter("a", str(path))
+    second = engine.load_lora_adapter("a", str(path), load_inplace=True)
+    assert (second.lora_int_id, second.version) == (first.lora_int_id, 2)
+    assert engine.list_lora_adapters() == [second]
+
+
+def test_unknown_or_unloaded_adapters_are_refused(tmp_path, base_model):
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterNotFoundError, match="'nope' is not loaded"):
+        engine.add_request("r", PROMPT, lora_name="nope")
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    engine.load_lora_adapter("a", str(path))
+    engine.unload_lora_adapter("a")
+    assert engine.list_lora_adapters() == []
+    with pytest.raises(LoRAAdapterNotFoundError):
+        engine.generate([PROMPT], greedy(2), lora_name="a")
+    with pytest.raises(LoRAAdapterNotFoundError, match="cannot be found"):
+        engine.unload_lora_adapter("a")
+
+
+def test_an_engine_without_lora_refuses_adapters(tmp_path, base_model):
+    engine = make_engine()
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    with pytest.raises(LoRAAdapterNotFoundError, match="enable_lora=True"):
+        engine.load_lora_adapter("a", str(path))
+    with pytest.raises(LoRAAdapterNotFoundError, match="enable_lora=True"):
+        engine.add_request("r", PROMPT, lora_name="a")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("max_loras", 0), ("max_lora_rank", 0), ("enable_lora", "yes")]
+)
+def test_lora_settings_are_checked_where_the_config_is_built(field, value):
+    with pytest.raises(EngineConfigError, match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+def test_a_running_request_keeps_the_adapter_version_it_started_with(tmp_path, base_model):
+    old = adapter_tensors(base_model, seed=13)
+    new = adapter_tensors(base_model, seed=14)
+    engine = lora_engine()
+    engine.load_lora_adapter("a", str(write_adapter(tmp_path / "old", old, peft_config())))
+    old_answer = tokens(engine, lora_name="a")
+    engine.add_request("running", PROMPT, greedy(MAX_TOKENS), lora_name="a")
+    outputs = []
+    while not outputs or len(outputs[-1].outputs[0].token_ids) < 3:  # mid-generation
+        outputs += engine.step()
+    new_path = write_adapter(tmp_path / "new", new, peft_config())
+    assert engine.load_lora_adapter("a", str(new_path), load_inplace=True).version == 2
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == old_answer
+    merged_new = make_engine(merged_model(base_model, new, 2.0))
+    assert tokens(engine, lora_name="a") == tokens(merged_new) != old_answer
+
+
+def test_max_loras_holds_back_a_request_whose_adapter_would_exceed_it(tmp_path, base_model):
+    engine = lora_engine(max_loras=1)
+    for name, seed in (("a", 15), ("b", 16)):
+        tensors = adapter_tensors(base_model, seed=seed)
+        engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
+    requests = [("a1", "a"), ("b1", "b"), ("base", None), ("a2", "a")]
+    for request_id, lora_name in requests:
+        engine.add_request(request_id, PROMPT, greedy(3), lora_name=lora_name)
+    engine.step()
+    running = {seq.request_id for seq in engine.scheduler.running}
+    assert running == {"a1", "base", "a2"}  # b1 waits: a second adapter would exceed 1
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finals[output.request_id] = output
+        adapters = {id(s.lora) for s in engine.scheduler.running if s.lora is not None}
+        assert len(adapters) <= 1
+    assert all(finals[request_id].finished for request_id, _ in requests)
+
+
+def test_the_async_engine_loads_generates_and_unloads(tmp_path, base_model):
+    tensors = adapter_tensors(base_model, seed=17)
+    path = write_adapter(tmp_path / "a", tensors, peft_config())
+    expected = tokens(make_engine(merged_model(base_model, tensors, 2.0)))
+
+    async def main() -> None:
+        engine = AsyncEngine.from_engine(lora_engine())
+        try:
+            adapter = await engine.load_lora_adapter("a", str(path))
+            assert engine.list_lora_adapters() == [adapter]
+            final = None
+            async for output in engine.generate(PROMPT, greedy(MAX_TOKENS), lora_name="a"):
+                final = output
+            assert final is not None and final.outputs[0].token_ids == expected
+            await engine.unload_lora_adapter("a")
+            with pytest.raises(LoRAAdapterNotFoundError):
+                async for _ in engine.generate(PROMPT, greedy(2), lora_name="a"):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_adapter_is_cast_to_the_model_dtype(tmp_path, base_model):
+    engine = lora_engine()
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    adapter = engine.load_lora_adapter("a", str(path))
+    assert {t.dtype for pair in adapter.weights.values() for t in pair} == {DTYPE}
+    assert json.loads((path / "adapter_config.json").read_text())["r"] == adapter.rank
