@@ -369,7 +369,7 @@ class LiveWeights:
             )
         if txn is not None:
             self._end_refused(txn, "start_weight_update")
-        self._transaction = _Transaction(explicit=True)
+        self._open(explicit=True)
         self._settle(running)
 
     def update(
@@ -496,11 +496,27 @@ class LiveWeights:
             stats = transfer.receive_weights(info, self._load)
             logger.warning("update %s was abandoned before it completed", txn.update_id)
             self._end_failed(txn, forget_transfer=False)  # the receiver follows the new one
-            self._transaction = _Transaction(explicit=False)
-            return self._transaction, stats
+            return self._open(explicit=False), stats
         if txn is None:
-            txn = self._transaction = _Transaction(explicit=False)
+            txn = self._open(explicit=False)
         return txn, None
+
+    def _open(self, *, explicit: bool) -> _Transaction:
+        """Opens a transaction, before any of its bytes move."""
+        # A rebuild of the packed copies in flight may read what this transaction writes: it
+        # is discarded, never installed (its linears read their plain weights meanwhile).
+        self.model.cancel_repack()
+        self._transaction = _Transaction(explicit=explicit)
+        return self._transaction
+
+    def _close(self, landed: Iterable[str] = ()) -> None:
+        """Closes the transaction; the packed copies of `landed` are rebuilt off its path."""
+        self._transaction = None
+        # The linears holding `landed` drop their copies now and read their new plain weights;
+        # a thread rebuilds every missing copy, those of a rebuild this transaction discarded
+        # too. A failed transaction lands nothing: restored weights still match their copies,
+        # and torn ones are never generated from until an update covering them commits.
+        self.model.repack_linears(landed, wait=False)
 
     def _note_refusal(self, exc: WeightSyncError) -> None:
         """Marks the open transaction when a message meant to fill it was refused (see `finish`)."""
@@ -522,7 +538,7 @@ class LiveWeights:
             self._stage(txn, names)
         except Exception as exc:
             if not txn.explicit and not txn.announced:
-                self._transaction = None  # an implicit transaction that never began
+                self._close()  # an implicit transaction that never began
             error = WeightTransferError(
                 f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
                 f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
@@ -542,7 +558,7 @@ class LiveWeights:
             return transfer.receive_weights(info, self._load)
         except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
-                self._transaction = None  # an implicit transaction that never began
+                self._close()  # an implicit transaction that never began
             elif info.opens_update:
                 self._note_refusal(exc)
             raise
@@ -619,11 +635,7 @@ class LiveWeights:
             self._end_failed(txn)
             outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
             raise self._non_finite_error(bad, ends=f" and the update's weights are {outcome}")
-        # Prepacked copies follow the landed weights before the transaction closes, so that no
-        # step runs on new plain weights with old packed ones (a failed update never repacks:
-        # its restored weights still match the copies).
-        self.model.repack_linears(txn.landed)
-        self._transaction = None
+        self._close(txn.landed)  # before any step: none multiplies by a copy of the old weights
         self.torn_names -= txn.landed
         self._torn_by_sleep -= txn.landed
         if self.torn_names:
@@ -746,7 +758,7 @@ class LiveWeights:
     def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
         """Closes a transaction that will not finish: restores or marks what it touched."""
         # forget_transfer=False: the transfer engine already follows another update.
-        self._transaction = None
+        self._close()
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
         if not txn.touched:
@@ -798,6 +810,7 @@ class LiveWeights:
         """
         self._require_awake("weight_checker reset")
         self._refuse_during_update("weight_checker reset")
+        self.model.cancel_repack()
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.zero_()
@@ -894,6 +907,9 @@ class LiveWeights:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
         self.check_can_sleep()
+        if discard and not self._discarded:
+            # First: no rebuild of the packed copies may read the memory freed below.
+            self.model.release_packed_linears()  # the update that covers them repacks them
         self._asleep = True
         if discard and not self._discarded:
             storages = {
@@ -902,7 +918,6 @@ class LiveWeights:
             for storage in storages.values():
                 self._discarded.append((storage, storage.nbytes()))
                 storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
-            self.model.release_packed_linears()  # the update that covers them repacks them
             self._on_write()
             logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
 
