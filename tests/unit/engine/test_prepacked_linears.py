@@ -23,7 +23,7 @@ from weightsync.engine import _packed_linear
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import EngineStateError, WeightTransferError, WeightValidationError
 from weightsync.serve.cli import _engine_config, _parse_serve_args
 from weightsync.trainer.engine_process import _serve_args
 from weightsync.trainer.senders import BroadcastWeightSender, IPCWeightSender
@@ -305,4 +305,21 @@ def test_a_rebuild_overtaken_by_an_aborted_update_is_never_installed(held_rebuil
     assert all(copy is not held for copy in copies for held in held_rebuild.copies)
     assert all(copy is not None for copy in copies)  # rebuilt again from the restored weights
     assert engine.weight_version == 1
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_the_weights_are_not_freed_while_a_rebuild_reads_them(held_rebuild, tokens_of_seed):
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)
+    # A level-2 sleep frees the weights only once no rebuild reads them: held, it cannot.
+    with pytest.raises(EngineStateError, match="still reads the weights"):
+        engine.model.release_packed_linears(timeout_s=0)
+    held_rebuild.release()
+    engine.sleep(level=2)  # waits for the rebuild to stop, then frees the weights
+    assert engine.model.wait_for_repack(timeout_s=0)
+    assert all(copy is None for copy in packed_copies(engine).values())
+    engine.wake_up()
+    send(engine, seed=1, version=2)
+    engine.resume_generation()
     assert greedy_tokens(engine) == tokens_of_seed[1]
