@@ -104,24 +104,32 @@ class PackedCopies:
         The linears read their plain weights until the new copies are swapped in, together.
         Returns at once: the caller (a weight update's commit) does not pay for the rebuild.
         """
-        dropped = []
-        for linear in stale:
-            dropped.append(linear.packed)
-            linear.packed = None
-        missing = [linear for linear in self._linears if linear.packed is None]
-        if not missing:
-            return
-        generation = self.cancel()  # this rebuild covers whatever one in flight would build
-        with self._changed:
+        dropped: list[torch.Tensor | None] = []
+        with self._changed:  # against an install: a rebuild in flight is superseded by this one
+            self._generation += 1
+            generation = self._generation
+            for linear in stale:
+                dropped.append(linear.packed)
+                linear.packed = None
+            missing = [linear for linear in self._linears if linear.packed is None]
+            if not missing:
+                return
             self._rebuilds += 1
         # The thread frees the stale copies before building: the memory is reused, and
         # freeing tens of megabytes is off the caller's path too.
-        threading.Thread(
+        rebuild = threading.Thread(
             target=self._rebuild,
             args=(missing, generation, torch.get_num_threads(), dropped),
             name="repack-linears",
             daemon=True,
-        ).start()
+        )
+        try:
+            rebuild.start()
+        except RuntimeError as exc:  # no thread to be had: the plain weights serve, correct
+            with self._changed:
+                self._rebuilds -= 1
+                self._changed.notify_all()
+            logger.warning("rebuilding %d packed copies failed to start: %s", len(missing), exc)
 
     def cancel(self) -> int:
         """Discards every build in flight: the plain weights are about to change.

@@ -510,12 +510,12 @@ class LiveWeights:
         return self._transaction
 
     def _close(self, landed: Iterable[str] = ()) -> None:
-        """Closes the transaction; the packed copies of `landed` are rebuilt off its path."""
+        """Closes the transaction after its last write; the copies of `landed` are rebuilt."""
         self._transaction = None
         # The linears holding `landed` drop their copies now and read their new plain weights;
         # a thread rebuilds every missing copy, those of a rebuild this transaction discarded
-        # too. A failed transaction lands nothing: restored weights still match their copies,
-        # and torn ones are never generated from until an update covering them commits.
+        # too. A failed one (`_end_failed`) lands nothing: restored weights still match their
+        # copies, and torn ones are never generated from until an update covering them commits.
         self.model.repack_linears(landed, wait=False)
 
     def _note_refusal(self, exc: WeightSyncError) -> None:
@@ -758,9 +758,16 @@ class LiveWeights:
     def _end_failed(self, txn: _Transaction, *, forget_transfer: bool = True) -> None:
         """Closes a transaction that will not finish: restores or marks what it touched."""
         # forget_transfer=False: the transfer engine already follows another update.
-        self._close()
+        self._transaction = None
         if forget_transfer and self._transfer is not None:
             self._transfer.abort_update()
+        self._restore_or_tear(txn)
+        # Only now, after the last write: a rebuild this transaction discarded starts again
+        # from the weights as they stay (see `_close`).
+        self.model.repack_linears((), wait=False)
+
+    def _restore_or_tear(self, txn: _Transaction) -> None:
+        """Restores what a failed transaction touched (staging), else marks it torn."""
         if not txn.touched:
             return
         self._on_write()
