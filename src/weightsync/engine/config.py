@@ -44,7 +44,7 @@ class EngineConfig:
             serve. Costs a second copy of the weight matrices in memory. A weight update does
             not wait for its repack: at commit the updated linears drop their copies and
             multiply by their new plain weights (correct at once, at the plain weights' speed)
-            until a thread has rebuilt the copies, about 0.05 s for the `small` preset.
+            until a thread has rebuilt the copies, about 0.06 s for the `small` preset.
         device: Where the model, the KV cache and sampling live: `"cpu"`, `"cuda"`,
             `"cuda:1"`, any `torch.device` string. Weight updates land straight in that
             device's memory (the transfer backend receives into the model's parameters).
