@@ -86,7 +86,7 @@ class PackedCopies:
 
     def __init__(self, linears: Sequence[PackedLinear]) -> None:
         self._linears = list(linears)
-        self._changed = threading.Condition()  # guards the two counters below
+        self._changed = threading.Condition()  # guards the counters below and every install
         self._generation = 0  # moves at every `cancel`: a build of an older one is discarded
         self._rebuilds = 0  # rebuild threads still running
 
