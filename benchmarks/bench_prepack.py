@@ -13,8 +13,11 @@ falls on both):
   median time of a decode step (steps after the last prefill);
 - `update_gloo`, `update_ipc`: a whole update of every weight from an in-process trainer
   (`BroadcastWeightSender` over gloo, `IPCWeightSender` through shared memory), timed around
-  `send` (start, transfer, finish: the packed engine repacks at finish);
-- `repack_s`: the packed engine's `model.repack_linears()` alone.
+  `send` (start, transfer, finish). The packed engine's finish drops the landed linears' copies
+  and a thread rebuilds them: `rebuild_after_update_{gloo,ipc}_s` is the time from `send`'s
+  return until the new copies are in (the steps meanwhile multiply by the plain weights). The
+  next figure is timed only once the rebuild is done, so it does not share the CPU with it;
+- `repack_s`: the packed engine's `model.repack_linears()` alone, on the calling thread.
 
 Figures are medians over `--rounds` rounds; each `*_ratio` is the median of the per-round ratios
 packed / plain (for times: plain / packed, so above 1 means the packed engine is faster). The
@@ -71,8 +74,13 @@ def _decode(engine: LLMEngine, prompts: list[list[int]]) -> tuple[float, float, 
     )
 
 
-def _update(engine: LLMEngine, trainer: LlamaForCausalLM, backend: str, version: int) -> float:
-    """Seconds of one whole update of `engine` from `trainer` over `backend`."""
+def _update(
+    engine: LLMEngine, trainer: LlamaForCausalLM, backend: str, version: int
+) -> tuple[float, float]:
+    """Seconds of one whole update of `engine` from `trainer` over `backend`, then of its rebuild.
+
+    The rebuild: from the update's return until the new packed copies are in (0 when plain).
+    """
     sender = (
         BroadcastWeightSender([engine], backend="gloo", timeout_s=120)
         if backend == "gloo"
@@ -81,8 +89,10 @@ def _update(engine: LLMEngine, trainer: LlamaForCausalLM, backend: str, version:
     with sender:
         start = time.perf_counter()
         sender.send(trainer.named_weights(), weight_version=version)
-        elapsed = time.perf_counter() - start
-    return elapsed
+        sent = time.perf_counter()
+        assert engine.model.wait_for_repack(timeout_s=120), "the rebuild did not end in 120 s"
+        rebuilt = time.perf_counter()
+    return sent - start, rebuilt - sent
 
 
 def main() -> None:
@@ -124,9 +134,11 @@ def main() -> None:
                 )
         for backend in ("gloo", "ipc"):
             for label in order:
-                seconds = _update(engines[label], trainer, backend, round_index)
+                seconds, rebuild_s = _update(engines[label], trainer, backend, round_index)
                 if round_index:
                     record(f"update_{backend}_s", label, seconds)
+                    if label == "packed":
+                        record(f"rebuild_after_update_{backend}_s", label, rebuild_s)
         if round_index:
             model = engines["packed"].model
             start = time.perf_counter()

@@ -41,9 +41,10 @@ class EngineConfig:
         prepack_linears: Multiply by prepacked copies of the linears' weights (oneDNN's
             layout, `LlamaForCausalLM.pack_linears`) where that is measured to be faster: float32
             on a CPU; elsewhere, or where the torch build lacks the ops, the plain weights
-            serve. Costs a second copy of the weight matrices in memory, and a repack of the
-            updated matrices when a weight update commits (before any step sees the new
-            version).
+            serve. Costs a second copy of the weight matrices in memory. A weight update does
+            not wait for its repack: at commit the updated linears drop their copies and
+            multiply by their new plain weights (correct at once, at the plain weights' speed)
+            until a thread has rebuilt the copies, about 0.06 s for the `small` preset.
         enable_lora: Serve LoRA adapters (`LLMEngine.load_lora_adapter`, a request's
             `lora_name`). Off: no adapter loads and the forward pass is the base model's alone.
         max_loras: Most distinct LoRA adapters (versions count apart) among the running

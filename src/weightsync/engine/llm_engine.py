@@ -69,7 +69,7 @@ def _placed(
     """`model` moved to `device`, in eval mode, its linears packed if `config` asks (and it pays)."""
     model = model.to(device).eval()
     if config.prepack_linears:
-        model.pack_linears()  # LiveWeights repacks them at each commit
+        model.pack_linears()  # LiveWeights has them rebuilt after each commit
     return model
 
 

@@ -13,9 +13,9 @@ batch); attention finds each token's context through `AttentionMetadata`, or, wi
 the tokens as one sequence with plain causal attention (the reference path).
 
 On a CPU in float32 each linear multiplies by a prepacked copy of its weight (`pack_linears`),
-rebuilt from the plain weight, which updates write into, when an update commits. LoRA adapters
-(`weightsync.engine.lora`) add their low-rank products to their rows of each projection's output;
-the base path stays as it is.
+rebuilt from the plain weight, which updates write into, off the update's path once it commits.
+LoRA adapters (`weightsync.engine.lora`) add their low-rank products to their rows of each
+projection's output; the base path stays as it is.
 
 One concept: the Llama-family model, its forward pass and its Hugging Face names.
 """
@@ -33,10 +33,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from weightsync.engine._attention import AttentionMetadata, causal_attention, paged_attention
-from weightsync.engine._packed_linear import PackedLinear, pack_weight, packing_unavailable
+from weightsync.engine._packed_linear import PackedCopies, PackedLinear, packing_unavailable
 from weightsync.engine.lora import LoRABatch
 from weightsync.engine.model_config import LlamaConfig
-from weightsync.errors import EngineConfigError, WeightValidationError
+from weightsync.errors import EngineConfigError, EngineStateError, WeightValidationError
 from weightsync.transfer.base import TensorSpec
 
 __all__ = ["LlamaForCausalLM"]
@@ -288,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (max_positions, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
-        self._packing = False  # see `pack_linears`
+        self._packed: PackedCopies | None = None  # see `pack_linears`
 
     @classmethod
     def from_preset(
@@ -365,15 +365,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def linears_packed(self) -> bool:
         """Whether the linears read prepacked weights (see `pack_linears`)."""
-        return self._packing
+        return self._packed is not None
 
     def pack_linears(self) -> bool:
         """Gives every linear a prepacked copy of its weight, read by the forward pass from now on.
 
         The copy is oneDNN's blocked layout of the weight (see `PackedLinear`), a second copy
         of the matrices' memory. The plain weights stay: updates write into them, so whoever
-        writes them calls `repack_linears` before the next forward pass (the engine's weight
-        updates do, at commit). Call it once the model is on its device, in its dtype.
+        writes them calls `cancel_repack` before the first byte moves and `repack_linears`
+        after the last (the engine's weight updates do, at open and at commit). Call it once
+        the model is on its device, in its dtype.
 
         Returns:
             Whether the linears are packed: False where the device, the dtype or the torch
@@ -383,44 +384,71 @@ class LlamaForCausalLM(nn.Module):
         if reason is not None:
             logger.info("linears read plain weights: %s", reason)
             return False
-        self._packing = True
+        self._packed = PackedCopies(self._linears_holding(None))
         self.repack_linears()
         return True
 
-    def repack_linears(self, names: Iterable[str] | None = None) -> None:
+    def repack_linears(self, names: Iterable[str] | None = None, *, wait: bool = True) -> None:
         """Rebuilds the packed copies of the Hugging Face weights `names` from the plain weights.
 
         Only the linears holding one of `names` are rebuilt (a bias or a norm needs nothing:
         it is read live); None rebuilds every linear. Nothing happens while the linears are not
-        packed. The new copies replace the old ones together, once all are built: if building
-        one fails (out of memory), those linears drop their copies and read the plain weights,
-        which is slower but never stale, and the failure is logged.
+        packed. Any rebuild still in flight is discarded (see `cancel_repack`).
+
+        Args:
+            names: The weights that changed (None: all of them).
+            wait: Build the copies on this thread and return once they are read (if building
+                one fails, out of memory, those linears drop their copies and read the plain
+                weights, which is slower but never stale; the failure is logged). False: the
+                linears holding `names` drop their copies at once and read their plain
+                weights, correct at once, while a thread rebuilds every missing copy and swaps
+                the copies in together, unless `cancel_repack` came first; this returns at once.
         """
-        if not self._packing:
+        if self._packed is None:
             return
         linears = self._linears_holding(names)
-        # oneDNN runs on OpenMP, whose thread count is per calling thread: a thread other than
-        # the one that called torch.set_num_threads (a transfer's worker, say) would pack on
-        # every core, several times slower on a busy machine. Pin it to torch's setting.
-        torch.set_num_threads(torch.get_num_threads())
-        try:
-            packed = [pack_weight(linear.weight) for linear in linears]
-        except (RuntimeError, MemoryError) as exc:
-            for linear in linears:
-                linear.packed = None
-            logger.warning(
-                "packing %d linears failed (%s: %s): they read their plain weights",
-                len(linears), type(exc).__name__, exc,
-            )  # fmt: skip
-            return
-        for linear, copy in zip(linears, packed, strict=True):
-            linear.packed = copy
+        if wait:
+            self._packed.build(linears)
+        else:
+            self._packed.rebuild_later(linears)
 
-    def release_packed_linears(self) -> None:
+    def cancel_repack(self) -> None:
+        """Discards the rebuild in flight, if any: the plain weights are about to change.
+
+        A rebuild (`repack_linears(wait=False)`) that may have read old or half-written weights
+        is never installed; the linears it would have rebuilt read their plain weights until the
+        next `repack_linears`.
+        """
+        if self._packed is not None:
+            self._packed.cancel()
+
+    def wait_for_repack(self, timeout_s: float) -> bool:
+        """Waits until no rebuild runs, at most `timeout_s` seconds.
+
+        Returns:
+            Whether none runs: every copy a rebuild made is installed, or was discarded.
+        """
+        return self._packed is None or self._packed.wait(timeout_s)
+
+    def release_packed_linears(self, *, timeout_s: float = 60.0) -> None:
         """Frees every packed copy; the linears read the plain weights until `repack_linears`.
 
         For when the plain weights go away (a level-2 sleep): their copies are stale anyway.
+        Any rebuild is cancelled and waited for (it stops after the copy it is building), so
+        the plain weights may be freed once this returns.
+
+        Raises:
+            EngineStateError: A rebuild still reads the plain weights after `timeout_s`
+                seconds: do not free them; try again.
         """
+        if self._packed is None:
+            return
+        self._packed.cancel()
+        if not self._packed.wait(timeout_s):
+            raise EngineStateError(
+                f"release_packed_linears: a rebuild of the packed copies still reads the weights "
+                f"after {timeout_s} s; they must not be freed yet: try again"
+            )
         for linear in self._linears_holding(None):
             linear.packed = None
 

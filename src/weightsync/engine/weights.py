@@ -511,7 +511,7 @@ class LiveWeights:
         adapter = None if lora_name is None else self._adapter_target(lora_name, lora_config)
         if txn is not None:
             self._end_refused(txn, "start_weight_update")
-        self._transaction = _Transaction(explicit=True, adapter=adapter)
+        self._open(explicit=True, adapter=adapter)
         self._settle(running)
 
     def _adapter_target(
@@ -697,11 +697,29 @@ class LiveWeights:
             stats = transfer.receive_weights(info, self._load)
             logger.warning("update %s was abandoned before it completed", txn.update_id)
             self._end_failed(txn, forget_transfer=False)  # the receiver follows the new one
-            self._transaction = _Transaction(explicit=False)
-            return self._transaction, stats
+            return self._open(explicit=False), stats
         if txn is None:
-            txn = self._transaction = _Transaction(explicit=False)
+            txn = self._open(explicit=False)
         return txn, None
+
+    def _open(self, *, explicit: bool, adapter: _AdapterTarget | None = None) -> _Transaction:
+        """Opens a transaction, before any of its bytes move."""
+        # A rebuild of the packed copies in flight may read what this transaction writes: it
+        # is discarded, never installed (its linears read their plain weights meanwhile). An
+        # adapter's transaction writes only fresh tensors of its own: the rebuild goes on.
+        if adapter is None:
+            self.model.cancel_repack()
+        self._transaction = _Transaction(explicit=explicit, adapter=adapter)
+        return self._transaction
+
+    def _close(self, landed: Iterable[str] = ()) -> None:
+        """Closes the transaction after its last write; the copies of `landed` are rebuilt."""
+        self._transaction = None
+        # The linears holding `landed` drop their copies now and read their new plain weights;
+        # a thread rebuilds every missing copy, those of a rebuild this transaction discarded
+        # too. A failed one (`_end_failed`) lands nothing: restored weights still match their
+        # copies, and torn ones are never generated from until an update covering them commits.
+        self.model.repack_linears(landed, wait=False)
 
     def _note_refusal(self, exc: WeightSyncError) -> None:
         """Marks the open transaction when a message meant to fill it was refused (see `finish`)."""
@@ -723,7 +741,7 @@ class LiveWeights:
             self._stage(txn, names)
         except Exception as exc:
             if not txn.explicit and not txn.announced:
-                self._transaction = None  # an implicit transaction that never began
+                self._close()  # an implicit transaction that never began
             error = WeightTransferError(
                 f"staging a copy of {len(names)} weights failed ({type(exc).__name__}: "
                 f"{exc}); nothing moved: free memory, or turn weight_update_staging off"
@@ -744,7 +762,7 @@ class LiveWeights:
             return transfer.receive_weights(info, load)
         except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
-                self._transaction = None  # an implicit transaction that never began
+                self._close()  # an implicit transaction that never began
             elif info.opens_update:
                 self._note_refusal(exc)
             raise
@@ -829,11 +847,7 @@ class LiveWeights:
             self._end_failed(txn)
             outcome = "restored" if txn.staged is not None else "torn until a finite update lands"
             raise self._non_finite_error(bad, ends=f" and the update's weights are {outcome}")
-        # Prepacked copies follow the landed weights before the transaction closes, so that no
-        # step runs on new plain weights with old packed ones (a failed update never repacks:
-        # its restored weights still match the copies).
-        self.model.repack_linears(txn.landed)
-        self._transaction = None
+        self._close(txn.landed)  # before any step: none multiplies by a copy of the old weights
         self.torn_names -= txn.landed
         self._torn_by_sleep -= txn.landed
         if self.torn_names:
@@ -1010,6 +1024,13 @@ class LiveWeights:
                 txn.adapter.lora_name,
             )
             return
+        self._restore_or_tear(txn)
+        # Only now, after the last write: a rebuild this transaction discarded starts again
+        # from the weights as they stay (see `_close`).
+        self.model.repack_linears((), wait=False)
+
+    def _restore_or_tear(self, txn: _Transaction) -> None:
+        """Restores what a failed transaction touched (staging), else marks it torn."""
         if not txn.touched:
             return
         self._on_write()
@@ -1059,6 +1080,7 @@ class LiveWeights:
         """
         self._require_awake("weight_checker reset")
         self._refuse_during_update("weight_checker reset")
+        self.model.cancel_repack()
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.zero_()
@@ -1155,6 +1177,9 @@ class LiveWeights:
             WeightUpdateStateError: A weight update is in progress: finish or abort it first.
         """
         self.check_can_sleep()
+        if discard and not self._discarded:
+            # First: no rebuild of the packed copies may read the memory freed below.
+            self.model.release_packed_linears()  # the update that covers them repacks them
         self._asleep = True
         if discard and not self._discarded:
             storages = {
@@ -1163,7 +1188,6 @@ class LiveWeights:
             for storage in storages.values():
                 self._discarded.append((storage, storage.nbytes()))
                 storage.resize_(0)  # every parameter and view keeps its storage: its memory goes
-            self.model.release_packed_linears()  # the update that covers them repacks them
             self._on_write()
             logger.info("weights discarded: %d bytes freed", sum(n for _, n in self._discarded))
 

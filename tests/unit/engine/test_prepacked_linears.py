@@ -1,23 +1,29 @@
 """Prepacked linears: a float32 engine on a CPU multiplies by packed copies of its weights, and
-every weight update lands in them at commit, never before and never half.
+no step after a weight update's commit multiplies by a copy of older weights.
 
 The packed copies are a second copy of the weights: a token generated after an update must come
 from the new weights (equal to a fresh engine built with them), after an update through the
 real transfer paths (gloo, IPC) as after one through the engine's own calls; an update that is
-refused or aborted leaves the packed copies as they were.
+refused or aborted leaves the packed copies as they were. The commit does not wait for the new
+copies: the updated linears read their plain weights until a thread swaps the copies in, and a
+rebuild that a later update overtook (begun, committed or aborted) is never installed.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from engine_helpers import PROMPTS, greedy, small_config
 
 from model_dirs import FAMILIES
+from weightsync.engine import _packed_linear
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
-from weightsync.errors import WeightTransferError, WeightValidationError
+from weightsync.errors import EngineStateError, WeightTransferError, WeightValidationError
 from weightsync.serve.cli import _engine_config, _parse_serve_args
 from weightsync.trainer.engine_process import _serve_args
 from weightsync.trainer.senders import BroadcastWeightSender, IPCWeightSender
@@ -188,6 +194,7 @@ def test_a_reset_and_a_level_2_sleep_leave_no_stale_packed_copy(tokens_of_seed):
     with IPCWeightSender([engine]) as sender:
         sender.send(trainer.named_weights(), weight_version=1)
     engine.resume_generation()
+    assert engine.model.wait_for_repack(timeout_s=60)
     assert all((copy is not None) == PACKS for copy in packed_copies(engine).values())
     assert greedy_tokens(engine) == tokens_of_seed[1]
 
@@ -207,3 +214,112 @@ def test_packed_float32_greedy_tokens_equal_transformers(family_dir, name):
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=16, min_new_tokens=16)  # fmt: skip
         assert out.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist(), prompt
+
+
+class HeldRebuild:
+    """Holds the first copy built off the test's thread (a rebuild's) until `release()`.
+
+    `held` is set once that rebuild waits; `copies` are the copies it went on to build.
+    """
+
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.held = threading.Event()
+        self._released = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pack = pack
+        self.copies: list[torch.Tensor] = []
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        if self._thread is None and threading.current_thread() is not threading.main_thread():
+            self._thread = threading.current_thread()
+            self.held.set()
+            if not self._released.wait(timeout=20):
+                raise AssertionError("the held rebuild was never released (the test failed)")
+        copy = self._pack(weight)
+        if threading.current_thread() is self._thread:
+            self.copies.append(copy)
+        return copy
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def held_rebuild(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldRebuild]:
+    if not PACKS:
+        pytest.skip("this torch build has no oneDNN: the linears read plain weights only")
+    hold = HeldRebuild(_packed_linear.pack_weight)
+    monkeypatch.setattr(_packed_linear, "pack_weight", hold.pack_weight)
+    yield hold
+    hold.release()  # a failed test leaves no thread waiting
+
+
+def send(engine: object, seed: int, version: int) -> None:
+    with IPCWeightSender([engine]) as sender:
+        sender.send(float32_model(seed).named_weights(), weight_version=version)
+
+
+def test_an_update_commits_without_waiting_for_the_new_packed_copies(held_rebuild, tokens_of_seed):
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)  # returns while the rebuild of the copies is held
+    assert held_rebuild.held.wait(timeout=20)
+    assert engine.weight_version == 1
+    # No linear reads a copy of the old weights: each multiplies by its new plain weight.
+    assert all(copy is None for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+    held_rebuild.release()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    copies = packed_copies(engine)
+    assert all(copy is not None and copy.is_mkldnn for copy in copies.values())
+    assert any(copy is held_rebuild.copies[0] for copy in copies.values())  # it was installed
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_a_rebuild_overtaken_by_a_committed_update_is_never_installed(held_rebuild, tokens_of_seed):
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)  # building copies of seed 1's weights
+    send(engine, seed=0, version=2)  # commits while that rebuild is held
+    held_rebuild.release()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    copies = [*packed_copies(engine).values()]
+    assert held_rebuild.copies  # it did build a copy, of weights no longer committed
+    assert all(copy is not held for copy in copies for held in held_rebuild.copies)
+    assert all(copy is not None for copy in copies)  # the second update's rebuild installed
+    assert engine.weight_version == 2
+    assert greedy_tokens(engine) == tokens_of_seed[0]
+
+
+def test_a_rebuild_overtaken_by_an_aborted_update_is_never_installed(held_rebuild, tokens_of_seed):
+    engine = engine_with(0, weight_update_staging=True)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)
+    with (  # seed 0's weights land while the rebuild reads, then the update aborts: restored
+        IPCWeightSender([FailsAtFinish(engine)]) as sender,
+        pytest.raises(WeightTransferError, match="simulated"),
+    ):
+        sender.send(float32_model(seed=0).named_weights(), weight_version=2)
+    held_rebuild.release()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    copies = [*packed_copies(engine).values()]
+    assert all(copy is not held for copy in copies for held in held_rebuild.copies)
+    assert all(copy is not None for copy in copies)  # rebuilt again from the restored weights
+    assert engine.weight_version == 1
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_the_weights_are_not_freed_while_a_rebuild_reads_them(held_rebuild, tokens_of_seed):
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)
+    # A level-2 sleep frees the weights only once no rebuild reads them: held, it cannot.
+    with pytest.raises(EngineStateError, match="still reads the weights"):
+        engine.model.release_packed_linears(timeout_s=0)
+    held_rebuild.release()
+    engine.sleep(level=2)  # waits for the rebuild to stop, then frees the weights
+    assert engine.model.wait_for_repack(timeout_s=0)
+    assert all(copy is None for copy in packed_copies(engine).values())
+    engine.wake_up()
+    send(engine, seed=1, version=2)
+    engine.resume_generation()
+    assert greedy_tokens(engine) == tokens_of_seed[1]
