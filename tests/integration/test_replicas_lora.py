@@ -8,10 +8,12 @@ calls that replica directly, with the private admin key the front gave it, as no
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import torch
 from replica_support import WAIT_S, connect_gloo, get, one_per_replica, post, replica_pids
@@ -54,15 +56,31 @@ def greedy(model: str) -> dict:
     return {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (Linux: its socket inodes in /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
 def replica_client(pid: int) -> httpx.Client:
     """A direct client of one replica: its one listening socket, and the key the front gave it.
 
     Called before any transfer group exists, so the replica's HTTP socket is its only one.
     """
-    process = psutil.Process(pid)
-    ports = {c.laddr.port for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    ports = listening_ports(pid)
     assert len(ports) == 1, ports
-    key = process.environ()[ADMIN_API_KEY_ENV]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    key = next(e.split("=", 1)[1] for e in environ if e.startswith(f"{ADMIN_API_KEY_ENV}="))
     return httpx.Client(base_url=f"http://127.0.0.1:{ports.pop()}", timeout=WAIT_S,
                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
 
