@@ -24,7 +24,7 @@ import weightsync
 from weightsync.serve._auth import require_admin_key, require_api_key
 from weightsync.serve._errors import error_body, install_error_handlers
 from weightsync.serve._fields import RequestFields
-from weightsync.serve._info import lora_card, model_card, server_info
+from weightsync.serve._info import model_card, server_info
 from weightsync.serve._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.serve._rl_routes import EngineClient
 from weightsync.serve._rl_routes import router as rl_router
@@ -145,7 +145,7 @@ async def _list_models(request: Request) -> dict[str, Any]:
     """
     surface: ServerView = request.app.state.serve
     max_model_len = (await surface.vllm_config())["model_config"]["max_model_len"]
-    adapters = [lora_card(surface.config, adapter) for adapter in surface.lora_adapters()]
+    adapters = await surface.lora_cards()
     return {"object": "list", "data": [model_card(surface.config, max_model_len), *adapters]}
 
 

@@ -7,7 +7,8 @@ success answers are vLLM's: `{"lora_name", "lora_path", "load_inplace"}` in, pla
 with vLLM's statuses and messages: a name already loaded without `load_inplace` is a 400, an
 unknown name (or a `lora_path` that is no directory) a 404, and a bad adapter a 400 naming the
 file and the tensor, where vLLM answers 500. They change weights the server computes with, so
-they need the admin key when the server has one, as the RL routes.
+they need the admin key when the server has one, as the RL routes. A data-parallel front serves
+the same routes over its replicas: a load or an unload lands on every replica or on none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from fastapi.responses import PlainTextResponse
 from weightsync.serve._auth import require_admin_key
 from weightsync.serve._errors import RequestRefused
 from weightsync.serve._fields import RequestBody
-from weightsync.serve._view import EngineView
+from weightsync.serve._rl_routes import EngineClient
+from weightsync.serve._view import ServerView
 
 __all__ = ["router"]
 
@@ -49,7 +51,8 @@ class UnloadLoRAAdapterRequest(RequestBody):
              operation_id="load_lora_adapter")  # fmt: skip
 async def _load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> str:
     """Loads a PEFT adapter directory under `lora_name`, checked against the model first."""
-    state: EngineView = request.app.state.serve
+    state: ServerView = request.app.state.serve
+    engine: EngineClient = request.app.state.engine_client
     if not body.lora_name or not body.lora_path:
         raise RequestRefused(
             400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name"
@@ -60,9 +63,7 @@ async def _load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> 
             f"The lora adapter '{body.lora_name}' conflicts with a served base model.",
             param="lora_name",
         )
-    await state.engine.load_lora_adapter(
-        body.lora_name, body.lora_path, load_inplace=body.load_inplace
-    )
+    await engine.load_lora_adapter(body.lora_name, body.lora_path, load_inplace=body.load_inplace)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
@@ -70,10 +71,10 @@ async def _load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> 
              operation_id="unload_lora_adapter")  # fmt: skip
 async def _unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> str:
     """Unloads an adapter: new requests may not name it; running ones finish on it."""
-    state: EngineView = request.app.state.serve
+    engine: EngineClient = request.app.state.engine_client
     if not body.lora_name:
         raise RequestRefused(
             400, "'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name"
         )
-    await state.engine.unload_lora_adapter(body.lora_name)
+    await engine.unload_lora_adapter(body.lora_name)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightsync.engine.async_engine import AsyncEngine
-from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.pause import PauseMode
 from weightsync.serve import _info, _metrics
 from weightsync.serve.config import ServerConfig
@@ -96,8 +95,8 @@ class ServerView(Protocol):
         """The server's metrics in Prometheus's text format."""
         ...
 
-    def lora_adapters(self) -> list[LoRAAdapter]:
-        """The LoRA adapters loaded (`/v1/models` lists them after the base model)."""
+    async def lora_cards(self) -> list[Body]:
+        """The loaded LoRA adapters' model cards (`/v1/models` lists them after the base model)."""
         ...
 
 
@@ -194,6 +193,6 @@ class EngineView:
         """The engine's metrics in Prometheus's text format."""
         return _metrics.render(_metrics.engine_families(self.engine, self.config.model_name))
 
-    def lora_adapters(self) -> list[LoRAAdapter]:
-        """The engine's LoRA adapters, in load order."""
-        return self.engine.list_lora_adapters()
+    async def lora_cards(self) -> list[Body]:
+        """The engine's LoRA adapters' model cards, in load order."""
+        return [_info.lora_card(self.config, a) for a in self.engine.list_lora_adapters()]

@@ -268,13 +268,6 @@ def _serve_data_parallel(
     from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
 
-    if args.enable_lora:
-        sock.close()
-        return _fail(
-            "--enable-lora serves adapters from one engine; a data-parallel server "
-            "(--data-parallel-size > 1) does not serve them yet: drop one of the two",
-            status=2,
-        )
     size, cores = args.data_parallel_size, os.cpu_count() or 2
     if size > cores:
         logger.warning("%d replicas share %d cores: each computes slowly and starts slowly; "
@@ -299,7 +292,7 @@ def _serve_data_parallel(
     try:
         # The replicas stop alongside the front, from its signal on: each one's shutdown is
         # bounded as the front's is, and the front then waits for them.
-        app = create_fleet_app(fleet, config)
+        app = create_fleet_app(fleet, config, enable_lora=args.enable_lora)
         return serve_forever(app, sock, log_level=args.log_level, on_signal=fleet.terminate)
     finally:
         for replica in fleet.replicas:  # already stopped by the app's shutdown, unless it failed

@@ -130,7 +130,6 @@ def test_bad_lora_flags_are_one_line_errors(capsys, argv, message):
         (["--lora-modules", "a=/nonexistent/adapter"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "no adapter found"),
         (["--enable-lora", "--lora-modules", "debug=/x"], "is the served model's name"),
-        (["--enable-lora", "--data-parallel-size", "2"], "does not serve them yet"),
     ],
 )
 def test_lora_settings_that_cannot_serve_stop_the_server_at_start(capsys, argv, message):

@@ -17,3 +17,16 @@ def test_a_replica_takes_the_fronts_options_but_its_own_address_keys_and_index()
         assert own not in argv
     assert [replica_device("cuda", i) for i in range(2)] == ["cuda:0", "cuda:1"]
     assert replica_device("cpu", 1) == "cpu"
+
+
+def test_a_replica_takes_the_fronts_lora_flags_as_the_front_parsed_them():
+    front = ["serve", "tiny", "--data-parallel-size", "2", "--enable-lora", "--max-loras", "3",
+             "--max-lora-rank", "8", "--max-lora-versions", "2",
+             "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/a b/chat"}']  # fmt: skip
+    args, transfer = _parse_serve_args(front)
+    replica, _ = _parse_serve_args(["serve", *replica_argv(args, transfer)])
+    for name in ("enable_lora", "max_loras", "max_lora_rank", "max_lora_versions", "lora_modules"):
+        assert getattr(replica, name) == getattr(args, name), name
+    assert [(m.name, m.path) for m in replica.lora_modules] == [
+        ("sql", "/adapters/sql"), ("chat", "/a b/chat"),
+    ]  # fmt: skip

@@ -5,7 +5,8 @@ as they come) goes back unchanged. A replica that dies ends its streams with
 `finish_reason="error"` for every unfinished choice, then `[DONE]`; a non-streamed request it ran
 is answered with the same finish reason. The RL routes are the one server's, over the replicas
 (`FleetControl`). `/inference/v1/generate` is relayed as a completion is; `/tokenize` and
-`/detokenize` go to any live replica.
+`/detokenize` go to any live replica. With `--enable-lora`, the LoRA routes load and unload an
+adapter on every replica or on none, and a completion naming an adapter is routed as any other.
 """
 
 from __future__ import annotations
@@ -280,12 +281,14 @@ async def _generate_tokens(request: Request) -> Response:
     return await _completion(request, "/inference/v1/generate", chat=False)
 
 
-def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
+def create_fleet_app(fleet: Fleet, config: ServerConfig, *, enable_lora: bool = False) -> FastAPI:
     """Builds the front's app over `fleet`; its shutdown stops the replicas.
 
     Args:
         fleet: The replicas, started.
         config: The front's keys and limits.
+        enable_lora: The replicas serve LoRA adapters (`--enable-lora`): the front mounts the
+            LoRA routes, which load and unload on every replica or on none.
 
     Returns:
         The app, ready for uvicorn.
@@ -295,8 +298,11 @@ def create_fleet_app(fleet: Fleet, config: ServerConfig) -> FastAPI:
         await fleet.close()
         logger.info("replicas shut down")
 
+    from weightsync.serve._lora_routes import router as lora
+
     control = FleetControl(fleet, config)
+    routers = [_v1, _tokens, *([lora] if enable_lora else [])]
     return build_app(
-        control, control, [_v1, _tokens], close=close, start=control.watch_replicas,
+        control, control, routers, close=close, start=control.watch_replicas,
         title="weightsync serve (data parallel)",
     )  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.engine.weights import AdapterCommit
-from weightsync.errors import WeightSyncError, WeightTransferError
+from weightsync.errors import EngineStateError, WeightSyncError, WeightTransferError
 from weightsync.serve import _metrics
 from weightsync.serve._front.fleet import Fleet, Replica, raise_failures
 from weightsync.serve._view import Body
@@ -373,9 +373,96 @@ class FleetControl:
         tree["parallel_config"]["data_parallel_size"] = self.config.world_size
         return dict(tree)
 
-    def lora_adapters(self) -> list[Any]:
-        """None: a data-parallel server serves no LoRA adapters (`--enable-lora` is refused)."""
-        return []
+    async def lora_cards(self) -> list[Body]:
+        """The adapters' model cards, as a live replica lists them (every replica holds the same)."""
+        models = await self.fleet.pick().call("GET", "/v1/models")
+        return list(models["data"][1:])
+
+    # --- LoRA adapters ----------------------------------------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False
+    ) -> None:
+        """Loads the adapter on every replica, or on none (see `_undo_lora`).
+
+        A replica that refuses makes the others undo their load: a name new to them is
+        unloaded, an in-place load reloads the previous version's directory in place (its
+        weights come back, under the next version number). The answer is the refusal.
+        """
+        body = {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace}
+        async with self._updates:
+            self.fleet.require_alive()
+            undo: tuple[str, Body] | None = ("/v1/unload_lora_adapter", {"lora_name": lora_name})
+            if load_inplace:
+                previous = {c["id"]: c["root"] for c in await self.lora_cards()}
+                if lora_name in previous:  # a directory to reload; a live update's has none
+                    root = previous[lora_name]
+                    undo = None if root is None else (
+                        "/v1/load_lora_adapter",
+                        {"lora_name": lora_name, "lora_path": root, "load_inplace": True},
+                    )  # fmt: skip
+            outcomes = await self.fleet.each("POST", "/v1/load_lora_adapter", body=body)
+            await self._undo_lora(lora_name, outcomes, undo)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unloads the adapter from every replica, or from none (see `_undo_lora`).
+
+        A replica that refuses makes the others load it back from its directory.
+        """
+        async with self._updates:
+            self.fleet.require_alive()
+            roots = {c["id"]: c["root"] for c in await self.lora_cards()}
+            undo: tuple[str, Body] | None = None
+            if roots.get(lora_name) is not None:
+                undo = ("/v1/load_lora_adapter",
+                        {"lora_name": lora_name, "lora_path": roots[lora_name]})  # fmt: skip
+            outcomes = await self.fleet.each(
+                "POST", "/v1/unload_lora_adapter", body={"lora_name": lora_name}
+            )
+            await self._undo_lora(lora_name, outcomes, undo)
+
+    async def _undo_lora(
+        self,
+        lora_name: str,
+        outcomes: list[Body | BaseException],
+        undo: tuple[str, Body] | None,
+    ) -> None:
+        """All or none for a load or an unload: the replicas that took it undo it if one refused.
+
+        Raises:
+            WeightSyncError: The refusal, as one server answers it, once the others undid
+                theirs (every replica refused: nothing changed anywhere).
+            EngineStateError: Undoing failed on a replica (its call failed, or the previous
+                version was built by a live update and has no directory to reload): rather
+                than serve different adapters under the name, every replica unloads it. The
+                message names the refusal, the replica that could not undo, and what to do.
+        """
+        took = [r for r, o in zip(self.fleet.replicas, outcomes, strict=True)
+                if not isinstance(o, BaseException)]  # fmt: skip
+        if len(took) == len(outcomes):
+            return
+        if took:
+            if undo is None:
+                why = (f"the previous version of {lora_name!r} was built by a live update and "
+                       "has no directory to reload")  # fmt: skip
+                undone: list[Body | BaseException] = [EngineStateError(why) for _ in took]
+            else:
+                undone = await self.fleet.each("POST", undo[0], body=undo[1], replicas=took)
+            failed = [(r, u) for r, u in zip(took, undone, strict=True)
+                      if isinstance(u, BaseException)]  # fmt: skip
+            if failed:
+                await self.fleet.each("POST", "/v1/unload_lora_adapter",
+                                      body={"lora_name": lora_name}, replicas=self.fleet.live())  # fmt: skip
+                try:
+                    raise_failures(outcomes)
+                except WeightSyncError as refusal:
+                    replica, reason = failed[0]
+                    raise EngineStateError(
+                        f"{refusal}; undoing it on {replica.name} failed ({reason}), so every "
+                        f"replica unloaded {lora_name!r} rather than serve different versions "
+                        "of it: load it again (/v1/load_lora_adapter)"
+                    ) from refusal
+        raise_failures(outcomes)
 
     async def metrics(self) -> bytes:
         """Each live replica's metrics under its `engine` index, and their sums (`total`)."""

@@ -57,6 +57,8 @@ def replica_argv(args: argparse.Namespace, transfer: WeightTransferConfig | None
             continue
         if isinstance(action, argparse._StoreTrueAction):
             argv += [action.option_strings[0]] if value else []
+        elif action.dest == "lora_modules":  # parsed entries: each goes on as its JSON form
+            argv += [action.option_strings[0], *(json.dumps(dataclasses.asdict(m)) for m in value)]
         else:
             argv += [action.option_strings[0], str(value)]
     argv.insert(0, args.model)
@@ -150,6 +152,9 @@ class Replica:
     ) -> dict[str, Any]:
         """One RL call on this replica; its error answer is raised under its own class.
 
+        Returns:
+            Its JSON answer; a plain-text answer as `{"text": ...}`.
+
         Raises:
             ReplicaUnavailableError: It exited, or its connection broke.
             EngineTimeoutError: It did not answer within `timeout_s`.
@@ -174,6 +179,8 @@ class Replica:
             raise _error_from_answer(
                 f"{self.name}: {method} {path}", response.status_code, response.text
             )
+        if not response.headers.get("content-type", "").startswith("application/json"):
+            return {"text": response.text}  # a plain-text answer (vLLM's LoRA routes answer so)
         answer: dict[str, Any] = response.json()
         return answer
 
