@@ -173,3 +173,65 @@ def test_trl_async_grpo_publishes_a_new_name_per_version(server, admin, policies
     ids = _model_ids(admin)
     assert "trl-policy-v1" not in ids and "trl-policy-v2" in ids
     client.unload_lora_adapter("trl-policy-v2")
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def served_adapter(server, policies):
+    """An adapter loaded by vLLM's route for the `openai` client's requests: version 2's."""
+    with httpx.Client(base_url=server.base_url, timeout=WAIT_S) as admin:
+        load = {"lora_name": "oa", "lora_path": policies[2][1]}
+        assert admin.post("/v1/load_lora_adapter", json=load).status_code == 200
+        yield "oa"
+        assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "oa"}).status_code == 200
+
+
+# vLLM's sampling extras, as `openai` users send them.
+VLLM_EXTRAS = {"top_k": 1, "repetition_penalty": 1.0, "min_tokens": MAX_TOKENS, "ignore_eos": True,
+               "return_token_ids": True}  # fmt: skip
+
+
+def test_openai_completions_name_the_adapter_as_model(openai_client, served_adapter, merged):
+    answer = openai_client.completions.create(
+        model=served_adapter, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body=VLLM_EXTRAS,
+    )  # fmt: skip
+    assert answer.model == served_adapter
+    assert answer.choices[0].model_extra["token_ids"] == merged[2]
+    stream = openai_client.completions.create(
+        model=served_adapter, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body=VLLM_EXTRAS,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert {chunk.model for chunk in chunks} == {served_adapter}
+    assert answer.choices[0].text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == answer.choices[0].text
+
+
+def test_openai_chat_names_the_adapter_as_model(openai_client, served_adapter):
+    messages = [{"role": "user", "content": "hi"}]
+
+    def chat(model: str) -> tuple[str, list[int]]:
+        answer = openai_client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body=VLLM_EXTRAS,
+        )  # fmt: skip
+        assert answer.model == model
+        return answer.choices[0].message.content, answer.choices[0].model_extra["token_ids"]
+
+    text, tokens = chat(served_adapter)
+    assert text and len(tokens) == MAX_TOKENS
+    assert tokens != chat("debug")[1]  # the adapter, not the base model, answered
+    stream = openai_client.chat.completions.create(
+        model=served_adapter, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, extra_body=VLLM_EXTRAS,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert {chunk.model for chunk in chunks} == {served_adapter}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
