@@ -5,9 +5,10 @@ Each framework's adapter sync is replayed with its exact routes, bodies and answ
   (its vLLM extension's route, no `/v1`) with `{"lora_name", "lora_path"}` under one name at each
   step, `raise_for_status` and a retry on 404 or 500; requests then name the adapter as `model`.
 - SkyRL 0.3.0 (`RemoteInferenceClient.load_lora_adapter`, not importable on Python 3.11: see
-  test_skyrl_calls.py): `POST /skyrl/v1/load_lora_adapter` with the same body, one name reloaded,
-  errors read from the JSON body's `error.message`; generation by `/inference/v1/generate` with
-  `model` the adapter's name; `POST /v1/unload_lora_adapter`.
+  test_skyrl_calls.py): `POST /skyrl/v1/load_lora_adapter` with the same body, one name reloaded
+  from one directory that each sync overwrites, errors read from the JSON body's
+  `error.message`; generation by `/inference/v1/generate` with `model` the adapter's name;
+  `POST /v1/unload_lora_adapter`.
 - TRL 1.16's async GRPO `VLLMClient`, the real class: a new name per policy version,
   `{lora_name}-v{N}`, loaded by vLLM's `/v1/load_lora_adapter` without `load_inplace`, the stale
   version unloaded; its rollout worker's `/v1/completions` payload names the version as `model`.
@@ -15,6 +16,8 @@ An adapter's answer is checked against greedy tokens of the merged weights, comp
 """
 
 from __future__ import annotations
+
+import shutil
 
 import httpx
 import pytest
@@ -110,12 +113,14 @@ def test_prime_rl_reloads_one_name_at_each_step(admin, policies, merged):
     assert "prime-policy" not in _model_ids(admin)
 
 
-def test_skyrl_reloads_one_name_and_generates_with_it(admin, policies, merged):
+def test_skyrl_reloads_one_name_and_generates_with_it(admin, policies, merged, tmp_path):
     ids = []
+    lora_sync_path = tmp_path / "lora_sync"  # SkyRL writes every version into one directory
     for step in (1, 3):
+        shutil.copytree(policies[step][1], lora_sync_path, dirs_exist_ok=True)
         answer = admin.post(
             "/skyrl/v1/load_lora_adapter",
-            json={"lora_name": "skyrl-lora", "lora_path": policies[step][1]},
+            json={"lora_name": "skyrl-lora", "lora_path": str(lora_sync_path)},
         )
         assert answer.status_code < 400, answer.text
         body = answer.json()  # its extension's answer
