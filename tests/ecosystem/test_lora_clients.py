@@ -240,3 +240,21 @@ def test_openai_chat_names_the_adapter_as_model(openai_client, served_adapter):
     chunks = list(stream)
     assert {chunk.model for chunk in chunks} == {served_adapter}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_the_extension_routes_need_the_admin_key(policies):
+    # prime-rl's and SkyRL's admin clients send the key as `Authorization: Bearer KEY`.
+    keyed = Server("debug", "--port", "0", "--dtype", "float64", "--num-kv-blocks", "64",
+                   "--enable-lora", "--max-lora-rank", "8",
+                   env={"WEIGHTSYNC_ADMIN_API_KEY": "admin-secret"})  # fmt: skip
+    try:
+        for route in ("/load_lora_adapter", "/skyrl/v1/load_lora_adapter"):
+            body = {"lora_name": "keyed", "lora_path": policies[1][1]}
+            refused = httpx.post(keyed.base_url + route, json=body, timeout=WAIT_S)
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["param"] == "Authorization"
+            loaded = httpx.post(keyed.base_url + route, json=body, timeout=WAIT_S,
+                                headers={"Authorization": "Bearer admin-secret"})  # fmt: skip
+            assert loaded.status_code == 200, loaded.text
+    finally:
+        keyed.stop()
