@@ -56,7 +56,8 @@ def test_prime_rl_extension_routes_answer_404_which_it_skips_or_refuses(admin):
                                                  "inference_world_size": 1, "timeout": 10,
                                                  "quantize_in_weight_transfer": False})  # fmt: skip
     assert init.status_code == 404
-    # load_lora_adapter retries on 404, then raises: LoRA is not served here.
+    # load_lora_adapter retries on 404, then raises: this server runs without --enable-lora
+    # (with it, see test_lora_clients.py).
     lora = admin.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"})
     assert lora.status_code == 404
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import Field, StrictInt, StrictStr
 
+from weightsync.engine.lora import LoRAAdapter
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.engine.weights import AdapterCommit, WeightUpdateStatus
@@ -71,7 +72,7 @@ class EngineClient(Protocol):
     async def reset_prefix_cache(self) -> bool: ...
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, *, load_inplace: bool = ...
-    ) -> object: ...
+    ) -> LoRAAdapter | None: ...
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
 
 
