@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from weightsync.engine._finite import non_finite_names
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import LoRAAdapterError, LoRAAdapterNotFoundError, WeightValidationError
@@ -70,6 +71,9 @@ SUPPORTED_LORA_MODULES = tuple(_MODULES)
 
 # PEFT names its tensors `base_model.model.<module path>.lora_A.weight`.
 _PEFT_PREFIX = "base_model.model."
+
+# The config's options that are JSON booleans in PEFT's `adapter_config.json`.
+_FLAGS = ("use_rslora", "use_dora", "fan_in_fan_out")
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,9 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
     alpha = config.get("lora_alpha", 8)  # PEFT's default
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise _fail(where, f"'lora_alpha' must be a finite number, got {alpha!r}")
+    for flag in _FLAGS:  # a truthy string ("false") must not switch an option on or off
+        if not isinstance(config.get(flag, False), bool):
+            raise _fail(where, f"{flag!r} must be true or false, got {config[flag]!r:.80}")
     refused = {
         "use_dora": (config.get("use_dora", False), "DoRA adapters (use_dora) are not served"),
         "bias": (config.get("bias", "none") != "none", "only bias='none' is served"),
@@ -180,6 +187,16 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
         if is_set:
             raise _fail(where, f"{key}={config.get(key)!r}: {reason}; merge it or retrain without")
     targets = config.get("target_modules")
+    if not (
+        targets is None
+        or isinstance(targets, str)
+        or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        raise _fail(
+            where,
+            f"target_modules must be a list of module names or one pattern string, got "
+            f"{targets!r:.80}",
+        )
     names = [targets] if isinstance(targets, str) else targets
     if isinstance(targets, str) and targets not in _MODULES:
         names = []  # a regular expression: the tensors' names say what it targets
@@ -235,12 +252,14 @@ def build_lora_adapter(
     version: int = 1,
     path: str | None = None,
     where: str | None = None,
+    refuse_non_finite: bool = False,
 ) -> LoRAAdapter:
     """Builds an adapter from PEFT tensors and config, checked against the model first.
 
     Every check runs before a tensor is copied: module names, layers, both `lora_A` and
-    `lora_B` of each module, shapes (A: r x in_features, B: out_features x r), floating dtypes,
-    `r <= max_rank`, and options the engine cannot apply (DoRA, biases, `modules_to_save`).
+    `lora_B` of each module (each named once), shapes (A: r x in_features, B: out_features x r),
+    floating dtypes, `r <= max_rank`, and options the engine cannot apply (DoRA, biases,
+    `modules_to_save`). Only the check for NaN and infinity, when asked, reads the copies.
 
     Args:
         name: The adapter's name.
@@ -256,6 +275,9 @@ def build_lora_adapter(
         path: The directory read, if any (recorded).
         where: How errors name the source when there is no `path` (default: `name`);
             with a `path`, they name its `adapter_config.json` or `adapter_model.safetensors`.
+        refuse_non_finite: Refuse a NaN or an infinity in A or B once cast to `dtype` (a
+            large value can overflow a narrower dtype), as `EngineConfig.refuse_non_finite_weights`
+            refuses them in the base weights.
 
     Raises:
         LoRAAdapterError: The first problem, naming the file and the tensor, expected and actual.
@@ -267,6 +289,7 @@ def build_lora_adapter(
     rank, scaling = _check_config(config, config_where, max_rank)
     shapes = _module_shapes(model_config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str, str], str] = {}
     for tensor_name, tensor in tensors.items():
         layer, module, kind = _parse_name(tensor_name, where, model_config.num_hidden_layers)
         shape = shapes[module]
@@ -278,6 +301,13 @@ def build_lora_adapter(
                 f"{module} for r={rank}), got {str(tensor.dtype).removeprefix('torch.')} "
                 f"{list(tensor.shape)}",
             )
+        if (layer, module, kind) in names:  # with and without PEFT's prefix: which one counts?
+            raise _fail(
+                f"{where}: tensor {tensor_name!r}",
+                f"lora_{kind} of {module} in layer {layer} is named twice (also "
+                f"{names[layer, module, kind]!r}): keep one",
+            )
+        names[layer, module, kind] = tensor_name
         pairs.setdefault((layer, module), {})[kind] = tensor
     if not pairs:
         raise _fail(where, "it holds no lora_A / lora_B tensors")
@@ -293,6 +323,21 @@ def build_lora_adapter(
         key: tuple(pair[k].to(device=device, dtype=dtype).contiguous() for k in "AB")
         for key, pair in sorted(pairs.items())
     }
+    if refuse_non_finite:
+        cast = [
+            (names[layer, module, kind], tensor)
+            for (layer, module), pair in weights.items()
+            for kind, tensor in zip("AB", pair, strict=True)
+        ]
+        bad = non_finite_names(cast, set(names.values()))
+        if bad:
+            in_dtype = str(dtype).removeprefix("torch.")
+            raise _fail(
+                f"{where}: tensor {bad[0]!r}",
+                f"{len(bad)} tensors hold a NaN or an infinity in {in_dtype} (e.g. {bad[:3]}), "
+                "and this engine refuses non-finite weights (refuse_non_finite_weights): check "
+                "the adapter's training, or its values against the model's dtype",
+            )
     fused: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), (a, b) in weights.items():
         fused.setdefault((layer, shapes[module].fused), []).append((shapes[module].offset, a, b))
@@ -366,6 +411,8 @@ class LoRARegistry:
         max_rank: The largest `r` accepted (`EngineConfig.max_lora_rank`).
         dtype: The model's dtype.
         device: The model's device.
+        refuse_non_finite: Refuse adapters holding a NaN or an infinity
+            (`EngineConfig.refuse_non_finite_weights`).
     """
 
     def __init__(
@@ -375,11 +422,13 @@ class LoRARegistry:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        refuse_non_finite: bool = False,
     ) -> None:
         self.model_config = model_config
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
+        self.refuse_non_finite = refuse_non_finite
         self._adapters: dict[str, LoRAAdapter] = {}
         self._ids = itertools.count(1)  # never reused: a reloaded name gets a new id
         self._lock = threading.Lock()
@@ -453,6 +502,7 @@ class LoRARegistry:
         adapter = build_lora_adapter(
             name, tensors, config, model_config=self.model_config, max_rank=self.max_rank,
             dtype=self.dtype, device=self.device, path=path,
+            refuse_non_finite=self.refuse_non_finite,
         )  # fmt: skip
         with self._lock:
             self.check_can_load(name, load_inplace=load_inplace)  # another load may have won

@@ -173,6 +173,15 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
     elif case == "missing_b":
         del tensors[peft_name(1, "k_proj", "B")]
         named = peft_name(1, "k_proj", "B")
+    elif case == "targets_int":
+        config, named = peft_config(4, target_modules=5), "target_modules"
+    elif case == "targets_nested":
+        config, named = peft_config(4, target_modules=[["q_proj"]]), "target_modules"
+    elif case == "rslora_string":  # truthy: it would silently scale by alpha / sqrt(r)
+        config, named = peft_config(4, use_rslora="no"), "use_rslora"
+    elif case == "duplicate":  # the same tensor with and without PEFT's prefix: which is meant?
+        tensors[name_a.removeprefix("base_model.model.")] = torch.zeros(4, 64)
+        named = "twice"
     path = write_adapter(tmp_path / case, tensors, config)
     if case == "missing_file":
         (path / "adapter_model.safetensors").unlink()
@@ -187,8 +196,11 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
 
 
 CASES = ["shape", "rank", "module", "layer", "lm_head", "dora", "bias", "missing_b",
-         "missing_file", "json", "safetensors"]  # fmt: skip
-CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json"}  # the others name the tensors' file
+         "missing_file", "json", "safetensors", "targets_int", "targets_nested", "rslora_string",
+         "duplicate"]  # fmt: skip
+# The cases refused in the config; the others name the tensors' file.
+CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json", "targets_int", "targets_nested",
+                "rslora_string"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -209,6 +221,24 @@ def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(tmp_path, base_mod
     assert tokens(engine, lora_name="a") == answer
     with pytest.raises(LoRAAdapterNotFoundError):
         engine.add_request("r", PROMPT, lora_name="new")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_an_engine_refusing_non_finite_weights_refuses_a_non_finite_adapter(
+    tmp_path, base_model, value
+):
+    tensors = adapter_tensors(base_model, rank=4, seed=18)
+    bad_name = peft_name(1, "up_proj", "B")
+    tensors[bad_name][3, 1] = value
+    path = write_adapter(tmp_path / "bad", tensors, peft_config(4))
+    engine = lora_engine(refuse_non_finite_weights=True)
+    with pytest.raises(LoRAAdapterError) as refused:
+        engine.load_lora_adapter("a", str(path))
+    message = str(refused.value)
+    assert str(path / "adapter_model.safetensors") in message and bad_name in message, message
+    assert "NaN or an infinity" in message and engine.list_lora_adapters() == []
+    # Off (the default), as for the base weights, nothing is checked: the adapter loads.
+    assert lora_engine().load_lora_adapter("a", str(path)).version == 1
 
 
 def test_a_path_that_is_no_directory_is_not_found(tmp_path):

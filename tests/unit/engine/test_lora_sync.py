@@ -113,8 +113,11 @@ def assert_serving_version_1(engine: LLMEngine, answer: list[int]) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown adapter", "a base weight", "wrong shape", "wrong dtype", "missing tensor", "rank"],
-)
+    [
+        "unknown adapter", "a base weight", "wrong shape", "wrong dtype", "missing tensor",
+        "rank", "nested targets",
+    ],
+)  # fmt: skip
 def test_a_refused_adapter_update_changes_nothing(base_model, tmp_path, case):
     tensors = adapter_tensors(base_model, seed=25)
     engine = loaded_from_directory(base_model, tmp_path, tensors)
@@ -137,6 +140,9 @@ def test_a_refused_adapter_update_changes_nothing(base_model, tmp_path, case):
     elif case == "missing tensor":
         sent = sent[1:]
         expected = (IncompleteWeightUpdateError, "must bring all")
+    elif case == "nested targets":
+        lora_name, lora_config = "b", peft_config(target_modules=[["q_proj"]])
+        expected = (LoRAAdapterError, "target_modules")
     else:
         lora_name, lora_config = "b", peft_config(rank=16)
         expected = (LoRAAdapterError, "exceeds the maximum LoRA rank 8")
