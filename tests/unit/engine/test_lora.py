@@ -335,6 +335,36 @@ def test_max_loras_holds_back_a_request_whose_adapter_would_exceed_it(tmp_path, 
     assert all(finals[request_id].finished for request_id, _ in requests)
 
 
+def test_a_held_back_adapter_starts_though_requests_of_the_running_one_keep_coming(
+    tmp_path, base_model
+):
+    # max_loras 1: b's request waits for a's to end, but a's keep arriving, each of which fits
+    # beside the running ones; only so many may pass b's before a drains and b starts.
+    max_num_seqs = 4
+    engine = lora_engine(max_loras=1, max_num_seqs=max_num_seqs)
+    for name, seed in (("a", 15), ("b", 16)):
+        tensors = adapter_tensors(base_model, seed=seed)
+        engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
+    engine.add_request("a0", PROMPT, greedy(3), lora_name="a")
+    engine.step()
+    engine.add_request("b0", PROMPT, greedy(3), lora_name="b")
+    passed = 0  # requests of a that started after b0 was queued, while it waited
+    for i in range(1, 100):
+        if any(seq.request_id == "b0" for seq in engine.scheduler.running):
+            break
+        engine.add_request(f"a{i}", PROMPT, greedy(3), lora_name="a")
+        waiting = {seq.request_id for seq in engine.scheduler.waiting}
+        engine.step()
+        passed += sum(seq.request_id in waiting for seq in engine.scheduler.running
+                      if seq.request_id != "b0")  # fmt: skip
+    else:
+        pytest.fail("b0 never started: requests of the running adapter kept passing it")
+    assert passed <= max_num_seqs
+    engine.add_request("base", PROMPT, greedy(3))  # the base model never waits for adapters
+    engine.step()
+    assert "base" in {seq.request_id for seq in engine.scheduler.running}
+
+
 def test_the_async_engine_loads_generates_and_unloads(tmp_path, base_model):
     tensors = adapter_tensors(base_model, seed=17)
     path = write_adapter(tmp_path / "a", tensors, peft_config())
