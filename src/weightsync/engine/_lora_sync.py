@@ -104,6 +104,7 @@ class AdapterVersions:
         """The tensors an update of `lora_name` must bring (see `AdapterSink.adapter_specs`)."""
         if lora_config is None:
             return _specs_of(self.registry.get(lora_name))
+        self.registry.check_can_load(lora_name, load_inplace=True)  # the name it will commit
         where = f"{lora_name!r} (lora_config)"
         rank, _ = _check_config(lora_config, where, self.registry.max_rank)
         targets = lora_config.get("target_modules")

@@ -43,6 +43,7 @@ from weightsync.transfer.base import _is_int
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
+    "MAX_LORA_NAME_LENGTH",
     "SUPPORTED_LORA_MODULES",
     "LoRABatch",
     "LoRAAdapter",
@@ -55,6 +56,8 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 """A PEFT adapter directory's config: `r`, `lora_alpha`, `target_modules`, ..."""
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 """A PEFT adapter directory's tensors (a pickled `adapter_model.bin` is never read)."""
+MAX_LORA_NAME_LENGTH = 256
+"""The longest adapter name: one a live update (`/start_weight_update`'s `lora_name`) can name."""
 
 # Hugging Face module -> (the engine's fused module, its parent) for the supported families.
 _MODULES = {
@@ -455,10 +458,16 @@ class LoRARegistry:
         """Refuses a second load of `name` unless `load_inplace` (before any file is read).
 
         Raises:
-            LoRAAdapterError: `name` is empty, or loaded and `load_inplace` is False.
+            LoRAAdapterError: `name` is empty or longer than `MAX_LORA_NAME_LENGTH`, or loaded
+                and `load_inplace` is False.
         """
         if not isinstance(name, str) or not name:
-            raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r}")
+            raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r:.80}")
+        if len(name) > MAX_LORA_NAME_LENGTH:
+            raise LoRAAdapterError(
+                f"lora_name must be at most {MAX_LORA_NAME_LENGTH} characters, got {len(name)} "
+                f"({name[:40]!r}...): give the adapter a shorter name"
+            )
         if not load_inplace and name in self._adapters:
             raise LoRAAdapterError(
                 f"The lora adapter '{name}' has already been loaded. If you want to load the "

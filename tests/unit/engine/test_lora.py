@@ -265,6 +265,19 @@ def test_loading_a_loaded_name_needs_load_inplace(tmp_path, base_model):
     assert engine.list_lora_adapters() == [second]
 
 
+def test_an_adapter_name_is_refused_where_a_live_update_could_not_name_it(tmp_path, base_model):
+    # /start_weight_update takes a lora_name of at most 256 characters: a longer name loaded
+    # here could never be updated live, and every 404 listing the adapters would carry it.
+    engine = lora_engine()
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    with pytest.raises(LoRAAdapterError, match="lora_name must be at most 256 characters"):
+        engine.load_lora_adapter("x" * 257, str(path))
+    with pytest.raises(LoRAAdapterError, match="lora_name must be at most 256 characters"):
+        engine.start_weight_update(lora_name="x" * 257, lora_config=peft_config())
+    assert engine.weight_update is None and engine.list_lora_adapters() == []
+    assert engine.load_lora_adapter("x" * 256, str(path)).version == 1
+
+
 def test_unknown_or_unloaded_adapters_are_refused(tmp_path, base_model):
     engine = lora_engine()
     with pytest.raises(LoRAAdapterNotFoundError, match="'nope' is not loaded"):
