@@ -97,13 +97,17 @@ class AdapterVersions:
         self._lock = lock
         self._unfinished = unfinished
         self._abort = abort
+        # The version an update without a config started from (one update at a time): its
+        # tensors are shaped and scaled for it, so it alone may take them.
+        self._updating: LoRAAdapter | None = None
 
     def adapter_specs(
         self, lora_name: str, lora_config: Mapping[str, Any] | None
     ) -> dict[str, TensorSpec]:
         """The tensors an update of `lora_name` must bring (see `AdapterSink.adapter_specs`)."""
         if lora_config is None:
-            return _specs_of(self.registry.get(lora_name))
+            self._updating = self.registry.get(lora_name)
+            return _specs_of(self._updating)
         self.registry.check_can_load(lora_name, load_inplace=True)  # the name it will commit
         where = f"{lora_name!r} (lora_config)"
         rank, _ = _check_config(lora_config, where, self.registry.max_rank)
@@ -165,8 +169,20 @@ class AdapterVersions:
         )
 
     def _config_of(self, lora_name: str) -> dict[str, Any]:
-        """The PEFT config that builds a loaded adapter's next version with its own shapes."""
-        adapter = self.registry.get(lora_name)
+        """The PEFT config that builds the next version of the adapter the update started from.
+
+        Raises:
+            LoRAAdapterError: The adapter was loaded anew (or unloaded and loaded again) while
+                the update was open: its scaling or modules may differ from the update's.
+        """
+        adapter, started = self.registry.get(lora_name), self._updating
+        if started is None or adapter is not started:
+            raise _fail(
+                repr(lora_name),
+                f"loaded anew while its update was open (load_lora_adapter; version "
+                f"{adapter.weight_version!r} now): the update, shaped and scaled for the version "
+                "it started from, ends unapplied; send it again",
+            )
         return {
             "r": adapter.rank,
             "lora_alpha": _alpha_for(adapter.scaling, adapter.rank),
