@@ -97,17 +97,19 @@ class AdapterVersions:
         self._lock = lock
         self._unfinished = unfinished
         self._abort = abort
-        # The version an update without a config started from (one update at a time): its
-        # tensors are shaped and scaled for it, so it alone may take them.
-        self._updating: LoRAAdapter | None = None
+        # (lora_int_id, version) of the version an update without a config started from (one
+        # update at a time): its tensors are shaped and scaled for it, so it alone may take
+        # them. Ids are never reused: the pair names one version without holding its tensors.
+        self._updating: tuple[int, int] | None = None
 
     def adapter_specs(
         self, lora_name: str, lora_config: Mapping[str, Any] | None
     ) -> dict[str, TensorSpec]:
         """The tensors an update of `lora_name` must bring (see `AdapterSink.adapter_specs`)."""
         if lora_config is None:
-            self._updating = self.registry.get(lora_name)
-            return _specs_of(self._updating)
+            adapter = self.registry.get(lora_name)
+            self._updating = (adapter.lora_int_id, adapter.version)
+            return _specs_of(adapter)
         self.registry.check_can_load(lora_name, load_inplace=True)  # the name it will commit
         where = f"{lora_name!r} (lora_config)"
         rank, _ = _check_config(lora_config, where, self.registry.max_rank)
@@ -175,8 +177,8 @@ class AdapterVersions:
             LoRAAdapterError: The adapter was loaded anew (or unloaded and loaded again) while
                 the update was open: its scaling or modules may differ from the update's.
         """
-        adapter, started = self.registry.get(lora_name), self._updating
-        if started is None or adapter is not started:
+        adapter = self.registry.get(lora_name)
+        if (adapter.lora_int_id, adapter.version) != self._updating:
             raise _fail(
                 repr(lora_name),
                 f"loaded anew while its update was open (load_lora_adapter; version "
