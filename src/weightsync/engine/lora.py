@@ -38,7 +38,7 @@ from weightsync.engine.model_config import LlamaConfig
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import LoRAAdapterError, LoRAAdapterNotFoundError, WeightValidationError
 from weightsync.transfer._safetensors import open_regular, read_header, read_tensor
-from weightsync.transfer.base import _is_int
+from weightsync.transfer.base import TensorSpec, _is_int
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -242,6 +242,51 @@ def _parse_name(name: str, where: str, num_layers: int) -> tuple[int, str, str]:
     return layer, path[4], path[5][-1]
 
 
+def _check_tensors(
+    specs: Iterable[TensorSpec], where: str, rank: int, model_config: LlamaConfig
+) -> dict[tuple[int, str, str], str]:
+    """Checks an adapter's tensor names, shapes and dtypes (no data needed).
+
+    Returns:
+        (layer, Hugging Face module, "A" or "B") -> the tensor's PEFT name, for each tensor.
+
+    Raises:
+        LoRAAdapterError: A name, layer, shape or dtype the model cannot take, a tensor named
+            twice, a module without both lora_A and lora_B, or no tensor at all.
+    """
+    shapes = _module_shapes(model_config)
+    names: dict[tuple[int, str, str], str] = {}
+    for spec in specs:
+        layer, module, kind = _parse_name(spec.name, where, model_config.num_hidden_layers)
+        shape = shapes[module]
+        expected = (rank, shape.in_features) if kind == "A" else (shape.out_features, rank)
+        if tuple(spec.shape) != expected or not spec.dtype.is_floating_point:
+            raise _fail(
+                f"{where}: tensor {spec.name!r}",
+                f"expected a floating tensor of shape {list(expected)} (lora_{kind} of "
+                f"{module} for r={rank}), got {str(spec.dtype).removeprefix('torch.')} "
+                f"{list(spec.shape)}",
+            )
+        if (layer, module, kind) in names:  # with and without PEFT's prefix: which one counts?
+            raise _fail(
+                f"{where}: tensor {spec.name!r}",
+                f"lora_{kind} of {module} in layer {layer} is named twice (also "
+                f"{names[layer, module, kind]!r}): keep one",
+            )
+        names[layer, module, kind] = spec.name
+    if not names:
+        raise _fail(where, "it holds no lora_A / lora_B tensors")
+    for layer, module, kind in names:
+        other = "B" if kind == "A" else "A"
+        if (layer, module, other) not in names:
+            raise _fail(
+                f"{where}: tensor '{_PEFT_PREFIX}model.layers.{layer}.{_MODULES[module][1]}."
+                f"{module}.lora_{other}.weight'",
+                "missing: each module needs both lora_A and lora_B",
+            )
+    return names
+
+
 def build_lora_adapter(
     name: str,
     tensors: Mapping[str, torch.Tensor],
@@ -290,38 +335,13 @@ def build_lora_adapter(
     if path is not None:
         where = str(Path(path) / ADAPTER_WEIGHTS_FILE)
     rank, scaling = _check_config(config, config_where, max_rank)
-    shapes = _module_shapes(model_config)
+    specs = (
+        TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()
+    )
+    names = _check_tensors(specs, where, rank, model_config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    names: dict[tuple[int, str, str], str] = {}
-    for tensor_name, tensor in tensors.items():
-        layer, module, kind = _parse_name(tensor_name, where, model_config.num_hidden_layers)
-        shape = shapes[module]
-        expected = (rank, shape.in_features) if kind == "A" else (shape.out_features, rank)
-        if tuple(tensor.shape) != expected or not tensor.dtype.is_floating_point:
-            raise _fail(
-                f"{where}: tensor {tensor_name!r}",
-                f"expected a floating tensor of shape {list(expected)} (lora_{kind} of "
-                f"{module} for r={rank}), got {str(tensor.dtype).removeprefix('torch.')} "
-                f"{list(tensor.shape)}",
-            )
-        if (layer, module, kind) in names:  # with and without PEFT's prefix: which one counts?
-            raise _fail(
-                f"{where}: tensor {tensor_name!r}",
-                f"lora_{kind} of {module} in layer {layer} is named twice (also "
-                f"{names[layer, module, kind]!r}): keep one",
-            )
-        names[layer, module, kind] = tensor_name
-        pairs.setdefault((layer, module), {})[kind] = tensor
-    if not pairs:
-        raise _fail(where, "it holds no lora_A / lora_B tensors")
-    for (layer, module), pair in pairs.items():
-        if len(pair) != 2:
-            missing = "lora_B" if "A" in pair else "lora_A"
-            raise _fail(
-                f"{where}: tensor '{_PEFT_PREFIX}model.layers.{layer}.{_MODULES[module][1]}."
-                f"{module}.{missing}.weight'",
-                "missing: each module needs both lora_A and lora_B",
-            )
+    for (layer, module, kind), tensor_name in names.items():
+        pairs.setdefault((layer, module), {})[kind] = tensors[tensor_name]
     weights = {
         key: tuple(pair[k].to(device=device, dtype=dtype).contiguous() for k in "AB")
         for key, pair in sorted(pairs.items())
@@ -341,6 +361,7 @@ def build_lora_adapter(
                 "and this engine refuses non-finite weights (refuse_non_finite_weights): check "
                 "the adapter's training, or its values against the model's dtype",
             )
+    shapes = _module_shapes(model_config)
     fused: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), (a, b) in weights.items():
         fused.setdefault((layer, shapes[module].fused), []).append((shapes[module].offset, a, b))
