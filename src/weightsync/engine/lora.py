@@ -25,7 +25,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -381,11 +381,19 @@ def build_lora_adapter(
 
 def read_lora_directory(
     path: str | os.PathLike[str],
+    *,
+    check: Callable[[Any, list[TensorSpec]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Reads a PEFT adapter directory: its `adapter_config.json` and its safetensors tensors.
 
     Only safetensors are read (a pickled `adapter_model.bin` never is); the header is checked
     before any data is read.
+
+    Args:
+        path: The directory.
+        check: Called with the config and the header's tensor specs before any tensor data is
+            read; what it raises propagates (`LoRARegistry.load` refuses an adapter the model
+            cannot take there, without reading megabytes it would drop).
 
     Returns:
         (the config, PEFT tensor name -> tensor on the CPU).
@@ -416,6 +424,11 @@ def read_lora_directory(
         raise _fail(str(config_path), f"not valid JSON: {exc}") from None
     try:
         entries = read_header(weights_path)
+    except WeightValidationError as exc:
+        raise LoRAAdapterError(f"LoRA adapter {exc}") from None
+    if check is not None:
+        check(config, [e.spec for e in entries])
+    try:
         with open_regular(weights_path) as f:
             tensors = {e.spec.name: read_tensor(f.fileno(), e) for e in entries}
     except WeightValidationError as exc:
@@ -505,7 +518,12 @@ class LoRARegistry:
             LoRAAdapterNotFoundError: `path` is not a directory.
         """
         self.check_can_load(name, load_inplace=load_inplace)
-        config, tensors = read_lora_directory(path)
+
+        def check(config: Any, specs: list[TensorSpec]) -> None:  # the builder's checks, on specs
+            rank, _ = _check_config(config, str(Path(path) / ADAPTER_CONFIG_FILE), self.max_rank)
+            _check_tensors(specs, str(Path(path) / ADAPTER_WEIGHTS_FILE), rank, self.model_config)
+
+        config, tensors = read_lora_directory(path, check=check)
         return self.add(name, tensors, config, load_inplace=load_inplace, path=str(path))
 
     def add(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from lora_adapters import (
     write_adapter,
 )
 from weightsync.engine import AsyncEngine, CompletionOutput, EngineConfig, LLMEngine
+from weightsync.engine import lora as lora_module
 from weightsync.engine.lora import LoRABatch
 from weightsync.errors import (
     EngineConfigError,
@@ -239,6 +241,27 @@ def test_an_engine_refusing_non_finite_weights_refuses_a_non_finite_adapter(
     assert "NaN or an infinity" in message and engine.list_lora_adapters() == []
     # Off (the default), as for the base weights, nothing is checked: the adapter loads.
     assert lora_engine().load_lora_adapter("a", str(path)).version == 1
+
+
+@pytest.mark.parametrize("case", ["rank", "module", "lm_head", "shape", "duplicate"])
+def test_a_refused_adapter_s_tensor_data_is_never_read(tmp_path, base_model, monkeypatch, case):
+    # The config and the safetensors header say all a refusal needs: a file of the wrong
+    # shapes, or with an lm_head of vocab x hidden in it, is refused before its bytes are read.
+    path, named = bad_adapter(tmp_path, base_model, case)
+    read: list[str] = []
+    real_read_tensor = lora_module.read_tensor
+
+    def read_tensor(fd, entry):
+        read.append(entry.spec.name)
+        return real_read_tensor(fd, entry)
+
+    monkeypatch.setattr(lora_module, "read_tensor", read_tensor)
+    with pytest.raises(LoRAAdapterError, match=re.escape(named)):
+        lora_engine().load_lora_adapter("a", str(path))
+    assert read == []
+    lora_engine().load_lora_adapter("a", str(write_adapter(tmp_path / "good", adapter_tensors(
+        base_model), peft_config())))  # fmt: skip
+    assert read  # the hook sees the reads of an adapter that is taken
 
 
 def test_a_path_that_is_no_directory_is_not_found(tmp_path):
