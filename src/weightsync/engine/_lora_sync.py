@@ -97,13 +97,20 @@ class AdapterVersions:
         self._lock = lock
         self._unfinished = unfinished
         self._abort = abort
+        # (lora_int_id, version) of the version an update without a config started from (one
+        # update at a time): its tensors are shaped and scaled for it, so it alone may take
+        # them. Ids are never reused: the pair names one version without holding its tensors.
+        self._updating: tuple[int, int] | None = None
 
     def adapter_specs(
         self, lora_name: str, lora_config: Mapping[str, Any] | None
     ) -> dict[str, TensorSpec]:
         """The tensors an update of `lora_name` must bring (see `AdapterSink.adapter_specs`)."""
         if lora_config is None:
-            return _specs_of(self.registry.get(lora_name))
+            adapter = self.registry.get(lora_name)
+            self._updating = (adapter.lora_int_id, adapter.version)
+            return _specs_of(adapter)
+        self.registry.check_can_load(lora_name, load_inplace=True)  # the name it will commit
         where = f"{lora_name!r} (lora_config)"
         rank, _ = _check_config(lora_config, where, self.registry.max_rank)
         targets = lora_config.get("target_modules")
@@ -164,8 +171,20 @@ class AdapterVersions:
         )
 
     def _config_of(self, lora_name: str) -> dict[str, Any]:
-        """The PEFT config that builds a loaded adapter's next version with its own shapes."""
+        """The PEFT config that builds the next version of the adapter the update started from.
+
+        Raises:
+            LoRAAdapterError: The adapter was loaded anew (or unloaded and loaded again) while
+                the update was open: its scaling or modules may differ from the update's.
+        """
         adapter = self.registry.get(lora_name)
+        if (adapter.lora_int_id, adapter.version) != self._updating:
+            raise _fail(
+                repr(lora_name),
+                f"loaded anew while its update was open (load_lora_adapter; version "
+                f"{adapter.weight_version!r} now): the update, shaped and scaled for the version "
+                "it started from, ends unapplied; send it again",
+            )
         return {
             "r": adapter.rank,
             "lora_alpha": _alpha_for(adapter.scaling, adapter.rank),

@@ -178,11 +178,23 @@ class Scheduler:
         """The first waiting sequence whose LoRA adapter fits `max_loras` beside the running ones.
 
         A sequence whose adapter would be one too many keeps its place in the queue (vLLM holds
-        it back the same way); the base model always fits.
+        it back the same way), and later sequences of the running adapters may start before it;
+        the base model always fits. So that it never waits for ever while those keep coming, it
+        lets at most `max_num_seqs` of them pass: then the running adapters drain (only the base
+        model's sequences pass it) until a slot frees for its adapter.
         """
         active = {id(s.lora) for s in self.running if s.lora is not None}
+        held: list[Sequence] = []
         for seq in self.waiting:
-            if seq.lora is None or id(seq.lora) in active or len(active) < self.config.max_loras:
+            if seq.lora is None:
+                return seq
+            if id(seq.lora) not in active and len(active) >= self.config.max_loras:
+                held.append(seq)
+            elif any(h.times_passed >= self.config.max_num_seqs for h in held):
+                continue  # draining: no more of the running adapters before the held one
+            else:
+                for h in held:
+                    h.times_passed += 1
                 return seq
         return None
 

@@ -61,6 +61,8 @@ class Sequence:
             the latest reset (a decode lane's) no longer matches the cache.
         num_cached_tokens: Prompt tokens that hit the prefix cache when it was admitted.
         was_started: Whether it has been admitted once (a preempted sequence has).
+        times_passed: How many later sequences of running LoRA adapters were chosen to start
+            while `max_loras` held it back (see `Scheduler._next_waiting`).
         output_weight_versions: The weight version that generated each output token.
         output_logprobs: Log-probabilities of each output token, when the request asked for them.
         prompt_logprobs: For each prompt position, the prompt token's log-probability and the
@@ -87,6 +89,7 @@ class Sequence:
         self.prompt = prompt
         self.cache_salt = cache_salt
         self.lora = lora
+        self.times_passed = 0
         self.sampling_params = sampling_params
         self.generator = generator
         self.decoder = decoder

@@ -80,8 +80,9 @@ def _lora_registry(
     if not config.enable_lora:
         return None
     return LoRARegistry(
-        model.config, max_rank=config.max_lora_rank, dtype=model.dtype, device=device
-    )
+        model.config, max_rank=config.max_lora_rank, dtype=model.dtype, device=device,
+        refuse_non_finite=config.refuse_non_finite_weights,
+    )  # fmt: skip
 
 
 class LLMEngine:

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -33,15 +33,17 @@ from typing import Any
 
 import torch
 
+from weightsync.engine._finite import non_finite_names
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import LoRAAdapterError, LoRAAdapterNotFoundError, WeightValidationError
 from weightsync.transfer._safetensors import open_regular, read_header, read_tensor
-from weightsync.transfer.base import _is_int
+from weightsync.transfer.base import TensorSpec, _is_int
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
+    "MAX_LORA_NAME_LENGTH",
     "SUPPORTED_LORA_MODULES",
     "LoRABatch",
     "LoRAAdapter",
@@ -54,6 +56,8 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 """A PEFT adapter directory's config: `r`, `lora_alpha`, `target_modules`, ..."""
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 """A PEFT adapter directory's tensors (a pickled `adapter_model.bin` is never read)."""
+MAX_LORA_NAME_LENGTH = 256
+"""The longest adapter name: one a live update (`/start_weight_update`'s `lora_name`) can name."""
 
 # Hugging Face module -> (the engine's fused module, its parent) for the supported families.
 _MODULES = {
@@ -70,6 +74,9 @@ SUPPORTED_LORA_MODULES = tuple(_MODULES)
 
 # PEFT names its tensors `base_model.model.<module path>.lora_A.weight`.
 _PEFT_PREFIX = "base_model.model."
+
+# The config's options that are JSON booleans in PEFT's `adapter_config.json`.
+_FLAGS = ("use_rslora", "use_dora", "fan_in_fan_out")
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,9 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
     alpha = config.get("lora_alpha", 8)  # PEFT's default
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise _fail(where, f"'lora_alpha' must be a finite number, got {alpha!r}")
+    for flag in _FLAGS:  # a truthy string ("false") must not switch an option on or off
+        if not isinstance(config.get(flag, False), bool):
+            raise _fail(where, f"{flag!r} must be true or false, got {config[flag]!r:.80}")
     refused = {
         "use_dora": (config.get("use_dora", False), "DoRA adapters (use_dora) are not served"),
         "bias": (config.get("bias", "none") != "none", "only bias='none' is served"),
@@ -180,6 +190,16 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
         if is_set:
             raise _fail(where, f"{key}={config.get(key)!r}: {reason}; merge it or retrain without")
     targets = config.get("target_modules")
+    if not (
+        targets is None
+        or isinstance(targets, str)
+        or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        raise _fail(
+            where,
+            f"target_modules must be a list of module names or one pattern string, got "
+            f"{targets!r:.80}",
+        )
     names = [targets] if isinstance(targets, str) else targets
     if isinstance(targets, str) and targets not in _MODULES:
         names = []  # a regular expression: the tensors' names say what it targets
@@ -222,6 +242,51 @@ def _parse_name(name: str, where: str, num_layers: int) -> tuple[int, str, str]:
     return layer, path[4], path[5][-1]
 
 
+def _check_tensors(
+    specs: Iterable[TensorSpec], where: str, rank: int, model_config: LlamaConfig
+) -> dict[tuple[int, str, str], str]:
+    """Checks an adapter's tensor names, shapes and dtypes (no data needed).
+
+    Returns:
+        (layer, Hugging Face module, "A" or "B") -> the tensor's PEFT name, for each tensor.
+
+    Raises:
+        LoRAAdapterError: A name, layer, shape or dtype the model cannot take, a tensor named
+            twice, a module without both lora_A and lora_B, or no tensor at all.
+    """
+    shapes = _module_shapes(model_config)
+    names: dict[tuple[int, str, str], str] = {}
+    for spec in specs:
+        layer, module, kind = _parse_name(spec.name, where, model_config.num_hidden_layers)
+        shape = shapes[module]
+        expected = (rank, shape.in_features) if kind == "A" else (shape.out_features, rank)
+        if tuple(spec.shape) != expected or not spec.dtype.is_floating_point:
+            raise _fail(
+                f"{where}: tensor {spec.name!r}",
+                f"expected a floating tensor of shape {list(expected)} (lora_{kind} of "
+                f"{module} for r={rank}), got {str(spec.dtype).removeprefix('torch.')} "
+                f"{list(spec.shape)}",
+            )
+        if (layer, module, kind) in names:  # with and without PEFT's prefix: which one counts?
+            raise _fail(
+                f"{where}: tensor {spec.name!r}",
+                f"lora_{kind} of {module} in layer {layer} is named twice (also "
+                f"{names[layer, module, kind]!r}): keep one",
+            )
+        names[layer, module, kind] = spec.name
+    if not names:
+        raise _fail(where, "it holds no lora_A / lora_B tensors")
+    for layer, module, kind in names:
+        other = "B" if kind == "A" else "A"
+        if (layer, module, other) not in names:
+            raise _fail(
+                f"{where}: tensor '{_PEFT_PREFIX}model.layers.{layer}.{_MODULES[module][1]}."
+                f"{module}.lora_{other}.weight'",
+                "missing: each module needs both lora_A and lora_B",
+            )
+    return names
+
+
 def build_lora_adapter(
     name: str,
     tensors: Mapping[str, torch.Tensor],
@@ -235,12 +300,14 @@ def build_lora_adapter(
     version: int = 1,
     path: str | None = None,
     where: str | None = None,
+    refuse_non_finite: bool = False,
 ) -> LoRAAdapter:
     """Builds an adapter from PEFT tensors and config, checked against the model first.
 
     Every check runs before a tensor is copied: module names, layers, both `lora_A` and
-    `lora_B` of each module, shapes (A: r x in_features, B: out_features x r), floating dtypes,
-    `r <= max_rank`, and options the engine cannot apply (DoRA, biases, `modules_to_save`).
+    `lora_B` of each module (each named once), shapes (A: r x in_features, B: out_features x r),
+    floating dtypes, `r <= max_rank`, and options the engine cannot apply (DoRA, biases,
+    `modules_to_save`). Only the check for NaN and infinity, when asked, reads the copies.
 
     Args:
         name: The adapter's name.
@@ -256,6 +323,9 @@ def build_lora_adapter(
         path: The directory read, if any (recorded).
         where: How errors name the source when there is no `path` (default: `name`);
             with a `path`, they name its `adapter_config.json` or `adapter_model.safetensors`.
+        refuse_non_finite: Refuse a NaN or an infinity in A or B once cast to `dtype` (a
+            large value can overflow a narrower dtype), as `EngineConfig.refuse_non_finite_weights`
+            refuses them in the base weights.
 
     Raises:
         LoRAAdapterError: The first problem, naming the file and the tensor, expected and actual.
@@ -265,34 +335,33 @@ def build_lora_adapter(
     if path is not None:
         where = str(Path(path) / ADAPTER_WEIGHTS_FILE)
     rank, scaling = _check_config(config, config_where, max_rank)
-    shapes = _module_shapes(model_config)
+    specs = (
+        TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()
+    )
+    names = _check_tensors(specs, where, rank, model_config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for tensor_name, tensor in tensors.items():
-        layer, module, kind = _parse_name(tensor_name, where, model_config.num_hidden_layers)
-        shape = shapes[module]
-        expected = (rank, shape.in_features) if kind == "A" else (shape.out_features, rank)
-        if tuple(tensor.shape) != expected or not tensor.dtype.is_floating_point:
-            raise _fail(
-                f"{where}: tensor {tensor_name!r}",
-                f"expected a floating tensor of shape {list(expected)} (lora_{kind} of "
-                f"{module} for r={rank}), got {str(tensor.dtype).removeprefix('torch.')} "
-                f"{list(tensor.shape)}",
-            )
-        pairs.setdefault((layer, module), {})[kind] = tensor
-    if not pairs:
-        raise _fail(where, "it holds no lora_A / lora_B tensors")
-    for (layer, module), pair in pairs.items():
-        if len(pair) != 2:
-            missing = "lora_B" if "A" in pair else "lora_A"
-            raise _fail(
-                f"{where}: tensor '{_PEFT_PREFIX}model.layers.{layer}.{_MODULES[module][1]}."
-                f"{module}.{missing}.weight'",
-                "missing: each module needs both lora_A and lora_B",
-            )
+    for (layer, module, kind), tensor_name in names.items():
+        pairs.setdefault((layer, module), {})[kind] = tensors[tensor_name]
     weights = {
         key: tuple(pair[k].to(device=device, dtype=dtype).contiguous() for k in "AB")
         for key, pair in sorted(pairs.items())
     }
+    if refuse_non_finite:
+        cast = [
+            (names[layer, module, kind], tensor)
+            for (layer, module), pair in weights.items()
+            for kind, tensor in zip("AB", pair, strict=True)
+        ]
+        bad = non_finite_names(cast, set(names.values()))
+        if bad:
+            in_dtype = str(dtype).removeprefix("torch.")
+            raise _fail(
+                f"{where}: tensor {bad[0]!r}",
+                f"{len(bad)} tensors hold a NaN or an infinity in {in_dtype} (e.g. {bad[:3]}), "
+                "and this engine refuses non-finite weights (refuse_non_finite_weights): check "
+                "the adapter's training, or its values against the model's dtype",
+            )
+    shapes = _module_shapes(model_config)
     fused: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), (a, b) in weights.items():
         fused.setdefault((layer, shapes[module].fused), []).append((shapes[module].offset, a, b))
@@ -312,11 +381,19 @@ def build_lora_adapter(
 
 def read_lora_directory(
     path: str | os.PathLike[str],
+    *,
+    check: Callable[[Any, list[TensorSpec]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Reads a PEFT adapter directory: its `adapter_config.json` and its safetensors tensors.
 
     Only safetensors are read (a pickled `adapter_model.bin` never is); the header is checked
     before any data is read.
+
+    Args:
+        path: The directory.
+        check: Called with the config and the header's tensor specs before any tensor data is
+            read; what it raises propagates (`LoRARegistry.load` refuses an adapter the model
+            cannot take there, without reading megabytes it would drop).
 
     Returns:
         (the config, PEFT tensor name -> tensor on the CPU).
@@ -347,6 +424,11 @@ def read_lora_directory(
         raise _fail(str(config_path), f"not valid JSON: {exc}") from None
     try:
         entries = read_header(weights_path)
+    except WeightValidationError as exc:
+        raise LoRAAdapterError(f"LoRA adapter {exc}") from None
+    if check is not None:
+        check(config, [e.spec for e in entries])
+    try:
         with open_regular(weights_path) as f:
             tensors = {e.spec.name: read_tensor(f.fileno(), e) for e in entries}
     except WeightValidationError as exc:
@@ -366,6 +448,8 @@ class LoRARegistry:
         max_rank: The largest `r` accepted (`EngineConfig.max_lora_rank`).
         dtype: The model's dtype.
         device: The model's device.
+        refuse_non_finite: Refuse adapters holding a NaN or an infinity
+            (`EngineConfig.refuse_non_finite_weights`).
     """
 
     def __init__(
@@ -375,11 +459,13 @@ class LoRARegistry:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        refuse_non_finite: bool = False,
     ) -> None:
         self.model_config = model_config
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
+        self.refuse_non_finite = refuse_non_finite
         self._adapters: dict[str, LoRAAdapter] = {}
         self._ids = itertools.count(1)  # never reused: a reloaded name gets a new id
         self._lock = threading.Lock()
@@ -406,10 +492,16 @@ class LoRARegistry:
         """Refuses a second load of `name` unless `load_inplace` (before any file is read).
 
         Raises:
-            LoRAAdapterError: `name` is empty, or loaded and `load_inplace` is False.
+            LoRAAdapterError: `name` is empty or longer than `MAX_LORA_NAME_LENGTH`, or loaded
+                and `load_inplace` is False.
         """
         if not isinstance(name, str) or not name:
-            raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r}")
+            raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r:.80}")
+        if len(name) > MAX_LORA_NAME_LENGTH:
+            raise LoRAAdapterError(
+                f"lora_name must be at most {MAX_LORA_NAME_LENGTH} characters, got {len(name)} "
+                f"({name[:40]!r}...): give the adapter a shorter name"
+            )
         if not load_inplace and name in self._adapters:
             raise LoRAAdapterError(
                 f"The lora adapter '{name}' has already been loaded. If you want to load the "
@@ -426,7 +518,12 @@ class LoRARegistry:
             LoRAAdapterNotFoundError: `path` is not a directory.
         """
         self.check_can_load(name, load_inplace=load_inplace)
-        config, tensors = read_lora_directory(path)
+
+        def check(config: Any, specs: list[TensorSpec]) -> None:  # the builder's checks, on specs
+            rank, _ = _check_config(config, str(Path(path) / ADAPTER_CONFIG_FILE), self.max_rank)
+            _check_tensors(specs, str(Path(path) / ADAPTER_WEIGHTS_FILE), rank, self.model_config)
+
+        config, tensors = read_lora_directory(path, check=check)
         return self.add(name, tensors, config, load_inplace=load_inplace, path=str(path))
 
     def add(
@@ -453,6 +550,7 @@ class LoRARegistry:
         adapter = build_lora_adapter(
             name, tensors, config, model_config=self.model_config, max_rank=self.max_rank,
             dtype=self.dtype, device=self.device, path=path,
+            refuse_non_finite=self.refuse_non_finite,
         )  # fmt: skip
         with self._lock:
             self.check_can_load(name, load_inplace=load_inplace)  # another load may have won

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine._finite import non_finite_names
 from weightsync.engine._scheduler import Scheduler
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
@@ -251,16 +252,6 @@ def _copier(
                     target.copy_(tensor)
 
     return load
-
-
-def _non_finite_names(weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> list[str]:
-    """The names among `names` whose tensor holds a NaN or an infinity, sorted."""
-    # One flag per tensor, read back at once: a model on a GPU pays one synchronization.
-    checked = [(name, tensor) for name, tensor in weights if name in names]
-    if not checked:
-        return []
-    flags = torch.stack([torch.isfinite(t).all() for _, t in checked]).tolist()
-    return sorted(name for (name, _), ok in zip(checked, flags, strict=True) if not ok)
 
 
 class LiveWeights:
@@ -884,7 +875,7 @@ class LiveWeights:
     def _non_finite_adapter(self, target: _AdapterTarget) -> list[str]:
         if not self.refuse_non_finite:
             return []
-        return _non_finite_names(target.tensors.items(), set(target.tensors))
+        return non_finite_names(target.tensors.items(), set(target.tensors))
 
     def _non_finite_adapter_error(
         self, target: _AdapterTarget, bad: list[str]
@@ -948,7 +939,7 @@ class LiveWeights:
         # A pass over every landed weight: only an engine that refuses non-finite weights pays it.
         if not self.refuse_non_finite:
             return []
-        return _non_finite_names(self.model.named_weights(), txn.landed)
+        return non_finite_names(self.model.named_weights(), txn.landed)
 
     def _non_finite_error(self, bad: list[str], *, ends: str) -> NonFiniteWeightsError:
         return NonFiniteWeightsError(

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import Field, StrictInt, StrictStr
 
-from weightsync.engine.lora import LoRAAdapter
+from weightsync.engine.lora import MAX_LORA_NAME_LENGTH, LoRAAdapter
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseMode
 from weightsync.engine.weights import AdapterCommit, WeightUpdateStatus
@@ -141,6 +141,10 @@ class InitWeightTransferRequest(_Body):
     init_info: dict[str, Any]
 
 
+_LoRAName = Annotated[StrictStr, Field(min_length=1, max_length=MAX_LORA_NAME_LENGTH)]
+"""An adapter's name, as the engine's adapters take it."""
+
+
 class StartWeightUpdateRequest(_Body):
     """`/start_weight_update`: an optional body (older vLLM sent `is_checkpoint_format`).
 
@@ -151,7 +155,7 @@ class StartWeightUpdateRequest(_Body):
     """
 
     is_checkpoint_format: bool = True
-    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    lora_name: _LoRAName | None = None
     lora_config: dict[str, Any] | None = None
 
 

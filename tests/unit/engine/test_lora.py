@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from lora_adapters import (
     write_adapter,
 )
 from weightsync.engine import AsyncEngine, CompletionOutput, EngineConfig, LLMEngine
+from weightsync.engine import lora as lora_module
 from weightsync.engine.lora import LoRABatch
 from weightsync.errors import (
     EngineConfigError,
@@ -173,6 +175,15 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
     elif case == "missing_b":
         del tensors[peft_name(1, "k_proj", "B")]
         named = peft_name(1, "k_proj", "B")
+    elif case == "targets_int":
+        config, named = peft_config(4, target_modules=5), "target_modules"
+    elif case == "targets_nested":
+        config, named = peft_config(4, target_modules=[["q_proj"]]), "target_modules"
+    elif case == "rslora_string":  # truthy: it would silently scale by alpha / sqrt(r)
+        config, named = peft_config(4, use_rslora="no"), "use_rslora"
+    elif case == "duplicate":  # the same tensor with and without PEFT's prefix: which is meant?
+        tensors[name_a.removeprefix("base_model.model.")] = torch.zeros(4, 64)
+        named = "twice"
     path = write_adapter(tmp_path / case, tensors, config)
     if case == "missing_file":
         (path / "adapter_model.safetensors").unlink()
@@ -187,8 +198,11 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
 
 
 CASES = ["shape", "rank", "module", "layer", "lm_head", "dora", "bias", "missing_b",
-         "missing_file", "json", "safetensors"]  # fmt: skip
-CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json"}  # the others name the tensors' file
+         "missing_file", "json", "safetensors", "targets_int", "targets_nested", "rslora_string",
+         "duplicate"]  # fmt: skip
+# The cases refused in the config; the others name the tensors' file.
+CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json", "targets_int", "targets_nested",
+                "rslora_string"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -209,6 +223,45 @@ def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(tmp_path, base_mod
     assert tokens(engine, lora_name="a") == answer
     with pytest.raises(LoRAAdapterNotFoundError):
         engine.add_request("r", PROMPT, lora_name="new")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_an_engine_refusing_non_finite_weights_refuses_a_non_finite_adapter(
+    tmp_path, base_model, value
+):
+    tensors = adapter_tensors(base_model, rank=4, seed=18)
+    bad_name = peft_name(1, "up_proj", "B")
+    tensors[bad_name][3, 1] = value
+    path = write_adapter(tmp_path / "bad", tensors, peft_config(4))
+    engine = lora_engine(refuse_non_finite_weights=True)
+    with pytest.raises(LoRAAdapterError) as refused:
+        engine.load_lora_adapter("a", str(path))
+    message = str(refused.value)
+    assert str(path / "adapter_model.safetensors") in message and bad_name in message, message
+    assert "NaN or an infinity" in message and engine.list_lora_adapters() == []
+    # Off (the default), as for the base weights, nothing is checked: the adapter loads.
+    assert lora_engine().load_lora_adapter("a", str(path)).version == 1
+
+
+@pytest.mark.parametrize("case", ["rank", "module", "lm_head", "shape", "duplicate"])
+def test_a_refused_adapter_s_tensor_data_is_never_read(tmp_path, base_model, monkeypatch, case):
+    # The config and the safetensors header say all a refusal needs: a file of the wrong
+    # shapes, or with an lm_head of vocab x hidden in it, is refused before its bytes are read.
+    path, named = bad_adapter(tmp_path, base_model, case)
+    read: list[str] = []
+    real_read_tensor = lora_module.read_tensor
+
+    def read_tensor(fd, entry):
+        read.append(entry.spec.name)
+        return real_read_tensor(fd, entry)
+
+    monkeypatch.setattr(lora_module, "read_tensor", read_tensor)
+    with pytest.raises(LoRAAdapterError, match=re.escape(named)):
+        lora_engine().load_lora_adapter("a", str(path))
+    assert read == []
+    lora_engine().load_lora_adapter("a", str(write_adapter(tmp_path / "good", adapter_tensors(
+        base_model), peft_config())))  # fmt: skip
+    assert read  # the hook sees the reads of an adapter that is taken
 
 
 def test_a_path_that_is_no_directory_is_not_found(tmp_path):
@@ -233,6 +286,19 @@ def test_loading_a_loaded_name_needs_load_inplace(tmp_path, base_model):
     second = engine.load_lora_adapter("a", str(path), load_inplace=True)
     assert (second.lora_int_id, second.version) == (first.lora_int_id, 2)
     assert engine.list_lora_adapters() == [second]
+
+
+def test_an_adapter_name_is_refused_where_a_live_update_could_not_name_it(tmp_path, base_model):
+    # /start_weight_update takes a lora_name of at most 256 characters: a longer name loaded
+    # here could never be updated live, and every 404 listing the adapters would carry it.
+    engine = lora_engine()
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    with pytest.raises(LoRAAdapterError, match="lora_name must be at most 256 characters"):
+        engine.load_lora_adapter("x" * 257, str(path))
+    with pytest.raises(LoRAAdapterError, match="lora_name must be at most 256 characters"):
+        engine.start_weight_update(lora_name="x" * 257, lora_config=peft_config())
+    assert engine.weight_update is None and engine.list_lora_adapters() == []
+    assert engine.load_lora_adapter("x" * 256, str(path)).version == 1
 
 
 def test_unknown_or_unloaded_adapters_are_refused(tmp_path, base_model):
@@ -303,6 +369,36 @@ def test_max_loras_holds_back_a_request_whose_adapter_would_exceed_it(tmp_path, 
         adapters = {id(s.lora) for s in engine.scheduler.running if s.lora is not None}
         assert len(adapters) <= 1
     assert all(finals[request_id].finished for request_id, _ in requests)
+
+
+def test_a_held_back_adapter_starts_though_requests_of_the_running_one_keep_coming(
+    tmp_path, base_model
+):
+    # max_loras 1: b's request waits for a's to end, but a's keep arriving, each of which fits
+    # beside the running ones; only so many may pass b's before a drains and b starts.
+    max_num_seqs = 4
+    engine = lora_engine(max_loras=1, max_num_seqs=max_num_seqs)
+    for name, seed in (("a", 15), ("b", 16)):
+        tensors = adapter_tensors(base_model, seed=seed)
+        engine.load_lora_adapter(name, str(write_adapter(tmp_path / name, tensors, peft_config())))
+    engine.add_request("a0", PROMPT, greedy(3), lora_name="a")
+    engine.step()
+    engine.add_request("b0", PROMPT, greedy(3), lora_name="b")
+    passed = 0  # requests of a that started after b0 was queued, while it waited
+    for i in range(1, 100):
+        if any(seq.request_id == "b0" for seq in engine.scheduler.running):
+            break
+        engine.add_request(f"a{i}", PROMPT, greedy(3), lora_name="a")
+        waiting = {seq.request_id for seq in engine.scheduler.waiting}
+        engine.step()
+        passed += sum(seq.request_id in waiting for seq in engine.scheduler.running
+                      if seq.request_id != "b0")  # fmt: skip
+    else:
+        pytest.fail("b0 never started: requests of the running adapter kept passing it")
+    assert passed <= max_num_seqs
+    engine.add_request("base", PROMPT, greedy(3))  # the base model never waits for adapters
+    engine.step()
+    assert "base" in {seq.request_id for seq in engine.scheduler.running}
 
 
 def test_the_async_engine_loads_generates_and_unloads(tmp_path, base_model):

@@ -113,8 +113,11 @@ def assert_serving_version_1(engine: LLMEngine, answer: list[int]) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown adapter", "a base weight", "wrong shape", "wrong dtype", "missing tensor", "rank"],
-)
+    [
+        "unknown adapter", "a base weight", "wrong shape", "wrong dtype", "missing tensor",
+        "rank", "nested targets",
+    ],
+)  # fmt: skip
 def test_a_refused_adapter_update_changes_nothing(base_model, tmp_path, case):
     tensors = adapter_tensors(base_model, seed=25)
     engine = loaded_from_directory(base_model, tmp_path, tensors)
@@ -137,6 +140,9 @@ def test_a_refused_adapter_update_changes_nothing(base_model, tmp_path, case):
     elif case == "missing tensor":
         sent = sent[1:]
         expected = (IncompleteWeightUpdateError, "must bring all")
+    elif case == "nested targets":
+        lora_name, lora_config = "b", peft_config(target_modules=[["q_proj"]])
+        expected = (LoRAAdapterError, "target_modules")
     else:
         lora_name, lora_config = "b", peft_config(rank=16)
         expected = (LoRAAdapterError, "exceeds the maximum LoRA rank 8")
@@ -165,6 +171,35 @@ def test_an_adapter_update_aborted_midway_changes_nothing(base_model, tmp_path):
         assert engine.weight_update is not None and engine.weight_update.num_landed > 0
         assert engine.abort_weight_update() is True
     assert_serving_version_1(engine, answer)
+
+
+@pytest.mark.parametrize("meanwhile", ["load_inplace", "unload and load"])
+def test_an_adapter_loaded_anew_while_its_update_is_open_is_not_mixed_with_it(
+    base_model, tmp_path, meanwhile
+):
+    # The update's tensors were shaped and scaled for version 1; version 2, loaded by the route
+    # meanwhile, has another lora_alpha: a commit must not give its scaling to those tensors.
+    engine = loaded_from_directory(base_model, tmp_path, adapter_tensors(base_model, seed=29))
+    sent = in_model_dtype(adapter_tensors(base_model, seed=30))
+    other = write_adapter(tmp_path / "other", adapter_tensors(base_model, seed=31),
+                          peft_config(alpha=16))  # fmt: skip
+    with IPCWeightSender([engine]) as sender:
+        engine.start_weight_update(lora_name="a")
+        args = IPCTrainerSendWeightsArgs(
+            sender.session, lambda info: engine.update_weights({"update_info": info})
+        )
+        ipc_trainer_send_weights(sent, args)
+        if meanwhile == "load_inplace":
+            engine.load_lora_adapter("a", str(other), load_inplace=True)
+        else:
+            engine.unload_lora_adapter("a")
+            engine.load_lora_adapter("a", str(other))
+        loaded = engine.list_lora_adapters()
+        answer = tokens(engine, "a")
+        with pytest.raises(LoRAAdapterError, match="'a': loaded anew while its update was open"):
+            engine.finish_weight_update()
+    assert engine.weight_update is None and engine.list_lora_adapters() == loaded
+    assert tokens(engine, "a") == answer
 
 
 def test_a_commit_beyond_the_version_limit_drops_the_oldest_and_says_so(base_model, tmp_path):
