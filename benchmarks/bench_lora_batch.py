@@ -16,7 +16,7 @@ figure. Each stream has its own 16-token prompt and decodes `--max-tokens` token
 greedily, with `ignore_eos`.
 
 `--per-part` adds the forward pass the engine had before it stacked an adapter's parts (a
-shrink, an expand and a scatter per q, k, v, o, gate, up and down, see `_per_part_add`) as two
+shrink, an expand and a scatter per q, k, v, o, gate, up and down, see `_PerPartForward`) as two
 more contenders in the same rounds, on the same engine and adapters: the before and after of
 that change in one run.
 
@@ -97,10 +97,12 @@ class _PerPartForward:
     def __enter__(self) -> None:
         forward = self
 
-        def add(batch: LoRABatch, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str):  # type: ignore[no-untyped-def]
+        def add(
+            batch: LoRABatch, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str
+        ) -> None:
             forward.add(batch, out, x, layer, fused)
 
-        LoRABatch.add = add  # type: ignore[method-assign]
+        LoRABatch.add = add  # type: ignore[method-assign, assignment]
 
     def __exit__(self, *exc_info: object) -> None:
         LoRABatch.add = self._stacked_add  # type: ignore[method-assign]
