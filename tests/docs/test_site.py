@@ -186,7 +186,12 @@ def test_docs_requirements_are_the_docs_extra_at_the_dev_locks_versions():
 
 @pytest.mark.parametrize(
     ("stem", "title"),
-    [("hf_trainer", "HF trainer"), ("rlhf_ipc", "RLHF IPC"), ("rlhf_nccl", "RLHF NCCL")],
+    [
+        ("hf_trainer", "HF trainer"),
+        ("rlhf_ipc", "RLHF IPC"),
+        ("rlhf_lora", "RLHF LoRA"),
+        ("rlhf_nccl", "RLHF NCCL"),
+    ],
 )
 def test_example_titles_keep_their_spelling(built_site: BuiltSite, stem: str, title: str):
     html = (built_site.require() / "examples" / stem / "index.html").read_text(encoding="utf-8")

@@ -105,6 +105,45 @@ def _module_shapes(config: LlamaConfig) -> dict[str, _ModuleShape]:
     }
 
 
+@dataclass(frozen=True)
+class _FusedLoRA:
+    """An adapter's parts on one fused module, stacked so that two matmuls apply them all.
+
+    The parts' A matrices are stacked along the rank, and their B matrices laid on a block
+    diagonal over the rows `start:stop` of the fused output that the parts cover (zero between
+    parts an adapter does not target): `(x @ a.T) @ b.T` is then every part's `(x @ A.T) @ B.T`
+    side by side. A step pays two matmuls and one scatter per fused module and adapter instead
+    of two matmuls and a scatter per part: on a CPU, with a few rows per adapter, the number of
+    operations is the cost.
+
+    Attributes:
+        start: First row of the fused output the parts cover.
+        stop: One past the last.
+        a: (parts * rank, in_features) the parts' A, stacked.
+        b: (stop - start, parts * rank) the parts' B, on a block diagonal.
+    """
+
+    start: int
+    stop: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @classmethod
+    def of_parts(cls, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> _FusedLoRA:
+        """Stacks `(offset in the fused output, A, B)` parts of one fused module."""
+        parts = sorted(parts, key=lambda part: part[0])
+        start = parts[0][0]
+        stop = max(offset + b.shape[0] for offset, _, b in parts)
+        rank = parts[0][1].shape[0]
+        a = torch.cat([part_a for _, part_a, _ in parts])  # (parts * rank, in)
+        b = parts[0][2].new_zeros(stop - start, rank * len(parts))
+        for index, (offset, _, part_b) in enumerate(parts):
+            b[
+                offset - start : offset - start + part_b.shape[0], index * rank : (index + 1) * rank
+            ] = part_b
+        return cls(start, stop, a, b)
+
+
 @dataclass(frozen=True, eq=False)  # one version is one object: compared by identity
 class LoRAAdapter:
     """One loaded version of a LoRA adapter: immutable, shared by every request that uses it.
@@ -131,10 +170,8 @@ class LoRAAdapter:
     path: str | None
     base_model_name_or_path: str | None
     weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-    # (layer, fused module) -> ((offset in its output, A, B), ...): what the forward pass reads.
-    _fused: Mapping[tuple[int, str], tuple[tuple[int, torch.Tensor, torch.Tensor], ...]] = field(
-        repr=False, compare=False
-    )
+    # (layer, fused module) -> what the forward pass reads: see `_FusedLoRA`.
+    _fused: Mapping[tuple[int, str], _FusedLoRA] = field(repr=False, compare=False)
     label: WeightVersion | None = None
 
     @property
@@ -375,7 +412,7 @@ def build_lora_adapter(
         path=path,
         base_model_name_or_path=base_model if isinstance(base_model, str) else None,
         weights=MappingProxyType(weights),  # type: ignore[arg-type]
-        _fused=MappingProxyType({k: tuple(v) for k, v in fused.items()}),
+        _fused=MappingProxyType({k: _FusedLoRA.of_parts(v) for k, v in fused.items()}),
     )
 
 
@@ -625,11 +662,10 @@ class LoRABatch:
             fused: `qkv_proj`, `o_proj`, `gate_up_proj` or `down_proj`.
         """
         for adapter, rows in self.groups:
-            parts = adapter._fused.get((layer, fused))
-            if not parts:
+            stacked = adapter._fused.get((layer, fused))
+            if stacked is None:
                 continue
             x_rows = x.index_select(0, rows)  # (rows, in_features)
-            for offset, a, b in parts:
-                delta = (x_rows @ a.T) @ b.T  # (rows, out_features of the part)
-                delta.mul_(adapter.scaling)
-                out[:, offset : offset + b.shape[0]].index_add_(0, rows, delta)
+            delta = (x_rows @ stacked.a.T) @ stacked.b.T  # (rows, stop - start)
+            delta.mul_(adapter.scaling)
+            out[:, stacked.start : stacked.stop].index_add_(0, rows, delta)

@@ -129,6 +129,50 @@ def test_a_batch_without_adapter_rows_takes_the_base_path():
     assert LoRABatch.of_rows(rows, torch.device("cpu")) is None
 
 
+class _CountMatmuls(torch.overrides.TorchFunctionMode):
+    """Counts the matrix products torch is asked for while it is active."""
+
+    PRODUCTS = frozenset({"matmul", "mm", "__matmul__"})  # `a @ b` arrives as Tensor.matmul
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", None) in self.PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("fused", "parts"), [("qkv_proj", 3), ("gate_up_proj", 2)])
+def test_an_adapter_adds_two_matmuls_per_fused_module_whatever_its_parts(
+    tmp_path, base_model, fused, parts
+):
+    """The q/k/v (gate/up) parts of an adapter are applied together: one shrink, one expand."""
+    engine = lora_engine()
+    tensors = adapter_tensors(base_model, seed=8)
+    adapter = engine.load_lora_adapter(
+        "a", str(write_adapter(tmp_path / "a", tensors, peft_config()))
+    )
+    rows = torch.tensor([0, 2])
+    batch = LoRABatch([(adapter, rows)])
+    parent = "self_attn" if fused == "qkv_proj" else "mlp"
+    linear = base_model.get_submodule(f"model.layers.0.{parent}.{fused}")
+    x = torch.randn(3, linear.weight.shape[1], dtype=DTYPE)
+    out = torch.zeros(3, linear.weight.shape[0], dtype=DTYPE)
+    with _CountMatmuls() as counter:
+        batch.add(out, x, 0, fused)
+    assert counter.count == 2, f"{counter.count} matmuls for {parts} parts"
+    # What they add is each part's scaling * (x @ A.T) @ B.T, in its rows of the fused output.
+    expected = torch.zeros_like(out)
+    offset = 0
+    names = ("q_proj", "k_proj", "v_proj") if fused == "qkv_proj" else ("gate_proj", "up_proj")
+    for module in names:
+        a, b = (tensors[peft_name(0, module, kind)].to(DTYPE) for kind in "AB")
+        expected[rows, offset : offset + b.shape[0]] = adapter.scaling * (x[rows] @ a.T) @ b.T
+        offset += b.shape[0]
+    torch.testing.assert_close(out, expected)
+
+
 def test_the_prefix_cache_never_shares_kv_between_adapters_or_versions(tmp_path, base_model):
     engine = lora_engine()
     for name, seed in (("a", 8), ("b", 9)):
