@@ -177,3 +177,17 @@ def test_a_running_request_keeps_its_version_while_an_adapter_is_pushed_to_a_gpu
     assert running.token_ids == old_answer and running.weight_versions == [1] * MAX_TOKENS
     assert after.weight_versions == ["v2"] * MAX_TOKENS
     assert after.token_ids == tokens(from_directory(tmp_path / "v2", specs, seed=24), "a")
+
+
+@NEEDS_TWO
+def test_an_adapter_lands_on_the_models_gpu_whichever_gpu_is_current_for_the_caller(tmp_path):
+    # "cuda" names the current device, which CUDA keeps per thread: the engine built where
+    # cuda:1 is current computes there, and a load from a thread where cuda:0 is must follow it.
+    with torch.cuda.device(1):
+        engine = lora_engine(device="cuda")
+    assert engine.model.device == torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    tensors = adapter_tensors(engine.model, seed=31)
+    engine.load_lora_adapter("a", str(write_adapter(tmp_path, tensors, CONFIG)))
+    assert_on_the_models_device(engine, "a")
+    assert tokens(engine, "a") != tokens(engine, None)
