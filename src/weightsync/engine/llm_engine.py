@@ -154,7 +154,9 @@ class LLMEngine:
         blocks = config.num_kv_blocks
         self.runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size,
                                   eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
-        self.loras = _lora_registry(model, config, self.device)
+        # The placed model's device, with its index: "cuda" alone names the calling thread's
+        # current device, and a load from another thread would put an adapter on another GPU.
+        self.loras = _lora_registry(model, config, self.model.device)
         # Callers on other threads only touch these inboxes, which each step drains first.
         self._lock = threading.Lock()
         self._inbox: deque[Seq] = deque()
