@@ -323,3 +323,16 @@ def test_the_weights_are_not_freed_while_a_rebuild_reads_them(held_rebuild, toke
     send(engine, seed=1, version=2)
     engine.resume_generation()
     assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_a_shut_down_engine_stops_its_rebuild_after_the_copy_in_hand(held_rebuild):
+    # The process's exit waits for the rebuild (see tests/integration): a stopping server
+    # must not wait for copies no step will read.
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)
+    engine.shutdown()
+    held_rebuild.release()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert len(held_rebuild.copies) == 1  # the one it was building when the engine stopped
+    assert all(copy is None for copy in packed_copies(engine).values())  # none installed
