@@ -336,3 +336,31 @@ def test_a_shut_down_engine_stops_its_rebuild_after_the_copy_in_hand(held_rebuil
     assert engine.model.wait_for_repack(timeout_s=60)
     assert len(held_rebuild.copies) == 1  # the one it was building when the engine stopped
     assert all(copy is None for copy in packed_copies(engine).values())  # none installed
+
+
+def test_packing_a_packed_model_again_leaves_no_rebuild_to_install_old_copies(
+    monkeypatch, tokens_of_seed
+):
+    if not PACKS:
+        pytest.skip("this torch build has no oneDNN: the linears read plain weights only")
+    pack, built = _packed_linear.pack_weight, []
+    held, go = threading.Event(), threading.Event()
+
+    def pack_then_hold(weight: torch.Tensor) -> torch.Tensor:
+        copy = pack(weight)
+        if not built and threading.current_thread() is not threading.main_thread():
+            built.append(copy)  # a copy of seed 1's weights, held until seed 0's have landed
+            held.set()
+            assert go.wait(timeout=20), "never released (the test failed)"
+        return copy
+
+    monkeypatch.setattr(_packed_linear, "pack_weight", pack_then_hold)
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held.wait(timeout=20)
+    engine.model.pack_linears()  # while the rebuild of seed 1's copies runs
+    send(engine, seed=0, version=2)
+    go.set()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert built and all(copy is not built[0] for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[0]
