@@ -364,3 +364,33 @@ def test_packing_a_packed_model_again_leaves_no_rebuild_to_install_old_copies(
     assert engine.model.wait_for_repack(timeout_s=60)
     assert built and all(copy is not built[0] for copy in packed_copies(engine).values())
     assert greedy_tokens(engine) == tokens_of_seed[0]
+
+
+def test_a_rebuild_out_of_memory_leaves_plain_weights_and_the_next_update_packs(
+    monkeypatch, caplog, tokens_of_seed
+):
+    if not PACKS:
+        pytest.skip("this torch build has no oneDNN: the linears read plain weights only")
+    pack, failing = _packed_linear.pack_weight, [True]
+
+    def out_of_memory_on_a_thread(weight: torch.Tensor) -> torch.Tensor:
+        if failing[0] and threading.current_thread() is not threading.main_thread():
+            raise torch.OutOfMemoryError("simulated")
+        return pack(weight)
+
+    monkeypatch.setattr(_packed_linear, "pack_weight", out_of_memory_on_a_thread)
+    engine = engine_with(0)
+    with caplog.at_level("WARNING", logger=_packed_linear.__name__):
+        send(engine, seed=1, version=1)
+        assert engine.model.wait_for_repack(timeout_s=60)
+    assert [r.getMessage() for r in caplog.records] == [
+        "packing 9 linears failed (OutOfMemoryError: simulated): they read their plain weights"
+    ]
+    assert all(record.exc_info is None for record in caplog.records)  # one line, no stack
+    assert all(copy is None for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+    failing[0] = False
+    send(engine, seed=0, version=2)
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert all(copy is not None for copy in packed_copies(engine).values())  # all of them again
+    assert greedy_tokens(engine) == tokens_of_seed[0]
