@@ -116,12 +116,15 @@ class PackedCopies:
                 return
             self._rebuilds += 1
         # The thread frees the stale copies before building: the memory is reused, and
-        # freeing tens of megabytes is off the caller's path too.
+        # freeing tens of megabytes is off the caller's path too. Not a daemon: the
+        # interpreter's exit waits for it (one rebuild, bounded), where a daemon thread coming
+        # back from a torch call into a finalizing interpreter ends the process in
+        # std::terminate (exit status 134).
         rebuild = threading.Thread(
             target=self._rebuild,
             args=(missing, generation, torch.get_num_threads(), dropped),
             name="repack-linears",
-            daemon=True,
+            daemon=False,  # not inherited: a commit may run on a transfer's daemon thread
         )
         try:
             rebuild.start()

@@ -836,13 +836,18 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Ends the engine: releases its transfer engine and runs nothing more. Safe twice.
 
-        Requests still in flight are not stepped further. Every later call that would generate
-        or update (`generate`, `add_request`, `step`, `init_weight_transfer_engine`,
-        `start_weight_update`, `update_weights`) raises `EngineStateError`, as an `AsyncEngine`
-        shut down does; create a new engine instead. To leave a trainer's transfer and go on
-        generating, call `shutdown_weight_transfer_engine()`.
+        Requests still in flight are not stepped further, and a rebuild of the packed copies
+        in flight stops after the copy in hand (see `LlamaForCausalLM.cancel_repack`). Every
+        later call that would generate or update (`generate`, `add_request`, `step`,
+        `init_weight_transfer_engine`, `start_weight_update`, `update_weights`) raises
+        `EngineStateError`, as an `AsyncEngine` shut down does; create a new engine instead.
+        To leave a trainer's transfer and go on generating, call
+        `shutdown_weight_transfer_engine()`.
         """
         self._shut_down = True
+        # No step reads the copies any more, and the process's exit waits for a rebuild in
+        # flight: it stops after the copy in hand.
+        self.model.cancel_repack()
         self.weights.shutdown()
 
     def _check_not_shut_down(self, call: str) -> None:

@@ -374,17 +374,20 @@ class LlamaForCausalLM(nn.Module):
         of the matrices' memory. The plain weights stay: updates write into them, so whoever
         writes them calls `cancel_repack` before the first byte moves and `repack_linears`
         after the last (the engine's weight updates do, at open and at commit). Call it once
-        the model is on its device, in its dtype.
+        the model is on its device, in its dtype. Called again, it rebuilds every copy.
 
         Returns:
             Whether the linears are packed: False where the device, the dtype or the torch
             build does not allow it (logged once); the plain weights then serve.
         """
-        reason = packing_unavailable(self.device, self.dtype)
-        if reason is not None:
-            logger.info("linears read plain weights: %s", reason)
-            return False
-        self._packed = PackedCopies(self._linears_holding(None))
+        if self._packed is None:
+            reason = packing_unavailable(self.device, self.dtype)
+            if reason is not None:
+                logger.info("linears read plain weights: %s", reason)
+                return False
+            self._packed = PackedCopies(self._linears_holding(None))
+        # Once packed, the copies keep their one keeper: a second one would not discard the
+        # first one's rebuild in flight, which would install copies of weights since updated.
         self.repack_linears()
         return True
 

@@ -16,6 +16,7 @@ the transaction aborted on every engine it opened if a later step fails.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -218,6 +219,15 @@ class WeightSender(ABC):
     def __init__(self, engines: Sequence[EngineClient]) -> None:
         if not engines:
             raise WeightValidationError("a weight sender needs at least one engine, got none")
+        for index, engine in enumerate(engines):
+            # Called from threads, a coroutine function returns a coroutine nobody awaits: the
+            # update would never run while send() returned as if it had.
+            if inspect.iscoroutinefunction(getattr(engine, "finish_weight_update", None)):
+                raise WeightValidationError(
+                    f"engines[{index}] ({type(engine).__name__}) answers with coroutines, which "
+                    "a weight sender cannot await: await its weight-update calls yourself, or "
+                    "serve it and pass an HTTPEngineClient"
+                )
         self.engines = list(engines)
         self._connected = False
         # Each round of calls into the engines waits wire.client_timeout_s at most: longer than

@@ -323,3 +323,74 @@ def test_the_weights_are_not_freed_while_a_rebuild_reads_them(held_rebuild, toke
     send(engine, seed=1, version=2)
     engine.resume_generation()
     assert greedy_tokens(engine) == tokens_of_seed[1]
+
+
+def test_a_shut_down_engine_stops_its_rebuild_after_the_copy_in_hand(held_rebuild):
+    # The process's exit waits for the rebuild (see tests/integration): a stopping server
+    # must not wait for copies no step will read.
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held_rebuild.held.wait(timeout=20)
+    engine.shutdown()
+    held_rebuild.release()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert len(held_rebuild.copies) == 1  # the one it was building when the engine stopped
+    assert all(copy is None for copy in packed_copies(engine).values())  # none installed
+
+
+def test_packing_a_packed_model_again_leaves_no_rebuild_to_install_old_copies(
+    monkeypatch, tokens_of_seed
+):
+    if not PACKS:
+        pytest.skip("this torch build has no oneDNN: the linears read plain weights only")
+    pack, built = _packed_linear.pack_weight, []
+    held, go = threading.Event(), threading.Event()
+
+    def pack_then_hold(weight: torch.Tensor) -> torch.Tensor:
+        copy = pack(weight)
+        if not built and threading.current_thread() is not threading.main_thread():
+            built.append(copy)  # a copy of seed 1's weights, held until seed 0's have landed
+            held.set()
+            assert go.wait(timeout=20), "never released (the test failed)"
+        return copy
+
+    monkeypatch.setattr(_packed_linear, "pack_weight", pack_then_hold)
+    engine = engine_with(0)
+    send(engine, seed=1, version=1)
+    assert held.wait(timeout=20)
+    engine.model.pack_linears()  # while the rebuild of seed 1's copies runs
+    send(engine, seed=0, version=2)
+    go.set()
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert built and all(copy is not built[0] for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[0]
+
+
+def test_a_rebuild_out_of_memory_leaves_plain_weights_and_the_next_update_packs(
+    monkeypatch, caplog, tokens_of_seed
+):
+    if not PACKS:
+        pytest.skip("this torch build has no oneDNN: the linears read plain weights only")
+    pack, failing = _packed_linear.pack_weight, [True]
+
+    def out_of_memory_on_a_thread(weight: torch.Tensor) -> torch.Tensor:
+        if failing[0] and threading.current_thread() is not threading.main_thread():
+            raise torch.OutOfMemoryError("simulated")
+        return pack(weight)
+
+    monkeypatch.setattr(_packed_linear, "pack_weight", out_of_memory_on_a_thread)
+    engine = engine_with(0)
+    with caplog.at_level("WARNING", logger=_packed_linear.__name__):
+        send(engine, seed=1, version=1)
+        assert engine.model.wait_for_repack(timeout_s=60)
+    assert [r.getMessage() for r in caplog.records] == [
+        "packing 9 linears failed (OutOfMemoryError: simulated): they read their plain weights"
+    ]
+    assert all(record.exc_info is None for record in caplog.records)  # one line, no stack
+    assert all(copy is None for copy in packed_copies(engine).values())
+    assert greedy_tokens(engine) == tokens_of_seed[1]
+    failing[0] = False
+    send(engine, seed=0, version=2)
+    assert engine.model.wait_for_repack(timeout_s=60)
+    assert all(copy is not None for copy in packed_copies(engine).values())  # all of them again
+    assert greedy_tokens(engine) == tokens_of_seed[0]

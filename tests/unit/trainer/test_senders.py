@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from weightsync.config import WeightTransferConfig
+from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
@@ -60,6 +61,16 @@ def test_an_unknown_backend_is_named_with_the_known_ones():
 def test_a_sender_needs_engines():
     with pytest.raises(WeightValidationError, match="at least one engine"):
         IPCWeightSender([])
+
+
+def test_a_sender_refuses_an_engine_whose_calls_are_coroutines(policy):
+    # A sender calls its engines from threads and cannot await: an AsyncEngine's update would
+    # never run, while send() returned as if it had.
+    async_engine = AsyncEngine.from_engine(engine())
+    with pytest.raises(
+        WeightValidationError, match=r"engines\[0\] \(AsyncEngine\) answers with coroutines"
+    ):
+        IPCWeightSender([async_engine])
 
 
 def test_broadcast_ranks_follow_the_engines_order():
