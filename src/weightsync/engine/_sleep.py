@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from weightsync.engine._model_runner import ModelRunner
 from weightsync.engine.weights import LiveWeights
-from weightsync.errors import EngineStateError, InvalidRequestError
+from weightsync.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +90,3 @@ class Sleep:
             self.asleep.discard("scheduling")
         if not self.asleep:
             self.level = None
-
-    def check_awake(self, call: str) -> None:
-        """Raises when a tag sleeps: `call` (a request, a resume) needs the whole engine.
-
-        Raises:
-            EngineStateError: Something sleeps; the message says to wake it.
-        """
-        if self.asleep:
-            raise EngineStateError(
-                f"{call}: the engine is asleep (sleep level {self.level}; asleep: "
-                f"{sorted(self.asleep)}): call wake_up() first (over HTTP, POST /wake_up)"
-            )

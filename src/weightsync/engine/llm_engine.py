@@ -201,7 +201,7 @@ class LLMEngine:
             EngineStateError: The engine was shut down, or it is asleep.
         """
         self._check_not_shut_down("add_request")
-        self._sleep.check_awake("add_request")
+        self._check_awake("add_request")
         with self._lock:
             seq = self.input_processor.process(
                 request_id, prompt, sampling_params, cache_salt=cache_salt,
@@ -540,7 +540,7 @@ class LLMEngine:
             TornWeightsError: A failed update left torn weights; land a complete update first.
             WeightUpdateStateError: A weight update is in progress; finish or abort it first.
         """
-        self._sleep.check_awake("resume_generation()")
+        self._check_awake("resume_generation()")
         self.weights.check_can_generate("resume_generation()")
         self._clear_cache_after_drain = False
         self.scheduler.resume()
@@ -604,6 +604,14 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         """Whether any part of the engine sleeps."""
         return bool(self._sleep.asleep)
+
+    def _check_awake(self, call: str) -> None:
+        """Refuses `call` (a request, a resume) while any part of the engine sleeps."""
+        if self._sleep.asleep:
+            raise EngineStateError(
+                f"{call}: the engine is asleep (sleep level {self._sleep.level}; asleep: "
+                f"{sorted(self._sleep.asleep)}): call wake_up() first (over HTTP, POST /wake_up)"
+            )
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prompt prefix (vLLM's route of that name); returns True.
