@@ -5,8 +5,9 @@ processes keep some of those cores busy (a trainer, another server, a build), a 
 over a busy core waits for it at every step, and computing on fewer threads is faster. So the
 step thread re-decides at step boundaries, from what the other processes used of this process's
 cores over the last `period_s`: Linux's `/proc/stat` for the cores, less this process's own time
-from `/proc/self/stat` (the server's own HTTP work is its own, not other work). Where `/proc` is
-missing it computes on every core but one.
+from `/proc/self/stat` (the server's own HTTP work is its own, not other work), never on more
+threads than a cgroup v2 CPU quota allows. Where `/proc` is missing it computes on every core but
+one.
 
 A matmul's rounding depends on how many threads split it, as it depends on the batch: logprobs
 may differ in the last bits between two loads of the machine. `--num-threads N` fixes the count.
@@ -19,16 +20,18 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
-__all__ = ["ComputeThreads", "threads_for", "usable_cores"]
+__all__ = ["ComputeThreads", "cpu_limit", "threads_for", "usable_cores"]
 
 logger = logging.getLogger(__name__)
 
 _SLACK_CORES = 0.5  # other work under half a core (a client, a daemon) leaves every core to compute
 _PERIOD_S = 0.5
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" in microseconds, or "max ..."
 
 Reading = tuple[int, int]
 """Clock ticks since boot: busy on the watched cores (every process), and this process's own."""
@@ -39,6 +42,17 @@ def usable_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def cpu_limit(cores: int) -> int:
+    """`cores`, or fewer where a cgroup v2 CPU quota (a container's `--cpus`) allows fewer."""
+    try:
+        quota, period = _CPU_MAX.read_text(encoding="ascii").split()[:2]
+        if quota != "max":
+            return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2, or a file not its form
+        pass
+    return cores
 
 
 def threads_for(cores: int, others: float) -> int:
@@ -89,7 +103,8 @@ class ComputeThreads:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cores = usable_cores() if cores is None else sorted(cores)
-        self.threads = len(self.cores)
+        self.limit = cpu_limit(len(self.cores))  # never more threads than a CPU quota allows
+        self.threads = self.limit
         self.others = 0.0  # the cores' worth other work used over the last period
         self._read: Callable[[Sequence[int]], Reading | None] | None = read
         self._period_s, self._set, self._clock = period_s, set_threads, clock
@@ -103,7 +118,7 @@ class ComputeThreads:
             return
         reading = self._read(self.cores)
         if reading is None:  # no /proc: every core but one, from now on
-            self._apply(max(1, len(self.cores) - 1))
+            self._apply(max(1, self.limit - 1))
             self._read = None
             return
         if self._last is not None:
@@ -111,7 +126,7 @@ class ComputeThreads:
             others = ((reading[0] - busy) - (reading[1] - own)) / (_TICKS_PER_S * (now - then))
             self.others = min(max(others, 0.0), float(len(self.cores)))
         self._last = (now, reading)
-        self._apply(threads_for(len(self.cores), self.others))
+        self._apply(min(self.limit, threads_for(len(self.cores), self.others)))
 
     def _apply(self, threads: int) -> None:
         if threads != self.threads or not self._set_yet:

@@ -39,7 +39,7 @@ from weightsync import (
     WeightTransferConfig,
     parse_weight_transfer_config,
 )
-from weightsync.engine._cores import ComputeThreads, usable_cores
+from weightsync.engine._cores import ComputeThreads, cpu_limit, usable_cores
 from weightsync.engine.hf_tokenizer import load_tokenizer
 from weightsync.engine.loader import _read_json
 from weightsync.engine.tokenizer import Tokenizer
@@ -151,15 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_config = _engine_config(args)
         cores = len(usable_cores())
+        threads = None if args.num_threads else ComputeThreads()
         # The threads of side work (a transfer, a repack) stay off one core; the step thread
         # computes on every core other processes leave free, unless told how many.
-        torch.set_num_threads(args.num_threads or max(1, cores - 1))
-        threads = None if args.num_threads else ComputeThreads()
+        torch.set_num_threads(args.num_threads or max(1, cpu_limit(cores) - 1))
         if threads is None:
             logger.info("computing on %d threads (%d cores)", args.num_threads, cores)
         else:
             logger.info("computing on up to %d threads (%d cores): every core other processes "
-                        "leave free (--num-threads fixes it)", cores, cores)  # fmt: skip
+                        "leave free (--num-threads fixes it)", threads.limit, cores)  # fmt: skip
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
@@ -266,7 +266,7 @@ def _serve_data_parallel(
     from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
 
-    size, cores = args.data_parallel_size, len(usable_cores())
+    size, cores = args.data_parallel_size, cpu_limit(len(usable_cores()))
     if size > cores:
         logger.warning("%d replicas share %d cores: each computes slowly and starts slowly; "
                        "fewer replicas serve faster here", size, cores)  # fmt: skip

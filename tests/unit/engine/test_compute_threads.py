@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import pytest
 from engine_helpers import greedy, make_engine
 
-from weightsync.engine._cores import ComputeThreads, threads_for
+from weightsync.engine import _cores
+from weightsync.engine._cores import ComputeThreads, cpu_limit, threads_for
 from weightsync.engine.async_engine import STEP_THREAD_NAME, AsyncEngine
 
 TICKS = 100  # clock ticks per second on Linux (SC_CLK_TCK)
@@ -96,3 +97,20 @@ def test_the_step_thread_sets_its_threads_before_its_steps():
 
     assert len(asyncio.run(main())) == 4
     assert calls == [(STEP_THREAD_NAME, 2)]
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "limit"),
+    [("max 100000\n", 8), ("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000\n", 1),
+     ("1600000 100000\n", 8), ("garbage\n", 8), (None, 8)],
+)  # fmt: skip
+def test_a_cgroup_cpu_quota_caps_the_threads(tmp_path, monkeypatch, cpu_max, limit):
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(_cores, "_CPU_MAX", path)
+    assert cpu_limit(8) == limit
+    machine = FakeMachine()
+    threads = machine.threads(cores=8)
+    threads.adjust()  # nothing measured yet: every core the quota allows
+    assert machine.set_to == [limit]
