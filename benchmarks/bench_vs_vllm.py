@@ -20,8 +20,8 @@ alternating between rounds, so that drift in the machine's load falls on all of 
 round's prompts are new token ids (no prefix cache helps) and every side gets the same ones. A
 third side, `inprocess`, runs the same requests through the engine's own API
 (`AsyncEngine.generate`) in a child process with no HTTP, with `--inprocess-threads` compute
-threads (default: `weightsync serve`'s, every core but one). Round 0 warms everything up; the
-figures are medians over `--rounds` rounds after it.
+threads (default: as `weightsync serve` computes, on every core other processes leave free).
+Round 0 warms everything up; the figures are medians over `--rounds` rounds after it.
 
 Figures, per stream count (`by_streams`):
 
@@ -568,12 +568,16 @@ def worker(model_dir: str, threads: int) -> None:
     """The child's side: builds the engine as `weightsync serve` does, then runs bursts."""
     import torch
 
-    from weightsync import AsyncEngine, SamplingParams
+    from weightsync import AsyncEngine, LLMEngine, SamplingParams
+    from weightsync.engine._cores import ComputeThreads, usable_cores
 
-    torch.set_num_threads(threads)
+    # As `weightsync serve` computes: on a fixed count, or (0) on every core others leave free.
+    torch.set_num_threads(threads or max(1, len(usable_cores()) - 1))
+    compute_threads = None if threads else ComputeThreads()
 
     async def run() -> None:
-        engine = AsyncEngine(model_dir)  # the engine configuration `weightsync serve` defaults to
+        # The engine configuration `weightsync serve` defaults to.
+        engine = AsyncEngine.from_engine(LLMEngine(model_dir), compute_threads=compute_threads)
         out = sys.stdout
         out.write(json.dumps({"ready": True}) + "\n")
         out.flush()
@@ -809,10 +813,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--max-token-id", type=int, default=255, help="largest prompt token id")
-    parser.add_argument("--inprocess-threads", type=int,
-                        default=max(1, (os.cpu_count() or 2) - 1),
-                        help="compute threads of the engine in process (default: every core but "
-                             "one, as `weightsync serve`)")  # fmt: skip
+    parser.add_argument("--inprocess-threads", type=int, default=0,
+                        help="compute threads of the engine in process (default 0: as "
+                             "`weightsync serve`, every core other processes leave free)")  # fmt: skip
     parser.add_argument("--compare-prompts", type=int, default=8, help="greedy prompts compared")
     parser.add_argument("--compare-tokens", type=int, default=64, help="tokens each")
     parser.add_argument("--roofline-mib", type=int, default=256,
@@ -877,7 +880,7 @@ def main() -> None:
                   "weight_bytes": costs.weight_bytes,
                   "kv_bytes_per_token": costs.kv_bytes_per_token, "dtype": "float32"},
         "servers": records,
-        "inprocess": {**inprocess_record, "torch_threads": args.inprocess_threads,
+        "inprocess": {**inprocess_record, "torch_threads": args.inprocess_threads or "auto",
                       "engine_of": b.label},
         "streams": args.streams, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,

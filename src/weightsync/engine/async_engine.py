@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from weightsync.engine._cores import ComputeThreads
 from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.lora import LoRAAdapter
@@ -139,12 +140,22 @@ class AsyncEngine:
         self._init(model if isinstance(model, LLMEngine) else LLMEngine(model, **engine_kwargs))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> AsyncEngine:
-        """Wraps an existing `LLMEngine` (which must not be stepped by anyone else)."""
-        return cls(engine)
+    def from_engine(
+        cls, engine: LLMEngine, *, compute_threads: ComputeThreads | None = None
+    ) -> AsyncEngine:
+        """Wraps an existing `LLMEngine` (which must not be stepped by anyone else).
+
+        With `compute_threads`, the step thread calls its `adjust()` before each step, which sets
+        how many torch threads the step computes on (`weightsync serve` does, unless given
+        `--num-threads`); without, steps compute on torch's threads as the process set them.
+        """
+        async_engine = cls(engine)
+        async_engine._compute_threads = compute_threads
+        return async_engine
 
     def _init(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._compute_threads: ComputeThreads | None = None  # see from_engine
         self._weights = engine.weights  # the transaction and what guards it: called directly
         self.stats = ServingStats()  # requests, pauses and updates, for a metrics page
         self._lock = asyncio.Lock()  # one control call at a time (see _at_step_boundary)
@@ -199,6 +210,8 @@ class AsyncEngine:
         """The step thread: steps while there is work and parks for control calls."""
         try:
             while self._next_step_is_due(loop):
+                if self._compute_threads is not None:
+                    self._compute_threads.adjust()
                 self._hand_off(loop, self.engine.step())
         except Exception as exc:
             logger.exception("engine step failed; failing every open stream")

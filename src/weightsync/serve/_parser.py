@@ -217,7 +217,7 @@ def _add_scheduler_arguments(serve: argparse.ArgumentParser) -> None:
                        help="longest sequence in tokens (default: the model's)")  # fmt: skip
     sched.add_argument("--num-threads", type=_positive_int, default=None,
                        help="torch threads of the forward pass (default: every core this process "
-                       "may run on but one)")  # fmt: skip
+                       "may run on that other processes leave free, re-decided as it steps)")  # fmt: skip
     sched.add_argument("--sampling-seed", type=_seed, default=None,
                        help="seed of unseeded requests' sampling (default: --seed)")  # fmt: skip
     sched.add_argument("--no-prefix-caching", action="store_true",

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from weightsync import (
     WeightTransferConfig,
     parse_weight_transfer_config,
 )
+from weightsync.engine._cores import ComputeThreads, cpu_limit, usable_cores
 from weightsync.engine.hf_tokenizer import load_tokenizer
 from weightsync.engine.loader import _read_json
 from weightsync.engine.tokenizer import Tokenizer
@@ -150,11 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_data_parallel(args, transfer_config, sock)
     try:
         engine_config = _engine_config(args)
-        # Every core but one: the HTTP side needs only a small part of a core, but a forward
-        # pass on every core contends with it and with its own step thread (the performance
-        # page has the figures).
-        torch.set_num_threads(args.num_threads or max(1, _cores() - 1))
-        logger.info("computing on %d threads (%d cores)", torch.get_num_threads(), _cores())
+        cores = len(usable_cores())
+        threads = None if args.num_threads else ComputeThreads()
+        # The threads of side work (a transfer, a repack) stay off one core; the step thread
+        # computes on every core other processes leave free, unless told how many.
+        torch.set_num_threads(args.num_threads or max(1, cpu_limit(cores) - 1))
+        if threads is None:
+            logger.info("computing on %d threads (%d cores)", args.num_threads, cores)
+        else:
+            logger.info("computing on up to %d threads (%d cores): every core other processes "
+                        "leave free (--num-threads fixes it)", threads.limit, cores)  # fmt: skip
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
@@ -179,17 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeightSyncError as exc:
         sock.close()
         return _fail(str(exc), status=2)
-    app = create_app(AsyncEngine(engine), config)
+    app = create_app(AsyncEngine.from_engine(engine, compute_threads=threads), config)
     _serve_as_child(app, args.parent_pid, replica=args.replica)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
-
-
-def _cores() -> int:
-    """The cores this process may run on (a `taskset` or cgroup limit counts)."""
-    if hasattr(os, "sched_getaffinity"):  # a process pinned to some cores (taskset, cgroups)
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _server_config(args: argparse.Namespace, *, world_size: int = 1) -> ServerConfig:
@@ -268,7 +266,7 @@ def _serve_data_parallel(
     from weightsync.serve._front.fleet import Fleet, replica_argv
     from weightsync.serve._server import serve_forever
 
-    size, cores = args.data_parallel_size, os.cpu_count() or 2
+    size, cores = args.data_parallel_size, cpu_limit(len(usable_cores()))
     if size > cores:
         logger.warning("%d replicas share %d cores: each computes slowly and starts slowly; "
                        "fewer replicas serve faster here", size, cores)  # fmt: skip

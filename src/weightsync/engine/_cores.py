@@ -1,0 +1,137 @@
+"""How many threads a server's forward pass computes on: every core that other work leaves free.
+
+On a machine of its own, a server computes fastest on every core it may run on. Where other
+processes keep some of those cores busy (a trainer, another server, a build), a forward pass split
+over a busy core waits for it at every step, and computing on fewer threads is faster. So the
+step thread re-decides at step boundaries, from what the other processes used of this process's
+cores over the last `period_s`: Linux's `/proc/stat` for the cores, less this process's own time
+from `/proc/self/stat` (the server's own HTTP work is its own, not other work), never on more
+threads than a cgroup v2 CPU quota allows. Where `/proc` is missing it computes on every core but
+one.
+
+A matmul's rounding depends on how many threads split it, as it depends on the batch: logprobs
+may differ in the last bits between two loads of the machine. `--num-threads N` fixes the count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["ComputeThreads", "cpu_limit", "threads_for", "usable_cores"]
+
+logger = logging.getLogger(__name__)
+
+_SLACK_CORES = 0.5  # other work under half a core (a client, a daemon) leaves every core to compute
+_PERIOD_S = 0.5
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" in microseconds, or "max ..."
+
+Reading = tuple[int, int]
+"""Clock ticks since boot: busy on the watched cores (every process), and this process's own."""
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (a `taskset` or cgroup limit counts)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_limit(cores: int) -> int:
+    """`cores`, or fewer where a cgroup v2 CPU quota (a container's `--cpus`) allows fewer."""
+    try:
+        quota, period = _CPU_MAX.read_text(encoding="ascii").split()[:2]
+        if quota != "max":
+            return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2, or a file not its form
+        pass
+    return cores
+
+
+def threads_for(cores: int, others: float) -> int:
+    """Threads to compute on: `cores` less each core that other work keeps busy, at least one.
+
+    Args:
+        cores: The cores this process may run on.
+        others: The cores' worth of time other processes used of them lately (0.0 to `cores`).
+    """
+    return max(1, cores - math.ceil(max(0.0, others - _SLACK_CORES)))
+
+
+def read_ticks(cores: Sequence[int]) -> Reading | None:
+    """This machine's busy ticks on `cores` and this process's own ticks; None without `/proc`."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            lines = stat.read().splitlines()
+        with open("/proc/self/stat", encoding="ascii") as own:
+            fields = own.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    wanted, busy = {f"cpu{core}" for core in cores}, 0
+    for line in lines:
+        name, *ticks = line.split()
+        if name in wanted:
+            # user nice system idle iowait irq softirq steal guest guest_nice: idle and iowait
+            # are free time; guest time is already counted in user and nice.
+            values = [int(tick) for tick in ticks]
+            busy += sum(values[:8]) - values[3] - values[4]
+    return busy, int(fields[11]) + int(fields[12])  # utime and stime, every thread of this process
+
+
+class ComputeThreads:
+    """Sets the calling thread's torch threads to every core other work leaves free.
+
+    The server's step thread calls `adjust` before each step; at most every `period_s` it reads
+    what the other processes used of the cores since the last reading and sets `threads` to
+    `threads_for` of it.
+    """
+
+    def __init__(
+        self,
+        cores: Sequence[int] | None = None,
+        *,
+        period_s: float = _PERIOD_S,
+        read: Callable[[Sequence[int]], Reading | None] = read_ticks,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cores = usable_cores() if cores is None else sorted(cores)
+        self.limit = cpu_limit(len(self.cores))  # never more threads than a CPU quota allows
+        self.threads = self.limit
+        self.others = 0.0  # the cores' worth other work used over the last period
+        self._read: Callable[[Sequence[int]], Reading | None] | None = read
+        self._period_s, self._set, self._clock = period_s, set_threads, clock
+        self._last: tuple[float, Reading] | None = None
+        self._set_yet = False
+
+    def adjust(self) -> None:
+        """Re-decides, at most every `period_s`, how many threads the calling thread computes on."""
+        now = self._clock()
+        if self._read is None or (self._last and now - self._last[0] < self._period_s):
+            return
+        reading = self._read(self.cores)
+        if reading is None:  # no /proc: every core but one, from now on
+            self._apply(max(1, self.limit - 1))
+            self._read = None
+            return
+        if self._last is not None:
+            then, (busy, own) = self._last
+            others = ((reading[0] - busy) - (reading[1] - own)) / (_TICKS_PER_S * (now - then))
+            self.others = min(max(others, 0.0), float(len(self.cores)))
+        self._last = (now, reading)
+        self._apply(min(self.limit, threads_for(len(self.cores), self.others)))
+
+    def _apply(self, threads: int) -> None:
+        if threads != self.threads or not self._set_yet:
+            if threads != self.threads:
+                logger.debug("computing on %d threads: other work used %.2f of %d cores",
+                             threads, self.others, len(self.cores))  # fmt: skip
+            self._set(threads)
+            self.threads, self._set_yet = threads, True

@@ -1,0 +1,116 @@
+"""How many threads a server's steps compute on: every core that other processes leave free."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+from engine_helpers import greedy, make_engine
+
+from weightsync.engine import _cores
+from weightsync.engine._cores import ComputeThreads, cpu_limit, threads_for
+from weightsync.engine.async_engine import STEP_THREAD_NAME, AsyncEngine
+
+TICKS = 100  # clock ticks per second on Linux (SC_CLK_TCK)
+
+
+@pytest.mark.parametrize(
+    ("cores", "others", "threads"),
+    [(2, 0.0, 2), (2, 0.5, 2), (2, 0.6, 1), (2, 2.0, 1), (16, 0.4, 16), (16, 3.2, 13), (1, 0.0, 1)],
+)
+def test_other_work_above_half_a_core_takes_a_core_from_the_forward_pass(cores, others, threads):
+    assert threads_for(cores, others) == threads
+
+
+class FakeMachine:
+    """A clock and `/proc` readings the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own = 0.0, 0, 0
+        self.reads = 0
+        self.set_to: list[int] = []
+
+    def read(self, _cores: Sequence[int]) -> tuple[int, int]:
+        self.reads += 1
+        return self.busy, self.own
+
+    def run(self, seconds: float, *, others: float, own: float) -> None:
+        """`seconds` pass with other processes busy on `others` cores and this one on `own`."""
+        self.now += seconds
+        self.own += round(own * seconds * TICKS)
+        self.busy += round((own + others) * seconds * TICKS)
+
+    def threads(self, cores: int = 2) -> ComputeThreads:
+        return ComputeThreads(
+            range(cores), read=self.read, set_threads=self.set_to.append, clock=lambda: self.now
+        )
+
+
+def test_the_threads_follow_what_other_processes_leave_free():
+    machine = FakeMachine()
+    threads = machine.threads(cores=2)
+    threads.adjust()
+    assert machine.set_to == [2]  # nothing measured yet: every core
+    machine.run(0.3, others=1.0, own=1.0)
+    threads.adjust()  # within the period: not read again
+    assert machine.reads == 1 and machine.set_to == [2]
+    machine.run(0.3, others=1.0, own=1.0)
+    threads.adjust()
+    assert threads.others == pytest.approx(1.0, abs=0.05) and machine.set_to == [2, 1]
+    machine.run(0.6, others=0.9, own=1.0)
+    threads.adjust()  # unchanged: torch is not told again
+    assert machine.set_to == [2, 1]
+    machine.run(0.6, others=0.05, own=1.9)  # the server's own work is not other work
+    threads.adjust()
+    assert machine.set_to == [2, 1, 2] and threads.threads == 2
+
+
+def test_without_proc_it_computes_on_every_core_but_one_and_stops_reading():
+    reads: list[int] = []
+    set_to: list[int] = []
+
+    def read(_cores: Sequence[int]) -> None:
+        reads.append(1)
+
+    threads = ComputeThreads(range(4), read=read, set_threads=set_to.append, clock=time.monotonic)
+    threads.adjust()
+    threads.adjust()
+    assert set_to == [3] and len(reads) == 1
+
+
+def test_the_step_thread_sets_its_threads_before_its_steps():
+    machine = FakeMachine()
+    calls: list[tuple[str, int]] = []
+
+    def record(n: int) -> None:
+        calls.append((threading.current_thread().name, n))
+
+    threads = ComputeThreads(range(2), read=machine.read, set_threads=record, clock=lambda: 0.0)
+
+    async def main() -> list[int]:
+        async with AsyncEngine.from_engine(make_engine(), compute_threads=threads) as engine:
+            outputs = [out async for out in engine.generate("hello", greedy(4), request_id="a")]
+            return outputs[-1].outputs[0].token_ids
+
+    assert len(asyncio.run(main())) == 4
+    assert calls == [(STEP_THREAD_NAME, 2)]
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "limit"),
+    [("max 100000\n", 8), ("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000\n", 1),
+     ("1600000 100000\n", 8), ("garbage\n", 8), (None, 8)],
+)  # fmt: skip
+def test_a_cgroup_cpu_quota_caps_the_threads(tmp_path, monkeypatch, cpu_max, limit):
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(_cores, "_CPU_MAX", path)
+    assert cpu_limit(8) == limit
+    machine = FakeMachine()
+    threads = machine.threads(cores=8)
+    threads.adjust()  # nothing measured yet: every core the quota allows
+    assert machine.set_to == [limit]
