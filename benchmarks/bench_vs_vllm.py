@@ -21,7 +21,10 @@ round's prompts are new token ids (no prefix cache helps) and every side gets th
 third side, `inprocess`, runs the same requests through the engine's own API
 (`AsyncEngine.generate`) in a child process with no HTTP, with `--inprocess-threads` compute
 threads (default: as `weightsync serve` computes, on every core other processes leave free).
-Round 0 warms everything up; the figures are medians over `--rounds` rounds after it.
+Round 0 warms everything up; the figures are medians over `--rounds` rounds after it. Each burst
+starts once the machine's busy cores stay under 0.25 for 0.2 s (`--settle-limit-s`, 5 s, at
+most; `settle_s` per round): a server goes on working for a moment after its burst (vLLM for a
+second or two), and the next side would otherwise run beside it.
 
 Figures, per stream count (`by_streams`):
 
@@ -79,6 +82,9 @@ from machine import describe_machine  # benchmarks/machine.py, beside this scrip
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+# Before each burst: until the machine's busy cores stay under SETTLE_CORES for SETTLE_WINDOW_S
+# (a server goes on working for a moment after its burst), `--settle-limit-s` at most.
+SETTLE_CORES, SETTLE_WINDOW_S = 0.25, 0.2
 GIB = 1024**3
 INPROCESS = "inprocess"
 
@@ -318,6 +324,19 @@ def own_cpu_s() -> float:
 
 def machine_ticks() -> tuple[int, int]:
     return busy_and_total_ticks(Path("/proc/stat").read_text())
+
+
+async def settle(limit_s: float) -> float:
+    """Waits until the machine is quiet (see SETTLE_CORES), bounded; returns the seconds waited."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < limit_s:
+        busy_before, total_before = machine_ticks()
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        busy, total = machine_ticks()
+        cores = (busy - busy_before) / max(total - total_before, 1) * (os.cpu_count() or 1)
+        if cores < SETTLE_CORES:
+            break
+    return time.perf_counter() - began
 
 
 def process_tree(root: int) -> list[int]:
@@ -673,10 +692,12 @@ async def bench(a: Side, b: Side, inprocess: InProcess, args: argparse.Namespace
         busy_before, total_before = machine_ticks()
         own_before, began = own_cpu_s(), time.perf_counter()
         side_before = {side.label: tree_cpu_s(side.pid) for side in sides if side.pid}
+        settled_s = 0.0
         for count in args.streams:
             prompts = prompts_for(round_index * 1000 + count, count, args.prompt_tokens,
                                   args.max_token_id)  # fmt: skip
             for side in order:
+                settled_s += await settle(args.settle_limit_s)
                 if side is inprocess.side:
                     burst = await inprocess.burst(prompts, args.max_tokens)
                 else:
@@ -697,6 +718,7 @@ async def bench(a: Side, b: Side, inprocess: InProcess, args: argparse.Namespace
             rounds.append({
                 "order": [side.label for side in order],
                 "seconds": round(seconds, 2),
+                "settle_s": round(settled_s, 2),
                 "load_average_1min_start": round(load_start, 2),
                 "load_average_1min_end": round(os.getloadavg()[0], 2),
                 "busy_cores": round(busy_cores, 2),
@@ -816,6 +838,9 @@ def main() -> None:
     parser.add_argument("--inprocess-threads", type=int, default=0,
                         help="compute threads of the engine in process (default 0: as "
                              "`weightsync serve`, every core other processes leave free)")  # fmt: skip
+    parser.add_argument("--settle-limit-s", type=float, default=5.0,
+                        help="longest wait for a quiet machine before a burst (0: none; default "
+                             "%(default)s)")  # fmt: skip
     parser.add_argument("--compare-prompts", type=int, default=8, help="greedy prompts compared")
     parser.add_argument("--compare-tokens", type=int, default=64, help="tokens each")
     parser.add_argument("--roofline-mib", type=int, default=256,

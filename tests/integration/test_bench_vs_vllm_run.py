@@ -49,6 +49,7 @@ def test_bench_vs_vllm_runs_with_two_weightsync_servers(tmp_path):
     (machine_round,) = result["round_machine"]
     assert set(machine_round["cpu_s"]) == set(SIDES)
     assert "load_average_1min_start" in machine_round and "other_cores" in machine_round
+    assert 0 < machine_round["settle_s"] <= 6 * 5.5  # six bursts, each settled within 5 s
     rates = result["roofline_rates"]["used"]
     assert rates["read_gb_s"] > 0 and rates["matmul_gflop_s"] > 0
     for mode in ("one_at_a_time", "all_at_once"):
