@@ -150,16 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_data_parallel(args, transfer_config, sock)
     try:
         engine_config = _engine_config(args)
-        cores = len(usable_cores())
-        threads = None if args.num_threads else ComputeThreads()
-        # The threads of side work (a transfer, a repack) stay off one core; the step thread
-        # computes on every core other processes leave free, unless told how many.
-        torch.set_num_threads(args.num_threads or max(1, cpu_limit(cores) - 1))
-        if threads is None:
-            logger.info("computing on %d threads (%d cores)", args.num_threads, cores)
-        else:
-            logger.info("computing on up to %d threads (%d cores): every core other processes "
-                        "leave free (--num-threads fixes it)", threads.limit, cores)  # fmt: skip
+        threads = _compute_threads(args.num_threads)
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
@@ -188,6 +179,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_as_child(app, args.parent_pid, replica=args.replica)
     logger.info("engine config: %s", dataclasses.asdict(engine_config))
     return serve_forever(app, sock, log_level=args.log_level)
+
+
+def _compute_threads(num_threads: int | None) -> ComputeThreads | None:
+    """Sets torch's threads; returns what decides the step thread's, unless `num_threads` does."""
+    cores = len(usable_cores())
+    threads = None if num_threads else ComputeThreads()
+    # The threads of side work (a transfer, a repack) stay off one core; the step thread
+    # computes on every core other processes leave free, unless told how many.
+    torch.set_num_threads(num_threads or max(1, cpu_limit(cores) - 1))
+    if threads is None:
+        logger.info("computing on %d threads (%d cores)", num_threads, cores)
+    else:
+        logger.info("computing on up to %d threads (%d cores): every core other processes "
+                    "leave free (--num-threads fixes it)", threads.limit, cores)  # fmt: skip
+    return threads
 
 
 def _server_config(args: argparse.Namespace, *, world_size: int = 1) -> ServerConfig:
