@@ -67,22 +67,21 @@ def threads_for(cores: int, others: float) -> int:
 
 def read_ticks(cores: Sequence[int]) -> Reading | None:
     """This machine's busy ticks on `cores` and this process's own ticks; None without `/proc`."""
+    wanted, busy = {f"cpu{core}" for core in cores}, 0
     try:
         with open("/proc/stat", encoding="ascii") as stat:
-            lines = stat.read().splitlines()
+            for line in stat:
+                name, *ticks = line.split() or [""]
+                if name in wanted:
+                    # user nice system idle iowait irq softirq steal (guest time is already
+                    # counted in user and nice): all but idle and iowait are busy.
+                    values = [int(tick) for tick in ticks[:8]]
+                    busy += sum(values) - values[3] - values[4]
         with open("/proc/self/stat", encoding="ascii") as own:
             fields = own.read().rsplit(")", 1)[1].split()
-    except OSError:
+        return busy, int(fields[11]) + int(fields[12])  # utime, stime: every thread of this one
+    except (OSError, ValueError, IndexError):  # no /proc, or not in the form Linux writes
         return None
-    wanted, busy = {f"cpu{core}" for core in cores}, 0
-    for line in lines:
-        name, *ticks = line.split()
-        if name in wanted:
-            # user nice system idle iowait irq softirq steal guest guest_nice: idle and iowait
-            # are free time; guest time is already counted in user and nice.
-            values = [int(tick) for tick in ticks]
-            busy += sum(values[:8]) - values[3] - values[4]
-    return busy, int(fields[11]) + int(fields[12])  # utime and stime, every thread of this process
 
 
 class ComputeThreads:
@@ -121,7 +120,7 @@ class ComputeThreads:
             self._apply(max(1, self.limit - 1))
             self._read = None
             return
-        if self._last is not None:
+        if self._last is not None and now > self._last[0]:
             then, (busy, own) = self._last
             others = ((reading[0] - busy) - (reading[1] - own)) / (_TICKS_PER_S * (now - then))
             self.others = min(max(others, 0.0), float(len(self.cores)))

@@ -114,3 +114,20 @@ def test_a_cgroup_cpu_quota_caps_the_threads(tmp_path, monkeypatch, cpu_max, lim
     threads = machine.threads(cores=8)
     threads.adjust()  # nothing measured yet: every core the quota allows
     assert machine.set_to == [limit]
+
+
+@pytest.mark.parametrize(
+    ("stat", "own"),
+    [("cpu0 1 2 3\n", "1 (x) S 1 2"), ("cpu0 a b c d e f g h\n", "1 (x) S"), ("", ""),
+     ("cpu0 1 2 3 4 5 6 7 8\n", "1 (a) b) S 0 0 0 0 0 0 0 0 x y")],
+)  # fmt: skip
+def test_a_proc_file_not_in_linux_form_reads_as_none(tmp_path, monkeypatch, stat, own):
+    # A step must never fail for the thread count: an unreadable /proc is "no /proc".
+    files = {"/proc/stat": tmp_path / "stat", "/proc/self/stat": tmp_path / "self"}
+    files["/proc/stat"].write_text(stat)
+    files["/proc/self/stat"].write_text(own)
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: real_open(files.get(path, path), *a, **k)
+    )
+    assert _cores.read_ticks([0]) is None
