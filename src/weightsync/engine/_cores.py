@@ -6,8 +6,8 @@ over a busy core waits for it at every step, and computing on fewer threads is f
 step thread re-decides at step boundaries, from what the other processes used of this process's
 cores over the last `period_s`: Linux's `/proc/stat` for the cores, less this process's own time
 from `/proc/self/stat` (the server's own HTTP work is its own, not other work), never on more
-threads than a cgroup v2 CPU quota allows. Where `/proc` is missing it computes on every core but
-one.
+threads than a cgroup v2 CPU quota allows. Where `/proc` is missing, or does not list each
+of those cores, it computes on every core but one.
 
 A matmul's rounding depends on how many threads split it, as it depends on the batch: logprobs
 may differ in the last bits between two loads of the machine. `--num-threads N` fixes the count.
@@ -66,7 +66,10 @@ def threads_for(cores: int, others: float) -> int:
 
 
 def read_ticks(cores: Sequence[int]) -> Reading | None:
-    """This machine's busy ticks on `cores` and this process's own ticks; None without `/proc`."""
+    """This machine's busy ticks on `cores` and this process's own ticks.
+
+    None without `/proc`, or where `/proc/stat` does not list each of `cores`.
+    """
     wanted, busy = {f"cpu{core}" for core in cores}, 0
     try:
         with open("/proc/stat", encoding="ascii") as stat:
@@ -77,6 +80,9 @@ def read_ticks(cores: Sequence[int]) -> Reading | None:
                     # counted in user and nice): all but idle and iowait are busy.
                     values = [int(tick) for tick in ticks[:8]]
                     busy += sum(values) - values[3] - values[4]
+                    wanted.discard(name)
+        if wanted:  # cores it does not list (a virtualized /proc): their work would go unseen
+            return None
         with open("/proc/self/stat", encoding="ascii") as own:
             fields = own.read().rsplit(")", 1)[1].split()
         return busy, int(fields[11]) + int(fields[12])  # utime, stime: every thread of this one

@@ -131,3 +131,18 @@ def test_a_proc_file_not_in_linux_form_reads_as_none(tmp_path, monkeypatch, stat
         "builtins.open", lambda path, *a, **k: real_open(files.get(path, path), *a, **k)
     )
     assert _cores.read_ticks([0]) is None
+
+
+def test_a_core_that_proc_stat_does_not_list_reads_as_none(tmp_path, monkeypatch):
+    # A container whose /proc/stat is virtualized (lxcfs numbers its cores from 0) lists other
+    # cores than the process's affinity: summing only the listed ones would read a busy machine
+    # as a quiet one, and the server would compute on every core beside other work.
+    files = {"/proc/stat": tmp_path / "stat", "/proc/self/stat": tmp_path / "self"}
+    files["/proc/stat"].write_text("cpu 9 0 9 90 0 0 0 0\ncpu0 9 0 9 90 0 0 0 0\n")
+    files["/proc/self/stat"].write_text("1 (x) S" + " 0" * 10 + " 3 4\n")
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: real_open(files.get(path, path), *a, **k)
+    )
+    assert _cores.read_ticks([0]) == (18, 7)
+    assert _cores.read_ticks([0, 4]) is None
