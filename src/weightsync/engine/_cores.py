@@ -125,6 +125,8 @@ class ComputeThreads:
         if reading is None:  # no /proc: every core but one, from now on
             self._apply(max(1, self.limit - 1))
             self._read = None
+            logger.info("the cores' use cannot be read from /proc: computing on %d threads, "
+                        "every core but one (--num-threads fixes it)", self.threads)  # fmt: skip
             return
         if self._last is not None and now > self._last[0]:
             then, (busy, own) = self._last

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -146,3 +147,14 @@ def test_a_core_that_proc_stat_does_not_list_reads_as_none(tmp_path, monkeypatch
     )
     assert _cores.read_ticks([0]) == (18, 7)
     assert _cores.read_ticks([0, 4]) is None
+
+
+def test_without_proc_the_fallback_is_logged_once(caplog):
+    # The server logged "every core other processes leave free" at start; a user must learn
+    # that it cannot follow the load and computes on a fixed count instead.
+    threads = ComputeThreads(range(4), read=lambda _cores: None, set_threads=lambda _n: None)
+    with caplog.at_level(logging.INFO, logger=_cores.__name__):
+        threads.adjust()
+        threads.adjust()
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and "3 threads" in lines[0] and "/proc" in lines[0], lines
