@@ -90,6 +90,15 @@ def read_ticks(cores: Sequence[int]) -> Reading | None:
         return None
 
 
+def _set_torch_threads(threads: int) -> None:
+    """Sets the calling thread's torch threads to `threads`, for good."""
+    # torch starts a thread's OpenMP count, at its first parallel op, from the count any thread
+    # set last: a count set before that op would be lost to another thread's set in between.
+    # Asking for the count first starts it now.
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 class ComputeThreads:
     """Sets the calling thread's torch threads to every core other work leaves free.
 
@@ -104,7 +113,7 @@ class ComputeThreads:
         *,
         period_s: float = _PERIOD_S,
         read: Callable[[Sequence[int]], Reading | None] = read_ticks,
-        set_threads: Callable[[int], None] = torch.set_num_threads,
+        set_threads: Callable[[int], None] = _set_torch_threads,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cores = usable_cores() if cores is None else sorted(cores)

@@ -185,8 +185,9 @@ def _compute_threads(num_threads: int | None) -> ComputeThreads | None:
     """Sets torch's threads; returns what decides the step thread's, unless `num_threads` does."""
     cores = len(usable_cores())
     threads = None if num_threads else ComputeThreads()
-    # The threads of side work (a transfer, a repack) stay off one core; the step thread
-    # computes on every core other processes leave free, unless told how many.
+    # Without num_threads, every core but one until the first step: a thread starts from the
+    # count torch was last given, so the threads made after the step thread sets its own (a
+    # transfer's, a repack's) start from its latest count and follow the load as steps do.
     torch.set_num_threads(num_threads or max(1, cpu_limit(cores) - 1))
     if threads is None:
         logger.info("computing on %d threads (%d cores)", num_threads, cores)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 import pytest
+import torch
 from engine_helpers import greedy, make_engine
 
 from weightsync.engine import _cores
@@ -158,3 +159,34 @@ def test_without_proc_the_fallback_is_logged_once(caplog):
         threads.adjust()
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 1 and "3 threads" in lines[0] and "/proc" in lines[0], lines
+
+
+def test_the_step_threads_count_holds_when_another_thread_sets_torchs_first(tmp_path, monkeypatch):
+    # torch starts each thread's OpenMP count from the count last set by any thread, at its
+    # first parallel op: a count set on a thread before that op is overwritten if another thread
+    # (a repack, a user's) set torch's count in between, and `adjust` would not set it again.
+    monkeypatch.setattr(_cores, "_CPU_MAX", tmp_path / "none")  # no quota: 2 of 2 cores
+    machine = FakeMachine()
+    threads = ComputeThreads(range(2), read=machine.read, clock=lambda: machine.now)
+    adjusted, go, seen = threading.Event(), threading.Event(), []
+
+    def step_thread() -> None:
+        threads.adjust()  # nothing measured yet: every core
+        adjusted.set()
+        go.wait(30)
+        torch.ones(64, 64) @ torch.ones(64, 64)  # the first step's first op
+        seen.append(torch.get_num_threads())
+
+    original = torch.get_num_threads()
+    stepper = threading.Thread(target=step_thread)
+    stepper.start()
+    try:
+        assert adjusted.wait(30)
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join(30)
+    finally:
+        go.set()
+        stepper.join(30)
+        torch.set_num_threads(original)
+    assert threads.threads == 2 and seen == [2]
