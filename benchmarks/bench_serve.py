@@ -7,7 +7,8 @@
   hand over asyncio streams) but parses and checks every SSE chunk.
 - `inprocess_tokens_per_s`: the same requests (prompts, seeds, lengths) as concurrent
   `AsyncEngine.generate` streams in this process, with the same engine configuration and the
-  same torch threads (the server's default: every core but one).
+  same fixed torch threads: every core but one (given to the server as `--num-threads`; its
+  default, which follows the machine's load, would differ from the in-process side's).
 - `http_throughput_ratio` = http / in-process (target >= 0.8).
 - CPU, which on a small machine is what the two modes compete for: `http_client_cpu_cores`
   (the client's CPU seconds per second of its runs: it runs on the same cores as the server),
@@ -197,7 +198,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     bodies = requests(args.streams, args.max_tokens)
-    # Both engines compute with the server's default: every core but one.
+    # Both engines compute on the same fixed count: every core but one.
     threads = max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
     server, url = start_server(args.streams, threads)

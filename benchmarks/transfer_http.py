@@ -47,7 +47,7 @@ _RECEIVER = """
 import json, os, sys
 import torch
 from weightsync import LlamaConfig, LlamaForCausalLM, WeightTransferConfig
-torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # as weightsync serve does
+torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # as weightsync serve, before its first step
 config = LlamaConfig.from_hf_dict(json.loads(sys.argv[1]))
 model = LlamaForCausalLM(config, dtype=torch.bfloat16)
 engine = WeightTransferConfig(backend="gloo").create_engine(
