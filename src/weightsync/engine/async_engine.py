@@ -148,6 +148,8 @@ class AsyncEngine:
         With `compute_threads`, the step thread calls its `adjust()` before each step, which sets
         how many torch threads the step computes on (`weightsync serve` does, unless given
         `--num-threads`); without, steps compute on torch's threads as the process set them.
+        torch starts each new thread from the count set last by any thread, so threads made
+        after a step (a transfer's, your own) start from the step thread's count.
         """
         async_engine = cls(engine)
         async_engine._compute_threads = compute_threads
