@@ -122,15 +122,22 @@ class ComputeThreads:
         self.others = 0.0  # the cores' worth other work used over the last period
         self._read: Callable[[Sequence[int]], Reading | None] | None = read
         self._period_s, self._set, self._clock = period_s, set_threads, clock
-        self._last: tuple[float, Reading] | None = None
+        self._last: tuple[float, Reading] | None = None  # the last good reading, and when
+        self._read_at = -math.inf  # when the last reading was tried
         self._set_yet = False
 
     def adjust(self) -> None:
         """Re-decides, at most every `period_s`, how many threads the calling thread computes on."""
         now = self._clock()
-        if self._read is None or (self._last and now - self._last[0] < self._period_s):
+        if self._read is None or now - self._read_at < self._period_s:
             return
+        self._read_at = now
         reading = self._read(self.cores)
+        if reading is None and self._set_yet:
+            # /proc was read before: a passing failure (no file descriptor to spare under load)
+            # leaves the count as it is, and the next good reading starts a new measurement.
+            self._last = None
+            return
         if reading is None:  # no /proc: every core but one, from now on
             self._apply(max(1, self.limit - 1))
             self._read = None

@@ -190,3 +190,27 @@ def test_the_step_threads_count_holds_when_another_thread_sets_torchs_first(tmp_
         stepper.join(30)
         torch.set_num_threads(original)
     assert threads.threads == 2 and seen == [2]
+
+
+def test_a_reading_that_fails_once_after_good_ones_leaves_the_threads_following_the_load():
+    # Out of file descriptors for a moment (a server under load): /proc is there, and the count
+    # must not fall back to every core but one for good.
+    machine, failing = FakeMachine(), [False]
+
+    def read(cores: Sequence[int]) -> tuple[int, int] | None:
+        return None if failing[0] else machine.read(cores)
+
+    threads = ComputeThreads(
+        range(4), read=read, set_threads=machine.set_to.append, clock=lambda: machine.now
+    )
+    threads.adjust()
+    assert machine.set_to == [4]
+    machine.run(0.6, others=0.0, own=1.0)
+    failing[0] = True
+    threads.adjust()
+    failing[0] = False
+    machine.run(0.6, others=2.0, own=1.0)
+    threads.adjust()  # a new measurement starts
+    machine.run(0.6, others=2.0, own=1.0)
+    threads.adjust()
+    assert machine.set_to == [4, 2] and threads.others == pytest.approx(2.0, abs=0.05)
