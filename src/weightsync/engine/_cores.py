@@ -116,6 +116,7 @@ class ComputeThreads:
         set_threads: Callable[[int], None] = _set_torch_threads,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._follow = cores is None  # the affinity may change as it runs (taskset -a -p)
         self.cores = usable_cores() if cores is None else sorted(cores)
         self.limit = cpu_limit(len(self.cores))  # never more threads than a CPU quota allows
         self.threads = self.limit
@@ -132,6 +133,8 @@ class ComputeThreads:
         if self._read is None or now - self._read_at < self._period_s:
             return
         self._read_at = now
+        if self._follow and (cores := usable_cores()) != self.cores:
+            self.cores, self.limit, self._last = cores, cpu_limit(len(cores)), None
         reading = self._read(self.cores)
         if reading is None and self._set_yet:
             # /proc was read before: a passing failure (no file descriptor to spare under load)

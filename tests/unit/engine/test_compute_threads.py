@@ -214,3 +214,19 @@ def test_a_reading_that_fails_once_after_good_ones_leaves_the_threads_following_
     machine.run(0.6, others=2.0, own=1.0)
     threads.adjust()
     assert machine.set_to == [4, 2] and threads.others == pytest.approx(2.0, abs=0.05)
+
+
+def test_a_narrower_affinity_while_it_runs_narrows_the_threads(tmp_path, monkeypatch):
+    # `taskset -a -p -c 0 PID` (or a container's cpuset changed as it runs): four threads on one
+    # core would wait for each other at every step.
+    monkeypatch.setattr(_cores, "_CPU_MAX", tmp_path / "none")
+    affinity = {0, 1, 2, 3}
+    monkeypatch.setattr(_cores.os, "sched_getaffinity", lambda _pid: set(affinity), raising=False)
+    machine = FakeMachine()
+    threads = ComputeThreads(read=machine.read, set_threads=machine.set_to.append,
+                             clock=lambda: machine.now)  # fmt: skip
+    threads.adjust()
+    affinity.intersection_update({0})
+    machine.run(0.6, others=0.0, own=1.0)
+    threads.adjust()
+    assert machine.set_to == [4, 1] and threads.cores == [0]
