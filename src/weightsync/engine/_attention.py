@@ -5,15 +5,17 @@ one slot per token, `num_slots = num_blocks * block_size`. A sequence's token at
 lives in slot `block_table[p // block_size] * block_size + p % block_size`. Every step writes its
 new keys and values into their slots, then each query attends over its sequence's slots.
 
-The step's sequences are attended in at most two parts, one `scaled_dot_product_attention` call
-per part and layer, with no Python loop over sequences:
+The step's sequences are attended in at most two parts, one attention call per part and layer,
+with no Python loop over sequences:
 
 - decodes (one query each) read their keys and values in place from decode lanes, a per-layer
   rectangle holding each decoding request's KV contiguously (see `LaneGroup`); a step only copies
-  into the lanes the columns they lack, usually one token per request;
-- prefill chunks are an `AttentionGroup`: their blocks are gathered into a padded rectangle,
-  padding masked. Keeping them apart from decodes means one long prefill never pads every decode
-  to its length.
+  into the lanes the columns they lack, usually one token per request. Two decodes or more attend
+  as two batched matmuls where that is faster (see `_matmul_pays`), any other batch through
+  `scaled_dot_product_attention`;
+- prefill chunks are an `AttentionGroup` (one `scaled_dot_product_attention` call): their blocks
+  are gathered into a padded rectangle, padding masked. Keeping them apart from decodes means one
+  long prefill never pads every decode to its length.
 """
 
 from __future__ import annotations
@@ -190,8 +192,32 @@ def _attend_lanes(
     # query heads that share a KV head (heads h = kv_head * groups + g) are that KV head's
     # `groups` query rows.
     queries = q.index_select(0, lanes.query_index).view(rows, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=lanes.mask)
+    if rows > 1 and _matmul_pays(q):
+        out = _matmul_attention(queries, keys, values, lanes.mask)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=lanes.mask)
     return out.reshape(rows, heads, head_dim)
+
+
+def _matmul_pays(q: torch.Tensor) -> bool:
+    """Whether a batch of decodes attends faster as `_matmul_attention` than through SDPA.
+
+    In float32 on a CPU computing on more than one thread, SDPA's fused kernel spends more on
+    sharing out a decode batch (a couple of query rows per KV head) than on the work: on two
+    threads the matmuls were 1.1 to 1.8 times as fast from 4 to 64 decodes over 96 columns, and
+    as fast over 400 to 2,000. On one thread SDPA was faster (`benchmarks/bench_attention.py`).
+    """
+    return q.device.type == "cpu" and q.dtype == torch.float32 and torch.get_num_threads() > 1
+
+
+def _matmul_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention as two batched matmuls around a softmax: (..., queries, head_dim) -> same shape."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
 def paged_attention(

@@ -1,10 +1,14 @@
 """Decode lanes: decodes attend over contiguous copies of their KV that always match the cache."""
 
+import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from engine_helpers import PROMPTS, greedy, reference_greedy, small_config
 
+from weightsync.engine import _attention
 from weightsync.engine._lanes import DecodeLanes
 from weightsync.engine.llm_engine import LLMEngine
+from weightsync.engine.model import LlamaForCausalLM
 
 
 def assert_lanes_match_the_cache(engine: LLMEngine) -> int:
@@ -82,6 +86,46 @@ def test_lanes_match_the_cache_as_requests_finish_at_different_steps(debug_model
         checked += assert_lanes_match_the_cache(engine)
     assert checked > 0
     assert {r: o.outputs[0].token_ids for r, o in finals.items()} == expected
+
+
+def test_matmul_attention_equals_sdpa_and_ignores_masked_columns():
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 2, 16)  # (rows, kv_heads, query heads per KV head, head_dim)
+    lanes = torch.randn(2, 3, 2, 12, 16)
+    keys, values = lanes[0, :, :, :9], lanes[1, :, :, :9]  # views, as the engine reads lanes
+    mask = (torch.arange(9) < torch.tensor([9, 4, 6])[:, None])[:, None, None, :]
+    out = _attention._matmul_attention(q, keys, values, mask)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
+                          atol=1e-6)  # fmt: skip
+    lanes[:, 1, :, 4:9] = 1e4  # what row 1 may not see
+    assert torch.equal(_attention._matmul_attention(q, keys, values, mask)[1], out[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_decodes_of_mixed_lengths_match_the_reference_on_either_attention(threads):
+    # In float32, two threads take the matmul form and one keeps SDPA (see _matmul_pays); with
+    # requests of different lengths in one batch (a mask), both must give the logprobs of the
+    # reference, the whole sequence run at once with no cache.
+    model = LlamaForCausalLM.from_preset("debug", seed=0, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert _attention._matmul_pays(torch.zeros(1)) == (threads > 1)
+        engine = LLMEngine(model, engine_config=small_config())
+        for index, prompt in enumerate(PROMPTS[:5]):
+            engine.add_request(f"r{index}", prompt, greedy(6, logprobs=0))
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    finally:
+        torch.set_num_threads(before)
+    for index, prompt in enumerate(PROMPTS[:5]):
+        ids, out = engine.tokenizer.encode(prompt), finals[f"r{index}"]
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(ids + out.token_ids)))
+        chosen = logits[len(ids) - 1 : -1].log_softmax(-1)
+        expected = chosen.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-5)
 
 
 def test_a_kept_pause_with_a_cleared_cache_refills_the_lanes(debug_model):

@@ -1,0 +1,124 @@
+"""Decode attention on CPU: torch's fused `scaled_dot_product_attention` against the engine's matmul form.
+
+    python benchmarks/bench_attention.py --json
+    python benchmarks/bench_attention.py --threads 1 2 --rounds 9 --json
+
+A decode step attends one query per request over its decode lane (see `docs/engine.md`, "How a
+step computes attention"). On the heads of the 27M Llama of `model_dir.py --kind llama-27m`
+(8 query heads sharing 4 KV heads, head_dim 64), for each of `--rows` decodes, `--contexts`
+columns and `--threads` thread counts, with keys and values read in place from a lane rectangle
+(its capacity wider than the context, as the engine's is) and requests of mixed lengths (so a
+mask applies), two contenders compute the same output:
+
+- `sdpa`: `F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)`, what the engine
+  called for every decode batch before;
+- `matmul`: the engine's `_matmul_attention` (scores, softmax, weighted sum as two batched
+  matmuls), what it calls now for two decodes or more in float32 on CPU.
+
+Each round times both once per case, in an order that alternates from round to round, each
+time the median of `--calls` calls; a figure is the median over `--rounds` rounds and
+`speedup_paired` the median of the per-round ratios sdpa / matmul (paired: both share the
+machine's load of that moment). `max_abs_diff` compares the two outputs. The load average before
+and after is recorded. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from machine import describe_machine  # benchmarks/machine.py, beside this script
+from weightsync.engine._attention import _matmul_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
+
+
+def _time_call(fn: Callable[[], torch.Tensor], calls: int) -> float:
+    """Median seconds of one call of `fn` over `calls` calls (after two warm-up calls)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _contenders(rows: int, context: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Both contenders on one decode batch: `rows` queries over a lane rectangle cut at `context`."""
+    lanes = torch.randn(2, rows, KV_HEADS, 2 * context, HEAD_DIM)  # capacity past the context
+    keys, values = lanes[0, :, :, :context], lanes[1, :, :, :context]
+    q = torch.randn(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    ends = torch.randint(context // 2, context + 1, (rows,))
+    ends[0] = context  # the longest request sets the context, as in the engine
+    mask = (torch.arange(context) < ends[:, None])[:, None, None, :]
+    return {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
+        "matmul": lambda: _matmul_attention(q, keys, values, mask),
+    }
+
+
+def main() -> None:
+    """Runs the comparison and prints it (a table, or one JSON object with `--json`)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[96, 400])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds (median over them)")
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per contender")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    load_before = os.getloadavg()
+
+    results = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for rows in args.rows:
+            for context in args.contexts:
+                contenders = _contenders(rows, context)
+                diff = float((contenders["sdpa"]() - contenders["matmul"]()).abs().max())
+                times: dict[str, list[float]] = {label: [] for label in contenders}
+                for round_index in range(args.rounds):
+                    for label in sorted(contenders, reverse=bool(round_index % 2)):
+                        times[label].append(_time_call(contenders[label], args.calls))
+                results[f"threads={threads}/rows={rows}/context={context}"] = {
+                    "sdpa_us": round(statistics.median(times["sdpa"]) * 1e6, 1),
+                    "matmul_us": round(statistics.median(times["matmul"]) * 1e6, 1),
+                    "speedup_paired": round(
+                        statistics.median(s / m for s, m in zip(*times.values(), strict=True)), 3
+                    ),
+                    "max_abs_diff": diff,
+                }
+    report = {
+        "benchmark": "attention",
+        "command": "python benchmarks/bench_attention.py --rows "
+        + " ".join(map(str, args.rows))
+        + " --contexts "
+        + " ".join(map(str, args.contexts))
+        + " --threads "
+        + " ".join(map(str, args.threads))
+        + f" --rounds {args.rounds} --calls {args.calls} --json",
+        "machine": describe_machine(),
+        "load_average_before": [round(v, 2) for v in load_before],
+        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        "cases": results,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    for key, row in results.items():
+        print(f"{key:34s} sdpa {row['sdpa_us']:8.1f}us  matmul {row['matmul_us']:8.1f}us  "
+              f"x{row['speedup_paired']:.2f}  diff {row['max_abs_diff']:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
