@@ -203,9 +203,10 @@ def _matmul_pays(q: torch.Tensor) -> bool:
     """Whether a batch of decodes attends faster as `_matmul_attention` than through SDPA.
 
     In float32 on a CPU computing on more than one thread, SDPA's fused kernel spends more on
-    sharing out a decode batch (a couple of query rows per KV head) than on the work: on two
-    threads the matmuls were 1.1 to 1.8 times as fast from 4 to 64 decodes over 96 columns, and
-    as fast over 400 to 2,000. On one thread SDPA was faster (`benchmarks/bench_attention.py`).
+    sharing out a decode batch (a couple of query rows per KV head) than on the work. On two
+    threads, from 4 to 64 decodes, the matmuls took 1/1.1 to 1/2.5 of SDPA's time over 96
+    columns, 0.88 to 1.11 times its speed over 400 and 1.03 to 1.21 over 2,000. On one thread SDPA
+    was mostly faster (`benchmarks/results/micro/attention.json`).
     """
     return q.device.type == "cpu" and q.dtype == torch.float32 and torch.get_num_threads() > 1
 
