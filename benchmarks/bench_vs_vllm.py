@@ -36,6 +36,9 @@ Figures, per stream count (`by_streams`):
 - `cpu_s`, `cpu_cores`, `tokens_per_cpu_s`: CPU seconds (user + system, every thread, of the
   side's whole process tree, from `/proc`) used during the burst; over the burst's wall time;
   tokens per CPU second.
+- `client_cores`: this script's own CPU time during each side's burst over its wall time: the
+  HTTP client parsing every streamed chunk, on the same cores as the server (for `inprocess`,
+  the child runs its own requests and this script only waits).
 - `roofline_tokens_per_s` and `fraction_of_roofline`: the workload's ceiling on one thread (see
   below) and each side's median tokens/s over it.
 
@@ -317,9 +320,11 @@ def tree_cpu_s(root: int) -> float:
 
 
 def own_cpu_s() -> float:
-    """CPU seconds used so far by this process (the client), every thread."""
-    times = os.times()
-    return times.user + times.system
+    """CPU seconds used so far by this process (the client), every thread, to the nanosecond.
+
+    Not `os.times()`, counted in clock ticks: a short burst's client may use less than one.
+    """
+    return time.process_time()
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -379,6 +384,7 @@ class Burst:
     ttft_s: float
     tpot_ms: float
     cpu_s: float
+    client_cpu_s: float = 0.0  # this script's own CPU seconds during the burst (the client)
 
 
 @dataclass
@@ -490,7 +496,7 @@ async def stream_one(
 
 
 def burst_figures(
-    results: Iterable[tuple[int, float, float]], seconds: float, cpu_s: float
+    results: Iterable[tuple[int, float, float]], seconds: float, cpu_s: float, client_cpu_s: float
 ) -> Burst:
     """A burst's figures from its requests' (tokens, first, last)."""
     results = list(results)
@@ -501,6 +507,7 @@ def burst_figures(
         ttft_s=statistics.median(first for _, first, _ in results),
         tpot_ms=statistics.median(tpot) if tpot else 0.0,
         cpu_s=cpu_s,
+        client_cpu_s=client_cpu_s,
     )
 
 
@@ -508,12 +515,12 @@ async def http_burst(side: Side, prompts: list[list[int]], max_tokens: int) -> B
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     assert side.pid is not None
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        cpu_before = tree_cpu_s(side.pid)
+        cpu_before, client_before = tree_cpu_s(side.pid), own_cpu_s()
         began = time.perf_counter()
         results = await asyncio.gather(*(stream_one(client, side, p, max_tokens) for p in prompts))
         seconds = time.perf_counter() - began
         cpu_s = tree_cpu_s(side.pid) - cpu_before
-    return burst_figures(results, seconds, cpu_s)
+    return burst_figures(results, seconds, cpu_s, own_cpu_s() - client_before)
 
 
 # --- the engine in process, in a child -----------------------------------------------------------
@@ -551,12 +558,13 @@ class InProcess:
 
     async def burst(self, prompts: list[list[int]], max_tokens: int) -> Burst:
         assert self.proc is not None and self.proc.stdin is not None and self.side.pid is not None
-        cpu_before = tree_cpu_s(self.side.pid)
+        cpu_before, client_before = tree_cpu_s(self.side.pid), own_cpu_s()
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}).encode()
                               + b"\n")  # fmt: skip
         await self.proc.stdin.drain()
         answer = await self._read(REQUEST_TIMEOUT_S)
         cpu_s = tree_cpu_s(self.side.pid) - cpu_before
+        client_cpu_s = own_cpu_s() - client_before
         results = answer.get("results")
         seconds = answer.get("seconds")
         if (
@@ -569,7 +577,7 @@ class InProcess:
         triples = [(int(t), float(f), float(last)) for t, f, last in results]
         if any(tokens != max_tokens for tokens, _, _ in triples):
             raise RuntimeError(f"the in-process engine made {triples}, expected {max_tokens} each")
-        return burst_figures(triples, seconds, cpu_s)
+        return burst_figures(triples, seconds, cpu_s, client_cpu_s)
 
     async def stop(self) -> None:
         if self.proc is None or self.proc.returncode is not None:
@@ -753,6 +761,10 @@ def by_streams(a: Side, b: Side, p: Side, costs: ModelCosts, rates: dict[str, fl
                 s.label: summary([x.cpu_s / x.seconds for x in s.bursts[count]]) for s in (a, b, p)
             },
             "tokens_per_cpu_s": {s.label: tokens_per_cpu_s(s.bursts[count]) for s in (a, b, p)},
+            "client_cores": {
+                s.label: summary([x.client_cpu_s / x.seconds for x in s.bursts[count]])
+                for s in (a, b, p)
+            },
             "roofline_tokens_per_s": ceiling,
             "fraction_of_roofline": {
                 label: statistics.median(values) / ceiling["overlapped_tokens_per_s"]
