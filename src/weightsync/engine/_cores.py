@@ -104,7 +104,8 @@ class ComputeThreads:
 
     The server's step thread calls `adjust` before each step; at most every `period_s` it reads
     what the other processes used of the cores since the last reading and sets `threads` to
-    `threads_for` of it.
+    `threads_for` of it. It calls `rest` before it waits for work: other work is measured only
+    while the server steps.
     """
 
     def __init__(
@@ -153,6 +154,16 @@ class ComputeThreads:
             self.others = min(max(others, 0.0), float(len(self.cores)))
         self._last = (now, reading)
         self._apply(min(self.limit, threads_for(len(self.cores), self.others)))
+
+    def rest(self) -> None:
+        """The step thread stops stepping for now; its next step keeps the count decided last.
+
+        What other processes do with the cores while the server waits (a trainer training
+        between two rounds of generation) says nothing of what its steps compete with: the next
+        measurement starts at the next step, and covers only time the server spends stepping.
+        """
+        self._last = None
+        self._read_at = -math.inf
 
     def _apply(self, threads: int) -> None:
         if threads != self.threads or not self._set_yet:

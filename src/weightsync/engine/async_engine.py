@@ -228,12 +228,13 @@ class AsyncEngine:
         with self._cond:
             while not self._stopping:
                 self._grant_park(loop)
-                if not self._parked:
-                    if self.engine.has_work():
-                        return True
-                    if self._idle_asked > self._idle_answered:
-                        self._idle_answered = self._idle_asked
-                        self._post(loop, self._answer_idle, self._idle_answered)
+                if not self._parked and self.engine.has_work():
+                    return True
+                if self._compute_threads is not None:
+                    self._compute_threads.rest()  # other work is measured while stepping
+                if not self._parked and self._idle_asked > self._idle_answered:
+                    self._idle_answered = self._idle_asked
+                    self._post(loop, self._answer_idle, self._idle_answered)
                 # Bounded, so that a thread whose event loop was closed without shutdown() ends.
                 self._cond.wait(timeout=_IDLE_POLL_S)
                 if loop.is_closed():

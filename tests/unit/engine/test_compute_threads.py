@@ -70,6 +70,38 @@ def test_the_threads_follow_what_other_processes_leave_free():
     assert machine.set_to == [2, 1, 2] and threads.threads == 2
 
 
+def test_other_work_while_the_server_rests_leaves_the_count_decided_while_it_stepped():
+    machine = FakeMachine()
+    threads = machine.threads(cores=2)
+    threads.adjust()
+    machine.run(0.6, others=0.1, own=1.9)  # stepping beside a client: every core
+    threads.adjust()
+    threads.rest()  # no work: a trainer trains on both cores meanwhile
+    machine.run(5.0, others=2.0, own=0.0)
+    threads.adjust()  # the first step after the rest: the trainer's 5 s are not counted
+    assert machine.set_to == [2] and threads.threads == 2
+    machine.run(0.6, others=1.2, own=0.8)  # the trainer goes on beside the steps
+    threads.adjust()
+    assert threads.others == pytest.approx(1.2, abs=0.05) and machine.set_to == [2, 1]
+
+
+def test_the_step_thread_rests_before_it_answers_idle():
+    machine = FakeMachine()
+    threads = ComputeThreads(range(2), read=machine.read, set_threads=lambda n: None,
+                             clock=lambda: machine.now)  # fmt: skip
+    rests = []
+    threads.rest = lambda: rests.append(threading.current_thread().name)  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with AsyncEngine.from_engine(make_engine(), compute_threads=threads) as engine:
+            async for _ in engine.generate("hello", greedy(2), request_id="a"):
+                pass
+            await engine.wait_until_idle()
+
+    asyncio.run(main())
+    assert rests and set(rests) == {STEP_THREAD_NAME}
+
+
 def test_without_proc_it_computes_on_every_core_but_one_and_stops_reading():
     reads: list[int] = []
     set_to: list[int] = []
