@@ -127,6 +127,8 @@ class ComputeThreads:
         self._last: tuple[float, Reading] | None = None  # the last good reading, and when
         self._read_at = -math.inf  # when the last reading was tried
         self._set_yet = False
+        # The measurement under way: other work's ticks over this many seconds of stepping.
+        self._ticks, self._seconds = 0, 0.0
 
     def adjust(self) -> None:
         """Re-decides, at most every `period_s`, how many threads the calling thread computes on."""
@@ -136,6 +138,7 @@ class ComputeThreads:
         self._read_at = now
         if self._follow and (cores := usable_cores()) != self.cores:
             self.cores, self.limit, self._last = cores, cpu_limit(len(cores)), None
+            self._ticks, self._seconds = 0, 0.0
         reading = self._read(self.cores)
         if reading is None and self._set_yet:
             # /proc was read before: a passing failure (no file descriptor to spare under load)
@@ -148,22 +151,35 @@ class ComputeThreads:
             logger.info("the cores' use cannot be read from /proc: computing on %d threads, "
                         "every core but one (--num-threads fixes it)", self.threads)  # fmt: skip
             return
-        if self._last is not None and now > self._last[0]:
-            then, (busy, own) = self._last
-            others = ((reading[0] - busy) - (reading[1] - own)) / (_TICKS_PER_S * (now - then))
-            self.others = min(max(others, 0.0), float(len(self.cores)))
-        self._last = (now, reading)
+        self._take(now, reading)
         self._apply(min(self.limit, threads_for(len(self.cores), self.others)))
 
     def rest(self) -> None:
         """The step thread stops stepping for now; its next step keeps the count decided last.
 
         What other processes do with the cores while the server waits (a trainer training
-        between two rounds of generation) says nothing of what its steps compete with: the next
-        measurement starts at the next step, and covers only time the server spends stepping.
+        between two rounds of generation) says nothing of what its steps compete with. The
+        stretch stepped since the last reading joins the measurement, which goes on from the
+        next step: it covers only time spent stepping, however short each burst of steps.
         """
+        if self._read is not None and self._last is not None:
+            reading = self._read(self.cores)
+            if reading is not None:
+                self._take(self._clock(), reading)
         self._last = None
         self._read_at = -math.inf
+
+    def _take(self, now: float, reading: Reading) -> None:
+        """Adds the stretch since the last reading; `period_s` of stepping sets `others`."""
+        if self._last is not None and now > self._last[0]:
+            then, (busy, own) = self._last
+            self._ticks += (reading[0] - busy) - (reading[1] - own)
+            self._seconds += now - then
+            if self._seconds >= self._period_s:
+                others = self._ticks / (_TICKS_PER_S * self._seconds)
+                self.others = min(max(others, 0.0), float(len(self.cores)))
+                self._ticks, self._seconds = 0, 0.0
+        self._last = (now, reading)
 
     def _apply(self, threads: int) -> None:
         if threads != self.threads or not self._set_yet:

@@ -85,6 +85,21 @@ def test_other_work_while_the_server_rests_leaves_the_count_decided_while_it_ste
     assert threads.others == pytest.approx(1.2, abs=0.05) and machine.set_to == [2, 1]
 
 
+def test_short_bursts_beside_a_busy_trainer_add_up_to_a_measurement():
+    # Bursts of steps shorter than the period, a trainer on 1.2 cores beside them and on both
+    # cores while the server rests: the stepping stretches add up and the trainer is seen.
+    machine = FakeMachine()
+    threads = machine.threads(cores=2)
+    for _ in range(3):
+        threads.adjust()  # the burst's first step
+        machine.run(0.2, others=1.2, own=0.8)
+        threads.rest()
+        machine.run(1.0, others=2.0, own=0.0)
+    assert threads.others == pytest.approx(1.2, abs=0.05)
+    threads.adjust()
+    assert threads.threads == 1 and machine.set_to == [2, 1]
+
+
 def test_the_step_thread_rests_before_it_answers_idle():
     machine = FakeMachine()
     threads = ComputeThreads(range(2), read=machine.read, set_threads=lambda n: None,
