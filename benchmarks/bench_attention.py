@@ -28,28 +28,16 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from bench_linear import time_call  # benchmarks/bench_linear.py, beside this script
 from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync.engine._attention import _matmul_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
-
-
-def _time_call(fn: Callable[[], torch.Tensor], calls: int) -> float:
-    """Median seconds of one call of `fn` over `calls` calls (after two warm-up calls)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _contenders(rows: int, context: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -89,7 +77,7 @@ def main() -> None:
                 times: dict[str, list[float]] = {label: [] for label in contenders}
                 for round_index in range(args.rounds):
                     for label in sorted(contenders, reverse=bool(round_index % 2)):
-                        times[label].append(_time_call(contenders[label], args.calls))
+                        times[label].append(time_call(contenders[label], args.calls))
                 results[f"threads={threads}/rows={rows}/context={context}"] = {
                     "sdpa_us": round(statistics.median(times["sdpa"]) * 1e6, 1),
                     "matmul_us": round(statistics.median(times["matmul"]) * 1e6, 1),

@@ -54,7 +54,7 @@ SHAPES = [
 BATCHES = [1, 8, 64]
 
 
-def _time_call(fn: Callable[[], torch.Tensor], calls: int) -> float:
+def time_call(fn: Callable[[], torch.Tensor], calls: int) -> float:
     """Median seconds of one call of `fn` over `calls` calls (after two warm-up calls)."""
     fn()
     fn()
@@ -115,7 +115,7 @@ def main() -> None:
             if round_index % 2:
                 labels.reverse()
             for label in labels:
-                times[key].setdefault(label, []).append(_time_call(contenders[label], args.calls))
+                times[key].setdefault(label, []).append(time_call(contenders[label], args.calls))
 
     results = {}
     for key, (_, max_diff) in cases.items():
