@@ -5,10 +5,10 @@
 
 A decode step attends one query per request over its decode lane (see `docs/engine.md`, "How a
 step computes attention"). On the heads of the 27M Llama of `model_dir.py --kind llama-27m`
-(8 query heads sharing 4 KV heads, head_dim 64), for each of `--rows` decodes, `--contexts`
-columns and `--threads` thread counts, with keys and values read in place from a lane rectangle
-(its capacity wider than the context, as the engine's is) and requests of mixed lengths (so a
-mask applies), two contenders compute the same output:
+(8 query heads, head_dim 64; `--groups` query heads share a KV head, 2 in that model), for each
+of `--rows` decodes, `--contexts` columns and `--threads` thread counts, with keys and values
+read in place from a lane rectangle (its capacity wider than the context, as the engine's is) and
+requests of mixed lengths (so a mask applies), two contenders compute the same output:
 
 - `sdpa`: `F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)`, what the engine
   called for every decode batch before;
@@ -25,6 +25,7 @@ and after is recorded. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -37,14 +38,15 @@ from bench_linear import time_call  # benchmarks/bench_linear.py, beside this sc
 from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync.engine._attention import _matmul_attention
 
-HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
+HEADS, HEAD_DIM = 8, 64
 
 
-def _contenders(rows: int, context: int) -> dict[str, Callable[[], torch.Tensor]]:
+def _contenders(rows: int, context: int, groups: int) -> dict[str, Callable[[], torch.Tensor]]:
     """Both contenders on one decode batch: `rows` queries over a lane rectangle cut at `context`."""
-    lanes = torch.randn(2, rows, KV_HEADS, 2 * context, HEAD_DIM)  # capacity past the context
+    kv_heads = HEADS // groups
+    lanes = torch.randn(2, rows, kv_heads, 2 * context, HEAD_DIM)  # capacity past the context
     keys, values = lanes[0, :, :, :context], lanes[1, :, :, :context]
-    q = torch.randn(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    q = torch.randn(rows, kv_heads, groups, HEAD_DIM)
     ends = torch.randint(context // 2, context + 1, (rows,))
     ends[0] = context  # the longest request sets the context, as in the engine
     mask = (torch.arange(context) < ends[:, None])[:, None, None, :]
@@ -54,12 +56,32 @@ def _contenders(rows: int, context: int) -> dict[str, Callable[[], torch.Tensor]
     }
 
 
+def _case(contenders: dict[str, Callable[[], torch.Tensor]], rounds: int, calls: int
+          ) -> dict[str, float]:  # fmt: skip
+    """Times both contenders over paired rounds; their medians, paired speedup and difference."""
+    diff = float((contenders["sdpa"]() - contenders["matmul"]()).abs().max())
+    times: dict[str, list[float]] = {label: [] for label in contenders}
+    for round_index in range(rounds):
+        for label in sorted(contenders, reverse=bool(round_index % 2)):
+            times[label].append(time_call(contenders[label], calls))
+    return {
+        "sdpa_us": round(statistics.median(times["sdpa"]) * 1e6, 1),
+        "matmul_us": round(statistics.median(times["matmul"]) * 1e6, 1),
+        "speedup_paired": round(
+            statistics.median(s / m for s, m in zip(times["sdpa"], times["matmul"], strict=True)), 3
+        ),
+        "max_abs_diff": diff,
+    }
+
+
 def main() -> None:
     """Runs the comparison and prints it (a table, or one JSON object with `--json`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[96, 400])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--groups", type=int, nargs="+", default=[2],
+                        help="query heads per KV head (of 8 query heads)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7, help="paired rounds (median over them)")
     parser.add_argument("--calls", type=int, default=50, help="timed calls per contender")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -68,24 +90,12 @@ def main() -> None:
     load_before = os.getloadavg()
 
     results = {}
-    for threads in args.threads:
+    for threads, groups, rows, context in itertools.product(
+        args.threads, args.groups, args.rows, args.contexts
+    ):
         torch.set_num_threads(threads)
-        for rows in args.rows:
-            for context in args.contexts:
-                contenders = _contenders(rows, context)
-                diff = float((contenders["sdpa"]() - contenders["matmul"]()).abs().max())
-                times: dict[str, list[float]] = {label: [] for label in contenders}
-                for round_index in range(args.rounds):
-                    for label in sorted(contenders, reverse=bool(round_index % 2)):
-                        times[label].append(time_call(contenders[label], args.calls))
-                results[f"threads={threads}/rows={rows}/context={context}"] = {
-                    "sdpa_us": round(statistics.median(times["sdpa"]) * 1e6, 1),
-                    "matmul_us": round(statistics.median(times["matmul"]) * 1e6, 1),
-                    "speedup_paired": round(
-                        statistics.median(s / m for s, m in zip(*times.values(), strict=True)), 3
-                    ),
-                    "max_abs_diff": diff,
-                }
+        key = f"threads={threads}/groups={groups}/rows={rows}/context={context}"
+        results[key] = _case(_contenders(rows, context, groups), args.rounds, args.calls)
     report = {
         "benchmark": "attention",
         "command": "python benchmarks/bench_attention.py --rows "
@@ -94,6 +104,8 @@ def main() -> None:
         + " ".join(map(str, args.contexts))
         + " --threads "
         + " ".join(map(str, args.threads))
+        + " --groups "
+        + " ".join(map(str, args.groups))
         + f" --rounds {args.rounds} --calls {args.calls} --json",
         "machine": describe_machine(),
         "load_average_before": [round(v, 2) for v in load_before],
@@ -104,7 +116,7 @@ def main() -> None:
         print(json.dumps(report))
         return
     for key, row in results.items():
-        print(f"{key:34s} sdpa {row['sdpa_us']:8.1f}us  matmul {row['matmul_us']:8.1f}us  "
+        print(f"{key:44s} sdpa {row['sdpa_us']:8.1f}us  matmul {row['matmul_us']:8.1f}us  "
               f"x{row['speedup_paired']:.2f}  diff {row['max_abs_diff']:.1e}")  # fmt: skip
 
 

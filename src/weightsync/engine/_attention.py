@@ -11,8 +11,8 @@ with no Python loop over sequences:
 - decodes (one query each) read their keys and values in place from decode lanes, a per-layer
   rectangle holding each decoding request's KV contiguously (see `LaneGroup`); a step only copies
   into the lanes the columns they lack, usually one token per request. Two decodes or more attend
-  as two batched matmuls where that is faster (see `_matmul_pays`), any other batch through
-  `scaled_dot_product_attention`;
+  as two batched matmuls where that was measured faster (see `_matmul_pays`), any other batch
+  through `scaled_dot_product_attention`;
 - prefill chunks are an `AttentionGroup` (one `scaled_dot_product_attention` call): their blocks
   are gathered into a padded rectangle, padding masked. Keeping them apart from decodes means one
   long prefill never pads every decode to its length.
@@ -192,23 +192,28 @@ def _attend_lanes(
     # query heads that share a KV head (heads h = kv_head * groups + g) are that KV head's
     # `groups` query rows.
     queries = q.index_select(0, lanes.query_index).view(rows, kv_heads, heads // kv_heads, head_dim)
-    if rows > 1 and _matmul_pays(q):
+    if rows > 1 and _matmul_pays(queries):
         out = _matmul_attention(queries, keys, values, lanes.mask)
     else:
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=lanes.mask)
     return out.reshape(rows, heads, head_dim)
 
 
-def _matmul_pays(q: torch.Tensor) -> bool:
-    """Whether a batch of decodes attends faster as `_matmul_attention` than through SDPA.
+def _matmul_pays(queries: torch.Tensor) -> bool:
+    """Whether decodes `(rows, kv_heads, groups, head_dim)` attend faster as `_matmul_attention`.
 
-    In float32 on a CPU computing on more than one thread, SDPA's fused kernel spends more on
-    sharing out a decode batch (a couple of query rows per KV head) than on the work. On two
-    threads, from 4 to 64 decodes, the matmuls took 1/1.1 to 1/2.5 of SDPA's time over 96
-    columns, 0.88 to 1.11 times its speed over 400 and 1.03 to 1.21 over 2,000. On one thread SDPA
-    was mostly faster (`benchmarks/results/micro/attention.json`).
+    Measured against SDPA's fused CPU kernel in float32 (`benchmarks/results/micro/`): on two
+    threads, where two query heads share each KV head, the matmuls were 0.97 to 2.0 times as fast
+    from 4 to 64 decodes over 96 to 2,000 columns (`attention.json`, `attention_groups.json`).
+    With 1, 4 or 8 query heads per KV head they were 0.71 to 1.76 times as fast, often slower,
+    and on one thread SDPA was mostly faster: those keep SDPA.
     """
-    return q.device.type == "cpu" and q.dtype == torch.float32 and torch.get_num_threads() > 1
+    return (
+        queries.shape[2] == 2
+        and queries.device.type == "cpu"
+        and queries.dtype == torch.float32
+        and torch.get_num_threads() > 1
+    )
 
 
 def _matmul_attention(

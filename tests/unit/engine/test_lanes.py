@@ -101,16 +101,29 @@ def test_matmul_attention_equals_sdpa_and_ignores_masked_columns():
     assert torch.equal(_attention._matmul_attention(q, keys, values, mask)[1], out[1])
 
 
+def test_the_matmul_form_is_taken_only_where_it_was_measured_faster():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        pays = {g: _attention._matmul_pays(torch.zeros(8, 8 // g, g, 64)) for g in (1, 2, 4, 8)}
+        assert pays == {1: False, 2: True, 4: False, 8: False}
+        assert not _attention._matmul_pays(torch.zeros(8, 4, 2, 64, dtype=torch.bfloat16))
+        torch.set_num_threads(1)
+        assert not _attention._matmul_pays(torch.zeros(8, 4, 2, 64))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_float32_decodes_of_mixed_lengths_match_the_reference_on_either_attention(threads):
-    # In float32, two threads take the matmul form and one keeps SDPA (see _matmul_pays); with
-    # requests of different lengths in one batch (a mask), both must give the logprobs of the
-    # reference, the whole sequence run at once with no cache.
+    # In float32 with two query heads per KV head (the debug shape), two threads take the matmul
+    # form and one keeps SDPA (see _matmul_pays); with requests of different lengths in one
+    # batch (a mask), both must give the logprobs of the reference, the whole sequence at once.
     model = LlamaForCausalLM.from_preset("debug", seed=0, dtype=torch.float32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert _attention._matmul_pays(torch.zeros(1)) == (threads > 1)
+        assert _attention._matmul_pays(torch.zeros(5, 2, 2, 16)) == (threads > 1)
         engine = LLMEngine(model, engine_config=small_config())
         for index, prompt in enumerate(PROMPTS[:5]):
             engine.add_request(f"r{index}", prompt, greedy(6, logprobs=0))
