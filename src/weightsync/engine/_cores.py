@@ -4,10 +4,10 @@ On a machine of its own, a server computes fastest on every core it may run on. 
 processes keep some of those cores busy (a trainer, another server, a build), a forward pass split
 over a busy core waits for it at every step, and computing on fewer threads is faster. So the
 step thread re-decides at step boundaries, from what the other processes used of this process's
-cores over the last `period_s`: Linux's `/proc/stat` for the cores, less this process's own time
-from `/proc/self/stat` (the server's own HTTP work is its own, not other work), never on more
-threads than a cgroup v2 CPU quota allows. Where `/proc` is missing, or does not list each
-of those cores, it computes on every core but one.
+cores over its last `period_s` of stepping (time it waits for work is not counted): Linux's
+`/proc/stat` for the cores, less this process's own time from `/proc/self/stat` (the server's own
+HTTP work is its own, not other work), never on more threads than a cgroup v2 CPU quota allows.
+Where `/proc` is missing, or does not list each of those cores, it computes on every core but one.
 
 A matmul's rounding depends on how many threads split it, as it depends on the batch: logprobs
 may differ in the last bits between two loads of the machine. `--num-threads N` fixes the count.
