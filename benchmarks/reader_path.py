@@ -2,19 +2,22 @@
 
     python benchmarks/reader_path.py
 
-Runs three updates in this process, each exactly as the docs show it, and records every function
+Runs four updates in this process, each exactly as the docs show it, and records every function
 of `weightsync` that runs between the update's first call and its last (every thread):
 
 - `readme`: the README's "transfer API in one screen" (a packed gloo update, a thread as worker);
 - `http`: the same update over HTTP, the trainer calling the four routes itself
   (docs/http-weight-sync.md's second block) against a `weightsync serve` app on a loopback port
   in this process;
+- `http_client`: the same update through the trainer's sender and HTTP client (the first block of
+  docs/http-weight-sync.md, up to its generation), as `examples/rlhf/rlhf_http_nccl.py` runs it;
 - `ipc`: a shared-memory update (docs/transfer/ipc.md's first block).
 
 Per scenario: `files` (the package files holding a function that ran), `lines_whole` (those files'
 lines), `lines_on_path` (the lines of the functions that ran, each counted once, from its `def`
-to its last line) and `returns` (read each function once, in the order it first ran: how many
-times the reader turns back to a file already left; lower reads better). Module-level code and
+to its last line) and `returns` (read each function once, in the order it first ran, one thread
+after the other: how many times the reader turns back to a file already left; lower reads
+better). Module-level code and
 import time are not counted: everything is imported before the first update starts. The last line
 of output is one JSON object.
 """
@@ -46,7 +49,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.on = False
         self.codes: set[CodeType] = set()
-        self.first_runs: list[str] = []  # each function's file, in the order it first ran
+        self.first_runs: list[tuple[int, str]] = []  # (thread, file) of each function's first run
 
     def __call__(self, frame: FrameType, event: str, _arg: object) -> None:
         if not self.on or event != "call":
@@ -56,7 +59,7 @@ class _Recorder:
             return
         if code not in self.codes:
             self.codes.add(code)
-            self.first_runs.append(code.co_filename)
+            self.first_runs.append((threading.get_ident(), code.co_filename))
 
     def install(self) -> None:
         sys.setprofile(self)
@@ -71,12 +74,14 @@ class _Recorder:
                 range(first, max(lines, default=first) + 1)
             )
         files = sorted(spans)
-        left: set[str] = set()
         returns = 0
-        for previous, current in itertools.pairwise(self.first_runs):
-            if current != previous:
-                left.add(previous)
-                returns += current in left
+        for thread in {thread for thread, _ in self.first_runs}:
+            left: set[str] = set()
+            order = [file for ident, file in self.first_runs if ident == thread]
+            for previous, current in itertools.pairwise(order):
+                if current != previous:
+                    left.add(previous)
+                    returns += current in left
         return {
             "files": len(files),
             "lines_whole": sum(len(Path(f).read_text().splitlines()) for f in files),
@@ -131,7 +136,7 @@ def _serve(port: int) -> tuple[Any, threading.Thread]:
 
 
 def measure() -> dict[str, dict[str, Any]]:
-    """Runs the three updates and returns each one's figures, by scenario name."""
+    """Runs the four updates and returns each one's figures, by scenario name."""
     import httpx  # noqa: F401  (imported before any update, like everything the blocks use)
 
     recorder = _Recorder()
@@ -148,8 +153,12 @@ def measure() -> dict[str, dict[str, Any]]:
         source = _block(ROOT / "docs/http-weight-sync.md", "/start_weight_update").replace(
             "http://127.0.0.1:8000", f"http://127.0.0.1:{port}"
         )
+        client = _block(ROOT / "docs/http-weight-sync.md", "sync_weights(").split("\nout = ")[0]
         try:
             results["http"] = _run(recorder, source, {})
+            results["http_client"] = _run(
+                recorder, client.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{port}"), {}
+            )
         finally:
             server.should_exit = True  # the app's shutdown closes the engine and its transfer
             thread.join(60)
