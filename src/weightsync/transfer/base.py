@@ -1,8 +1,9 @@
 """The transfer contract: the data exchanged, the engine, the wire parameters, the registry.
 
-A worker owns a [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the
-trainer talks to it through two plain-dict payloads that travel over any control channel: the
-*init info*, given once, and the *update info*
+One concept: the contract between a trainer and an inference worker, read top to bottom. A
+worker owns a [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer
+talks to it through two plain-dict payloads that travel over any control channel: the *init
+info*, given once, and the *update info*
 ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo]) of every update.
 How tensors travel is one [`WireParams`][weightsync.transfer.base.WireParams], validated where it
 is built. A backend is found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
@@ -94,8 +95,8 @@ LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 The tensors may be views of a reusable transfer buffer: copy them before returning.
 """
 
-# The dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
-# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
+# The dtypes that may cross the wire, by wire name (`str(dtype)` minus "torch."). A payload's name
+# is looked up in this table only, never resolved as an arbitrary attribute of torch.
 _WIRE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (  # noqa: SIM905 (one name a line would fill a screen)
@@ -322,7 +323,7 @@ class WeightTransferUpdateInfo:
 
 
 def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
-    """Refuses announced tensors the model lacks or holds with another shape or dtype, all at once."""
+    """Refuses every announced tensor the model lacks or holds with another dtype or shape."""
     problems = []
     for spec in incoming:
         want = expected.get(spec.name)
@@ -626,11 +627,7 @@ class WireParams:
 
     @property
     def client_timeout_s(self) -> float:
-        """Limit, in seconds, of a call that waits for one of these transfer steps.
-
-        `timeout_s + CLIENT_MARGIN_S`: longer than the step it waits for, so that the step's
-        own, more precise error comes first.
-        """
+        """Limit, in seconds, of a call waiting for these steps: `timeout_s + CLIENT_MARGIN_S`."""
         return self.timeout_s + CLIENT_MARGIN_S
 
     @classmethod

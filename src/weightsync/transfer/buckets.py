@@ -75,8 +75,6 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int) -> list[Bu
     Raises:
         WeightValidationError: `bucket_size_bytes` is not an int >= 1.
 
-    >>> import torch
-    >>> from weightsync.transfer.base import TensorSpec
     >>> specs = [TensorSpec(f"w{i}", torch.float32, (64,)) for i in range(3)]
     >>> [len(b.slots) for b in plan_buckets(specs, bucket_size_bytes=512)]
     [2, 1]
@@ -219,8 +217,8 @@ def flat_tensors(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns a zeroed flat buffer laid out for `specs` as a bucket plan is, and its views by name.
 
-    >>> from weightsync.transfer.base import TensorSpec
-    >>> buffer, views = flat_tensors([TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, ())])
+    >>> specs = [TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, ())]
+    >>> buffer, views = flat_tensors(specs)
     >>> buffer.numel(), views["b"].shape
     (512, torch.Size([]))
     """
