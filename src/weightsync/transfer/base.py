@@ -1,14 +1,12 @@
 """The transfer contract: the data exchanged, the engine, the wire parameters, the registry.
 
-One concept: the contract between a trainer and an inference worker, read top to bottom. The
+One concept: the contract between a trainer and an inference worker, read top to bottom. A
 worker owns a [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the trainer
-talks to it through two plain-dict payloads that can travel over any control channel (a pipe,
-HTTP): the *init info*, given once to
-[`init_transfer_engine`][weightsync.transfer.base.WeightTransferEngine.init_transfer_engine], and
-the *update info* ([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo])
-of every update: the names, dtypes and shapes about to arrive. How tensors travel is one
-[`WireParams`][weightsync.transfer.base.WireParams], validated where it is built. A backend is
-found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
+talks to it through two plain-dict payloads that travel over any control channel: the *init
+info*, given once, and the *update info*
+([`WeightTransferUpdateInfo`][weightsync.transfer.base.WeightTransferUpdateInfo]) of every update.
+How tensors travel is one [`WireParams`][weightsync.transfer.base.WireParams], validated where it
+is built. A backend is found by name ([`create_engine`][weightsync.transfer.base.create_engine]).
 """
 
 from __future__ import annotations
@@ -97,8 +95,8 @@ LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 The tensors may be views of a reusable transfer buffer: copy them before returning.
 """
 
-# The dtypes that may cross the wire, by the name used in update infos (`str(dtype)` minus "torch.").
-# Names are looked up in this table only: a payload never makes us resolve an arbitrary attribute.
+# The dtypes that may cross the wire, by wire name (`str(dtype)` minus "torch."). A payload's name
+# is looked up in this table only, never resolved as an arbitrary attribute of torch.
 _WIRE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (  # noqa: SIM905 (one name a line would fill a screen)
@@ -294,13 +292,12 @@ class WeightTransferUpdateInfo:
 
         Only metadata is read; no tensor data is touched.
         """
-        return cls.from_specs(
-            (TensorSpec.of(name, t) for name, t in named_tensors), weight_version=weight_version
-        )
+        specs = (TensorSpec.of(name, t) for name, t in named_tensors)
+        return cls.from_specs(specs, weight_version=weight_version)
 
     @property
     def opens_update(self) -> bool:
-        """Whether this message starts an update: it announces every tensor the update brings.
+        """Whether this message starts an update, announcing every tensor the update brings.
 
         A broadcast update info always does; an `ipc` part continues the announced update.
         """
@@ -313,8 +310,7 @@ class WeightTransferUpdateInfo:
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form, the inverse of parsing it.
 
-        Optional fields that are None are left out (vLLM's update info refuses a null
-        `weight_version`).
+        Fields that are None are left out (vLLM's update info refuses a null `weight_version`).
         """
         data: dict[str, Any] = {
             "names": list(self.names),
@@ -327,7 +323,7 @@ class WeightTransferUpdateInfo:
 
 
 def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, TensorSpec]) -> None:
-    """Refuses announced tensors the model lacks or holds with another shape or dtype, all at once."""
+    """Refuses every announced tensor the model lacks or holds with another dtype or shape."""
     problems = []
     for spec in incoming:
         want = expected.get(spec.name)
@@ -345,32 +341,23 @@ def _validate_specs(incoming: Sequence[TensorSpec], expected: Mapping[str, Tenso
         )
 
 
-# --- what a receiver holds between updates ---------------------------------------------------
+# --- what a receiver holds between updates -------------------------------------------------------
 
+# A trainer may go away between two calls, leaving what its receiver still holds (the group's
+# connections and port, shared-memory mappings): a watch releases them within about this long.
 _RELEASE_PERIOD_S = 1.0
-"""How often, in seconds, a receiver looks for what its trainer left behind."""
 _STOP_WAIT_S = 5.0
 
 
 class _Watch:
-    """Runs a receiver's `sweep()` every `period_s` on a daemon thread until stopped or it returns False.
-
-    A bound-method sweep is held weakly: a receiver dropped without `shutdown` is not kept alive
-    by its watch, whose thread ends at the next period once the receiver is collected. Every
-    watch still running is stopped and joined when the interpreter exits (`_stop_all_watches`).
-    """
-
-    # A trainer may go away between two calls, leaving what the receiver still holds (its group's
-    # connections and port, shared-memory mappings): the sweep releases them within about that long.
+    """Runs `sweep()` every `period_s` on a daemon thread until stopped or it returns False."""
 
     def __init__(
         self, sweep: Callable[[], bool], *, name: str, period_s: float = _RELEASE_PERIOD_S
     ) -> None:
+        # Held weakly: a receiver dropped without `shutdown` is collected, and its watch then ends.
         self._sweep: Callable[[], Callable[[], bool] | None]
-        if inspect.ismethod(sweep):
-            self._sweep = weakref.WeakMethod(sweep)
-        else:
-            self._sweep = lambda: sweep
+        self._sweep = weakref.WeakMethod(sweep) if inspect.ismethod(sweep) else lambda: sweep
         self._period_s = period_s
         self._stopped = threading.Event()
         self.swept = threading.Event()  # set after each sweep: a test waits on it, not a sleep
@@ -398,21 +385,16 @@ class _Watch:
 
     @property
     def is_running(self) -> bool:
-        """Whether the thread still runs."""
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = _STOP_WAIT_S) -> None:
-        """Stops the thread and waits up to `timeout_s` for it (a sweep in progress ends first).
-
-        Safe twice.
-        """
+        """Stops the thread and waits up to `timeout_s` for a sweep in progress. Safe twice."""
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join(max(0.0, timeout_s))
 
     @staticmethod
     def stop_if_any(watch: _Watch | None) -> None:
-        """Stops `watch`, if there is one."""
         if watch is not None:
             watch.stop()
 
@@ -422,15 +404,10 @@ _LIVE_WATCHES: weakref.WeakSet[_Watch] = weakref.WeakSet()
 
 @atexit.register
 def _stop_all_watches() -> None:
-    """Stops and joins every watch still running, before the interpreter finalizes.
-
-    A receiver nobody shut down still has its watch, a daemon thread. Left running, its sweep
-    can free a shared-memory mapping's tensor while the interpreter finalizes; releasing the
-    buffer takes the GIL from inside torch's tensor destructor, CPython ends a daemon thread
-    that takes the GIL during finalization with `pthread_exit`, and that unwind through a
-    noexcept destructor aborts the process (`std::terminate`). Exit handlers run before
-    finalization, so the watches end here, all within one `_STOP_WAIT_S`.
-    """
+    """Stops and joins every watch still running, all within one `_STOP_WAIT_S`."""
+    # Before finalization: a sweep freeing a shared-memory tensor then would take the GIL inside
+    # torch's noexcept destructor, CPython would end the daemon thread with `pthread_exit`, and
+    # that unwind aborts the process (`std::terminate`).
     watches = list(_LIVE_WATCHES)
     for watch in watches:
         watch._stopped.set()  # all at once: the joins below then overlap
@@ -440,16 +417,13 @@ def _stop_all_watches() -> None:
 
 
 # --- what a backend implements -------------------------------------------------------------------
-
-
 class WeightTransferEngine(ABC):
     """Receiver side of a transfer backend, owned by one inference worker.
 
     Lifecycle: `init_transfer_engine` once, then any number of `receive_weights`, then `shutdown`.
-    After a failed transfer the engine is shut down and must be initialized again.
-
-    Every backend is built with the same keyword arguments (a control plane creates engines through
-    the registry without knowing the backend), and may ignore those it does not need.
+    After a failed transfer the engine is shut down and must be initialized again. Every backend
+    takes the same keyword arguments (a control plane creates engines through the registry
+    without knowing the backend) and may ignore those it does not need.
 
     Args:
         worker_index: This worker's index among the transfer's workers (its rank in a broadcast
@@ -492,10 +466,10 @@ class WeightTransferEngine(ABC):
     ) -> Iterator[None]:
         """Points the calls made inside at other tensors than the model's, then back.
 
-        An engine receiving into something else than its weights (a LoRA adapter's fresh
-        tensors, say) checks each message against `expected_specs` instead, before any byte
-        moves, and lets the backend write in place only into `params`. The tensors still reach
-        the caller through `load_weights`, unless received in place.
+        For an engine receiving into something else than its weights (a LoRA adapter's fresh
+        tensors, say): each message is checked against `expected_specs` before any byte moves,
+        and the backend writes in place only into `params`. Tensors still reach the caller
+        through `load_weights`, unless received in place.
 
         Args:
             expected_specs: What the messages inside may announce, by name.
@@ -594,9 +568,9 @@ DEFAULT_TIMEOUT_S = 120.0
 CLIENT_MARGIN_S = 30.0
 """What a call that waits for a transfer step adds to that step's limit, in seconds.
 
-The rule: a caller's bound exceeds the bound of what it waits for, so the inner step times out
-first and its error (which names the step) is what the caller sees. A trainer's call into an
-engine therefore defaults to `DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S`
+A caller's bound exceeds the bound of what it waits for, so the inner step times out first and
+its error (which names the step) is what the caller sees: a trainer's call into an engine
+defaults to `DEFAULT_TIMEOUT_S + CLIENT_MARGIN_S`
 (see [`WireParams.client_timeout_s`][weightsync.transfer.base.WireParams.client_timeout_s]).
 """
 
@@ -653,19 +627,15 @@ class WireParams:
 
     @property
     def client_timeout_s(self) -> float:
-        """Limit, in seconds, of a call that waits for one of these transfer steps.
-
-        `timeout_s + CLIENT_MARGIN_S`: longer than the step it waits for, so that the step's
-        own, more precise error comes first.
-        """
+        """Limit, in seconds, of a call waiting for these steps: `timeout_s + CLIENT_MARGIN_S`."""
         return self.timeout_s + CLIENT_MARGIN_S
 
     @classmethod
     def build(cls, wire: WireParams | None = None, **fields: Any) -> WireParams:
         """Returns `wire`, or a `WireParams` built from keyword `fields` (not both).
 
-        This is what every entry point that takes wire parameters calls, so that they are given
-        either as one object (`wire=WireParams(...)`) or as keywords (`bucket_size_bytes=...`).
+        Every entry point that takes wire parameters calls this, so that they are given either
+        as one object (`wire=WireParams(...)`) or as keywords (`bucket_size_bytes=...`).
 
         Raises:
             WeightValidationError: Both given, an unknown keyword, or a bad value.
@@ -702,8 +672,6 @@ class _WireKeywords(TypedDict, total=False):
 
 
 # --- how a backend is found by name --------------------------------------------------------------
-
-
 class _EngineRegistry:
     """Backend names -> engine classes, or `"module:Class"` strings imported on first use."""
 
@@ -713,7 +681,6 @@ class _EngineRegistry:
     def register(
         self, name: str, engine: type[WeightTransferEngine] | str, *, replace: bool = False
     ) -> None:
-        """Registers `engine` under `name`; a taken name needs `replace=True`."""
         if not isinstance(name, str) or not name:
             raise WeightValidationError(f"backend name must be a non-empty string, got {name!r}")
         if isinstance(engine, str) and engine.count(":") != 1:
@@ -726,21 +693,18 @@ class _EngineRegistry:
             )
         self._engines[name] = engine
 
-    def names(self) -> list[str]:
-        """Returns the registered backend names, sorted."""
-        return sorted(self._engines)
-
     def get(self, name: str) -> type[WeightTransferEngine]:
         """Returns the engine class of backend `name`; an unknown name lists the known ones."""
+        known = ", ".join(sorted(self._engines))
         if not isinstance(name, str):
             raise WeightValidationError(
                 f"backend must be a string naming a weight transfer backend, got "
-                f"{type(name).__name__} {name!r:.80}; known backends: {', '.join(self.names())}"
+                f"{type(name).__name__} {name!r:.80}; known backends: {known}"
             )
         entry = self._engines.get(name)
         if entry is None:
             raise WeightValidationError(
-                f"unknown weight transfer backend {name!r}; known backends: {', '.join(self.names())}"
+                f"unknown weight transfer backend {name!r}; known backends: {known}"
             )
         if isinstance(entry, str):
             module_name, _, class_name = entry.partition(":")
@@ -751,7 +715,6 @@ class _EngineRegistry:
         return entry
 
     def create(self, name: str, **kwargs: Any) -> WeightTransferEngine:
-        """Builds the engine of backend `name` with `kwargs` (e.g. `params=`, `worker_index=`)."""
         return self.get(name)(**kwargs)
 
 

@@ -1,14 +1,9 @@
 """Buckets: where each tensor of an update lies inside a few large byte buffers, and their journey.
 
-Shared by every backend. Sender and receiver compute the same
-[`plan_buckets`][weightsync.transfer.buckets.plan_buckets] from the update's metadata alone, so
-the wire carries bytes only. Inside a bucket each tensor starts at a multiple of `ALIGN_BYTES`, so
-a bucket's bytes can be viewed as typed tensors without copying
-([`unpack_bucket`][weightsync.transfer.buckets.unpack_bucket]), and a module laid out with
-[`flatten_module`][weightsync.transfer.buckets.flatten_module] (same order, same alignment) is
-sent from, and received into, its own parameter memory. Then the pipeline every backend runs:
-reusable buffers, at most `num_buffers` buckets in flight, and the sender's check of each
-tensor against the announcement.
+Both ends derive the same [`plan_buckets`][weightsync.transfer.buckets.plan_buckets] from the
+update's metadata, so the wire carries bytes only; tensors start at multiples of `ALIGN_BYTES`, so
+bucket bytes view as typed tensors without a copy. Then the pipeline: reused buffers, a window of
+buckets in flight, and the sender's check of each tensor against the announcement.
 """
 
 from __future__ import annotations
@@ -45,8 +40,6 @@ ALIGN_BYTES = 256
 
 
 # --- the layout ----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Slot:
     """Where one tensor lives inside a bucket: its spec and its byte offset."""
@@ -74,21 +67,14 @@ class Bucket:
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int) -> list[Bucket]:
-    """Groups tensors, in order, into buckets of at most `bucket_size_bytes` bytes.
+    """Groups `specs`, in send order, into buckets of at most `bucket_size_bytes` bytes.
 
     A bucket closes when the next tensor would not fit; a tensor larger than a bucket gets a
-    bucket of its own (of its own size). The plan depends only on its arguments, so both ends of
-    a transfer derive the same one.
-
-    Args:
-        specs: The tensors, in send order.
-        bucket_size_bytes: Target size of a bucket in bytes; must be positive.
+    bucket of its own size. The plan depends only on the arguments: both ends derive the same.
 
     Raises:
         WeightValidationError: `bucket_size_bytes` is not an int >= 1.
 
-    >>> import torch
-    >>> from weightsync.transfer.base import TensorSpec
     >>> specs = [TensorSpec(f"w{i}", torch.float32, (64,)) for i in range(3)]
     >>> [len(b.slots) for b in plan_buckets(specs, bucket_size_bytes=512)]
     [2, 1]
@@ -102,11 +88,6 @@ def flat_layout(specs: Sequence[TensorSpec]) -> Bucket:
 
     [`flatten_module`][weightsync.transfer.buckets.flatten_module] lays parameters out this way,
     so every bucket of a plan over the same tensors is a slice of that buffer.
-
-    >>> import torch
-    >>> from weightsync.transfer.base import TensorSpec
-    >>> flat_layout([TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, ())]).nbytes
-    257
     """
     buckets = _layout(specs, None)
     return buckets[0] if buckets else Bucket((), 0)
@@ -134,10 +115,7 @@ def _round_up(nbytes: int, multiple: int) -> int:
 
 
 # --- the copies in and out of buckets, and in place ----------------------------------------------
-
-
 def _typed_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-    """Views the bytes of `slot` inside a uint8 `buffer` as the slot's tensor."""
     return buffer[slot.offset : slot.end].view(slot.spec.dtype).view(slot.spec.shape)
 
 
@@ -146,8 +124,7 @@ def pack_bucket(
 ) -> torch.Tensor:
     """Copies `tensors` (one per slot, any layout or device) into `buffer` at the plan's offsets.
 
-    Returns:
-        `buffer[:bucket.nbytes]`, the bytes to send.
+    Returns `buffer[:bucket.nbytes]`, the bytes to send.
     """
     for slot, tensor in zip(bucket.slots, tensors, strict=True):
         _typed_view(buffer, slot).copy_(tensor)
@@ -161,7 +138,7 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
 
 @dataclass
 class _DirectRegion:
-    """A bucket's bytes in place (`data`, uint8), and the padding `gaps` no tensor of it owns."""
+    """A bucket's bytes in place (uint8), and the padding `gaps` that no tensor of it owns."""
 
     data: torch.Tensor
     gaps: list[tuple[int, int]]
@@ -171,13 +148,12 @@ class _DirectRegion:
         return [self.data[start:end].clone() for start, end in self.gaps]
 
     def restore_gaps(self, saved: list[torch.Tensor]) -> None:
-        """Writes back what `save_gaps` copied."""
         for (start, end), gap in zip(self.gaps, saved, strict=True):
             self.data[start:end].copy_(gap)
 
 
 def _direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> _DirectRegion | None:
-    """The bucket's bytes in place if `tensors` share one storage at the plan's offsets, else None."""
+    """The bucket's bytes in place if `tensors` lie in one storage at the plan's offsets, else None."""
     first = tensors[0]
     storage = first.untyped_storage()
     base = first.storage_offset() * first.element_size()
@@ -200,30 +176,21 @@ def _direct_region(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> _DirectRe
 
 
 # --- the flat layout of a module -----------------------------------------------------------------
-
-
 def flatten_module(module: nn.Module) -> torch.Tensor:
     """Moves every parameter of `module` into one flat uint8 buffer and returns the buffer.
 
-    The parameters become views of the buffer, in `named_parameters()` order, each at a multiple
-    of `ALIGN_BYTES`: exactly where a bucket plan puts them, so a sender broadcasts bucket-sized
-    slices of parameter memory directly and a receiver laid out the same way receives straight
-    into its parameters.
-
-    Each `nn.Parameter` object is kept (only its `.data` changes), so hooks and optimizers
-    created afterwards work unchanged; create optimizers after flattening, since state built
-    before refers to the old memory. Dtypes may be mixed: each parameter is a typed view. Later
-    calls that replace `.data` (such as `module.to(dtype)`) undo the layout; transfers then fall
-    back to packing, they do not break.
-
-    Args:
-        module: The module; all its parameters must be on one device.
+    The parameters become views of the buffer, in `named_parameters()` order, where a bucket plan
+    puts them: a sender broadcasts slices of parameter memory as they are, and a receiver laid out
+    the same way receives straight into its parameters. Dtypes may be mixed. Each `nn.Parameter`
+    is kept (only its `.data` changes), so hooks work unchanged; create optimizers after
+    flattening, since state built before refers to the old memory. Later calls that replace
+    `.data` (such as `module.to(dtype)`) undo the layout: transfers then pack again.
 
     Returns:
         The buffer (keep it alive as long as the module; the parameters share its memory).
 
     Raises:
-        WeightValidationError: Parameters span several devices.
+        WeightValidationError: The parameters are not all on one device.
 
     >>> layer = nn.Linear(4, 2)
     >>> buffer = flatten_module(layer)
@@ -248,13 +215,10 @@ def flatten_module(module: nn.Module) -> torch.Tensor:
 def flat_tensors(
     specs: Sequence[TensorSpec], *, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Allocates zeroed tensors for `specs` as views of one flat buffer, in the bucket layout.
+    """Returns a zeroed flat buffer laid out for `specs` as a bucket plan is, and its views by name.
 
-    Returns:
-        The buffer and the views by name.
-
-    >>> from weightsync.transfer.base import TensorSpec
-    >>> buffer, views = flat_tensors([TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, ())])
+    >>> specs = [TensorSpec("a", torch.float32, (3,)), TensorSpec("b", torch.int8, ())]
+    >>> buffer, views = flat_tensors(specs)
     >>> buffer.numel(), views["b"].shape
     (512, torch.Size([]))
     """
@@ -264,8 +228,6 @@ def flat_tensors(
 
 
 # --- the pipeline: reusable buffers and a window of buckets in flight ----------------------------
-
-
 class _BufferPool(Generic[_BufferT]):
     """`count` buffers made by `allocate`, grown when smaller than asked, reused across updates."""
 
@@ -295,7 +257,7 @@ class _BufferPool(Generic[_BufferT]):
         self.free.append(index)
 
     def reset(self) -> None:
-        """Marks every buffer free (at the start of an update)."""
+        """Marks every buffer free, at the start of an update."""
         self.free = list(range(len(self._buffers)))
 
     def clear(self) -> None:
@@ -308,7 +270,6 @@ class _BufferPool(Generic[_BufferT]):
 
 
 def _byte_buffers(count: int, device: torch.device) -> _BufferPool[torch.Tensor]:
-    """A pool of plain uint8 tensors on `device`."""
     return _BufferPool(
         count,
         lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device),
@@ -327,12 +288,11 @@ class _Window(Generic[_ItemT]):
         return len(self._items)
 
     def make_room(self) -> None:
-        """Lands the oldest item when the window is full, so that one more may be posted."""
+        """Lands the oldest item if the window is full, so that one more may be posted."""
         if len(self._items) >= self._depth:
             self._land(self._items.popleft())
 
-    def push(self, item: _ItemT) -> None:
-        """Adds a posted item; call `make_room` before posting it."""
+    def push(self, item: _ItemT) -> None:  # call make_room before posting it
         self._items.append(item)
 
     def drain(self) -> None:
@@ -345,32 +305,26 @@ class _Window(Generic[_ItemT]):
 
 
 # --- the sender's side: the trainer's tensors against the announcement ---------------------------
-
-
+@dataclass
 class _AnnouncedTensors:
     """A trainer's `(name, tensor)` pairs, each checked against the announcement (after `post`)."""
 
-    # A tensor the receivers do not expect would hang a collective or load garbage: every
-    # backend's sender takes its tensors through this check and stops at the first divergence.
-
-    def __init__(
-        self,
-        pairs: Iterator[tuple[str, torch.Tensor]],
-        post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None,
-    ) -> None:
-        self._pairs, self._post = pairs, post
+    # A tensor the receivers do not expect would hang a collective or load garbage: every sender
+    # takes its tensors through here and stops at the first divergence.
+    pairs: Iterator[tuple[str, torch.Tensor]]
+    post: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None
 
     def take(self, spec: TensorSpec, index: int) -> torch.Tensor:
         """Returns the next tensor, which must be announced tensor `index`, matching `spec`."""
-        pair = next(self._pairs, None)
+        pair = next(self.pairs, None)
         if pair is None:
             raise WeightValidationError(
                 f"the iterator ended after {index} tensors but the update announced more, "
                 f"starting with {spec.name!r}"
             )
         name, tensor = pair
-        if self._post is not None:
-            tensor = self._post(pair)
+        if self.post is not None:
+            tensor = self.post(pair)
         if name != spec.name:
             raise WeightValidationError(
                 f"tensor #{index} is {name!r} but the update announced {spec.name!r}"
@@ -384,7 +338,7 @@ class _AnnouncedTensors:
 
     def check_exhausted(self, count: int) -> None:
         """Refuses a tensor after the `count` announced ones, naming it."""
-        extra = next(self._pairs, None)
+        extra = next(self.pairs, None)
         if extra is not None:
             raise WeightValidationError(
                 f"the iterator yields more tensors than the {count} announced, "
