@@ -1,12 +1,10 @@
 """A broadcast group made only for weight transfer, its store folded in; every operation bounded.
 
-The group is built from its own `TCPStore` and a backend process group constructed directly
-(gloo or NCCL), so it never touches torch.distributed's default group: a trainer already running
-FSDP or DDP keeps its own. The trainer is rank 0 and hosts the store; every rank sends small
-JSON control messages through it (wire parameters, rank claims, the update handshake, abort
-notes). Every store call returns within `timeout_s` even when the store's host is stopped with
-its socket open; every value read is checked (size, then JSON) before use, since any process
-that reaches the port can write into the store; torch's failures come out as weightsync's errors.
+Rank 0 (the trainer) hosts the group's own `TCPStore`, and the gloo or NCCL group is built on it
+directly, so torch.distributed's default group (a trainer's FSDP or DDP) is never touched. Ranks
+exchange small JSON control messages through the store. Every store call returns within
+`timeout_s` even when its host is stopped with its socket open, and every value read is checked
+(size, then JSON) before use, since any process that reaches the port can write there.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import resource
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,20 +35,16 @@ __all__ = [
     "translate",
 ]
 
-_T = TypeVar("_T")
-_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
-
 INIT_ERRORS = "init_errors"
 """Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
 
-# A rank keeps up to two connections per other rank: the store and the transfer link. A process
-# keeps this many files free for everything else it opens.
+_BACKENDS = ["gloo", "nccl"]
+# A rank keeps up to two connections per other rank (the store and the transfer link), and this
+# many files free for everything else it opens.
 _LINKS_PER_PEER = 2
 _FILES_KEPT_FREE = 64
-# A store call gets its own limit plus this, so that torch's own timeout and message come first.
-_STORE_GRACE_S = 1.0
-# The largest value a rank takes from the store; a weightsync rank writes a few refusals at most.
-_MAX_VALUE_BYTES = 1 << 20
+_STORE_GRACE_S = 1.0  # on top of a store call's own limit, so that torch's timeout comes first
+_MAX_VALUE_BYTES = 1 << 20  # the largest value a rank takes; a rank writes a few refusals at most
 _MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
 
 
@@ -59,7 +53,7 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
     # torch reports timeouts as a RuntimeError saying so; another type naming a timeout (a
     # constructor's TypeError about its `timeout` argument) is a failure.
     text = str(exc).lower()
-    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"  # no C++ frames
+    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     if isinstance(exc, TimeoutError) or (
         isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
     ):
@@ -72,8 +66,8 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
     )
 
 
-def _check_world_size(world_size: object) -> int:
-    """Returns `world_size` once a group that large can exist here (int >= 2, open-file limit)."""
+def _check_world_size(world_size: object) -> None:
+    """Refuses a world size that is no int >= 2, or more than this process's open-file limit allows."""
     if not _is_int(world_size) or world_size < 2:
         raise WeightValidationError(
             f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
@@ -90,23 +84,20 @@ def _check_world_size(world_size: object) -> int:
             f"so world_size can be at most {limit}: use fewer workers, or raise the limit "
             "(ulimit -n) on every host"
         )
-    return world_size
 
 
 def check_backend(backend: str) -> torch.device:
     """Returns the device a backend's tensors live on; `nccl` without CUDA is refused, never replaced."""
-    if backend not in _BACKEND_DEVICES:
+    if backend not in _BACKENDS:
+        raise WeightValidationError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
         raise WeightValidationError(
-            f"backend must be one of {sorted(_BACKEND_DEVICES)}, got {backend!r}"
+            "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
+            "neither; use backend 'gloo' for CPU tensors"
         )
-    if backend == "nccl":
-        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-            raise WeightValidationError(
-                "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
-                "neither; use backend 'gloo' for CPU tensors"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_port(port: object, *, allow_zero: bool = True) -> int:
@@ -117,31 +108,25 @@ def check_port(port: object, *, allow_zero: bool = True) -> int:
     return port
 
 
-def _bind_listener(address: str, port: int) -> socket.socket:
+def _listen(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address`:`port` only (port 0: a free one)."""
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        family, _, _, _, sockaddr = socket.getaddrinfo(
             address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
-    except (OSError, UnicodeError) as exc:
+        # With SO_REUSEADDR, which create_server sets: closed connections lingering in TIME_WAIT
+        # do not keep the port from being bound again right after close().
+        return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
+    except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
             f"master_address {address!r} does not resolve on this host: {exc}; give an address "
             "of this machine that the workers can reach"
         ) from exc
-    listener = socket.socket(family, kind, proto)
-    try:
-        # Closed connections linger in TIME_WAIT; they must not keep the port from being bound
-        # again right after close(). A live listener still refuses a second bind.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(sockaddr)
-        listener.listen(socket.SOMAXCONN)
     except OSError as exc:
-        listener.close()
         raise WeightTransferError(
             f"cannot listen on master_address {address!r}, master_port {port}: {exc}; pick a "
             "free port (master_port=0 picks one) or an address of this machine"
         ) from exc
-    return listener
 
 
 class BroadcastWork:
@@ -159,11 +144,7 @@ class BroadcastWork:
 
 
 class BroadcastGroup:
-    """One end of a trainer-rooted group (rank 0 the trainer, which hosts the store; 1..N workers).
-
-    Raises WeightValidationError (bad rank, world size, timeout, backend) or
-    WeightTransferTimeout (the store is not reached within `timeout_s`).
-    """
+    """One end of a trainer-rooted group: rank 0 is the trainer and hosts the store, 1..N workers."""
 
     def __init__(
         self,
@@ -191,41 +172,28 @@ class BroadcastGroup:
         what = f"connecting to the transfer store at {master_address}:{master_port}"
         options: dict[str, Any] = {"timeout": self._timeout}
         if rank == 0:  # the trainer's store listens on `master_address` only (torch: everywhere)
-            listener = _bind_listener(master_address, master_port)
+            listener = _listen(master_address, master_port)
             master_port = listener.getsockname()[1]
             what = f"starting the transfer store on {master_address}:{master_port}"
-            # The store owns the socket from here and closes it with itself; the libuv server
-            # ignores a given socket.
+            # The store owns the socket from here and closes it with itself (libuv's server
+            # would ignore it).
             options.update(
                 master_listen_fd=listener.detach(), wait_for_workers=False, use_libuv=False
             )
         try:
-            self._store: Any = self._call(
-                what,
-                lambda: dist.TCPStore(  # type: ignore[attr-defined]
-                    master_address, master_port, world_size, rank == 0, **options
-                ),
+            self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
+                master_address, master_port, world_size, rank == 0, **options
             )
-        except WeightTransferError:
+        except Exception as exc:
             if rank == 0:
                 with contextlib.suppress(OSError):
                     os.close(options["master_listen_fd"])
-            raise
+            raise translate(what, exc, self.timeout_s) from exc
         self.port: int = self._store.port
         self.where = f"the transfer store at {master_address}:{self.port}"
 
-    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
-        try:
-            return fn()
-        except WeightTransferError:
-            raise
-        except Exception as exc:
-            raise translate(what, exc, self.timeout_s) from exc
-
-    # --- the store: every call bounded, every value checked ----------------------------------
-
-    def _bounded(self, doing: str, fn: Callable[[], _T], limit_s: float | None = None) -> _T:
-        """Runs a store call (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
+    def _bounded(self, doing: str, fn: Callable[[], Any], limit_s: float | None = None) -> Any:
+        """Runs store call `fn` (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
         # torch's store client waits for its host without a bound, and a call waits for the one
         # before it on the same connection: a stopped trainer (SIGSTOP) whose socket is open
         # would hang it forever. After a timeout the client is mid-conversation: never again.
@@ -236,18 +204,15 @@ class BroadcastGroup:
                 f"{what}: {self.where} stopped answering earlier (timeout_s): its host (the "
                 "trainer) is stopped or stuck"
             )
-        box: list[tuple[bool, Any]] = []
+        result: list[Any] = []
+        failure: list[WeightTransferError] = []
         done = threading.Event()
 
         def run() -> None:
             try:
-                box.append((True, self._call(what, fn)))
-            except WeightTransferError as exc:
-                # A fresh error: this one's chain holds torch's frames, which hold the group
-                # and its socket for as long as a caller keeps the error.
-                box.append((False, type(exc)(str(exc))))
-            except BaseException as exc:  # handed to the waiting thread
-                box.append((False, exc.with_traceback(None)))
+                result.append(fn())
+            except Exception as exc:  # a fresh error: torch's frames would keep the group alive
+                failure.append(translate(what, exc, self.timeout_s))
             done.set()
 
         threading.Thread(target=run, name="weightsync-store", daemon=True).start()
@@ -257,13 +222,9 @@ class BroadcastGroup:
                 f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
                 "trainer) does not answer: stopped, stuck or unreachable"
             )
-        ok, value = box.pop()
-        if ok:
-            return value  # type: ignore[no-any-return]
-        try:
-            raise value
-        finally:
-            del value  # this frame is in the error's traceback: no cycle through it
+        if failure:
+            raise failure.pop()  # popped, so this frame (in its traceback) does not hold it
+        return result[0]
 
     def _value(self, key: str, raw: object) -> Any:
         """The JSON value stored under `key`, its size and form checked before use."""
@@ -353,15 +314,13 @@ class BroadcastGroup:
                 lambda: self._store.get(key) if self._store.check([key]) else b"",
                 limit_s,
             )
-        except Exception:  # a dead or stopped store: nothing to read
+        except WeightTransferError:  # a dead or stopped store: nothing to read
             return []
         values = []
         for line in bytes(raw)[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
             with contextlib.suppress(ValueError, RecursionError):
                 values.append(json.loads(line))
         return values
-
-    # --- collectives ---------------------------------------------------------------------------
 
     def connect(self, timeout_s: float | None = None) -> None:
         """Forms the process group, within `timeout_s` (default: the group's); idempotent."""
@@ -371,24 +330,22 @@ class BroadcastGroup:
         limit = datetime.timedelta(seconds=limit_s)
         prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
         what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
-        if self.backend == "gloo":  # gloo bounds its rendezvous by this; collectives pass theirs
-            self._pg = self._call(
-                what, lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
-            )
-        else:
+        try:
+            if (
+                self.backend == "gloo"
+            ):  # gloo bounds its rendezvous by this; collectives pass theirs
+                self._pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
+                return
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
-            self._pg = self._call(
-                what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
-            )
-            # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out) here.
-            probe = dist.AllreduceOptions()
+            self._pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
+            # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out).
+            what, probe = "all-reduce", dist.AllreduceOptions()
             probe.timeout = limit
-            work = self._call(
-                "all-reduce",
-                lambda: self._pg.allreduce([torch.zeros(1, device=self.device)], probe),
-            )
-            BroadcastWork(work, "all-reduce", limit_s).wait()
+            work = self._pg.allreduce([torch.zeros(1, device=self.device)], probe)
+        except Exception as exc:
+            raise translate(what, exc, self.timeout_s) from exc
+        BroadcastWork(work, what, limit_s).wait()
 
     @property
     def is_connected(self) -> bool:
@@ -403,20 +360,19 @@ class BroadcastGroup:
             )
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor, options.timeout = 0, 0, self._timeout
-        return BroadcastWork(
-            self._call(what, lambda: pg.broadcast([tensor], options)), what, self.timeout_s
-        )
+        try:
+            return BroadcastWork(pg.broadcast([tensor], options), what, self.timeout_s)
+        except Exception as exc:
+            raise translate(what, exc, self.timeout_s) from exc
 
     def close(self, *, release_store: bool = False) -> None:
         """Drops the process group (peers then fail fast); `release_store` drops the store too."""
         if self._pg is not None:
             # NCCL needs an abort to unblock peers; gloo's shutdown closes its sockets now, even
-            # while a failed collective's traceback references the group. A broken one may refuse.
+            # while a failed collective's traceback holds the group. A broken one may refuse.
             with contextlib.suppress(Exception):
                 self._pg.abort() if self.backend == "nccl" else self._pg.shutdown()
             self._pg = None
-            # A failed collective's exception chain is a young reference cycle holding the
-            # group's listening sockets until the collector runs.
-            gc.collect(1)
+            gc.collect(1)  # a failed collective's young reference cycle holds the group's sockets
         if release_store:  # the last reference: the store's thread stops, its port is free now
             self._store = None
