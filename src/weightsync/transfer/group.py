@@ -1,10 +1,9 @@
 """A broadcast group made only for weight transfer, its store folded in; every operation bounded.
 
-Rank 0 (the trainer) hosts the group's own `TCPStore`, and the gloo or NCCL group is built on it
-directly, so torch.distributed's default group (a trainer's FSDP or DDP) is never touched. Ranks
-exchange small JSON control messages through the store. Every store call returns within
-`timeout_s` even when its host is stopped with its socket open, and every value read is checked
-(size, then JSON) before use, since any process that reaches the port can write there.
+Rank 0 (the trainer) hosts the group's own `TCPStore`, and gloo or NCCL is built on it directly,
+never on torch.distributed's default group (a trainer's FSDP or DDP keeps its own). Ranks exchange
+small JSON messages through the store; every store call returns within `timeout_s`, and every
+value read is checked before use, since any process that reaches the port can write there.
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ INIT_ERRORS = "init_errors"
 """Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
 
 _BACKENDS = ["gloo", "nccl"]
-# A rank keeps up to two connections per other rank (the store and the transfer link), and this
-# many files free for everything else it opens.
-_LINKS_PER_PEER = 2
-_FILES_KEPT_FREE = 64
+_LINKS_PER_PEER = 2  # connections a rank keeps per other rank: the store and the transfer link
+_FILES_KEPT_FREE = 64  # open files a process keeps for everything else
 _STORE_GRACE_S = 1.0  # on top of a store call's own limit, so that torch's timeout comes first
 _MAX_VALUE_BYTES = 1 << 20  # the largest value a rank takes; a rank writes a few refusals at most
 _MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
@@ -50,8 +47,7 @@ _MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond
 
 def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
     """Maps a torch.distributed failure onto weightsync's error classes (one line, no C++ frames)."""
-    # torch reports timeouts as a RuntimeError saying so; another type naming a timeout (a
-    # constructor's TypeError about its `timeout` argument) is a failure.
+    # torch's timeouts are RuntimeErrors saying so; a TypeError about a `timeout` argument is not.
     text = str(exc).lower()
     cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     if isinstance(exc, TimeoutError) or (
@@ -67,7 +63,7 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
 
 
 def _check_world_size(world_size: object) -> None:
-    """Refuses a world size that is no int >= 2, or more than this process's open-file limit allows."""
+    """Refuses a world size that is no int >= 2 or beyond what this process's open files allow."""
     if not _is_int(world_size) or world_size < 2:
         raise WeightValidationError(
             f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
@@ -114,8 +110,7 @@ def _listen(address: str, port: int) -> socket.socket:
         family, _, _, _, sockaddr = socket.getaddrinfo(
             address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
-        # With SO_REUSEADDR, which create_server sets: closed connections lingering in TIME_WAIT
-        # do not keep the port from being bound again right after close().
+        # It sets SO_REUSEADDR: connections in TIME_WAIT do not keep the port from a new bind.
         return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
     except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
@@ -175,8 +170,7 @@ class BroadcastGroup:
             listener = _listen(master_address, master_port)
             master_port = listener.getsockname()[1]
             what = f"starting the transfer store on {master_address}:{master_port}"
-            # The store owns the socket from here and closes it with itself (libuv's server
-            # would ignore it).
+            # The store owns the socket from here and closes it (libuv's server would ignore it).
             options.update(
                 master_listen_fd=listener.detach(), wait_for_workers=False, use_libuv=False
             )
@@ -194,9 +188,8 @@ class BroadcastGroup:
 
     def _bounded(self, doing: str, fn: Callable[[], Any], limit_s: float | None = None) -> Any:
         """Runs store call `fn` (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
-        # torch's store client waits for its host without a bound, and a call waits for the one
-        # before it on the same connection: a stopped trainer (SIGSTOP) whose socket is open
-        # would hang it forever. After a timeout the client is mid-conversation: never again.
+        # torch's client waits for a stopped host (its socket open) forever, and each call for the
+        # one before it; after a timeout the client is mid-conversation: it is used never again.
         limit_s = self.timeout_s if limit_s is None else limit_s
         what = f"{doing} {self.where}"
         if self._store_stuck:
@@ -226,13 +219,12 @@ class BroadcastGroup:
             raise failure.pop()  # popped, so this frame (in its traceback) does not hold it
         return result[0]
 
-    def _value(self, key: str, raw: object) -> Any:
+    def _value(self, key: str, raw: bytes) -> Any:
         """The JSON value stored under `key`, its size and form checked before use."""
-        data = bytes(raw)  # type: ignore[call-overload]
-        if len(data) > _MAX_VALUE_BYTES:
-            raise self.malformed(key, f"{len(data)} bytes, more than {_MAX_VALUE_BYTES}")
+        if len(raw) > _MAX_VALUE_BYTES:
+            raise self.malformed(key, f"{len(raw)} bytes, more than {_MAX_VALUE_BYTES}")
         try:
-            return json.loads(data)
+            return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise self.malformed(key, f"not JSON: {type(exc).__name__}: {str(exc)[:100]}") from None
 
@@ -249,22 +241,26 @@ class BroadcastGroup:
         text = json.dumps(value)
         self._bounded(f"writing {key!r} to", lambda: self._store.set(key, text))
 
-    def get(self, key: str, timeout_s: float | None = None) -> Any:
-        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    def _read(self, key: str, limit_s: float, *, wait: bool = False) -> Any:
+        """The bytes under `key`: None when there are none, unless `wait`ing `limit_s` for them."""
 
         def read() -> Any:
-            self._store.wait([key], datetime.timedelta(seconds=limit))
+            if wait:
+                self._store.wait([key], datetime.timedelta(seconds=limit_s))
+            elif not self._store.check([key]):
+                return None
             return self._store.get(key)
 
-        return self._value(key, self._bounded(f"reading {key!r} from", read, limit))
+        return self._bounded(f"reading {key!r} from", read, limit_s)
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._value(key, self._read(key, limit_s, wait=True))
 
     def lookup(self, key: str) -> Any:
         """The value under `key`, or None when there is none yet; never waits for one."""
-        raw = self._bounded(
-            f"reading {key!r} from",
-            lambda: self._store.get(key) if self._store.check([key]) else None,
-        )
+        raw = self._read(key, self.timeout_s)
         return None if raw is None else self._value(key, raw)
 
     def try_get(self, key: str) -> Any:
@@ -294,7 +290,7 @@ class BroadcastGroup:
         owner = self._bounded(
             f"claiming {key!r} in", lambda: self._store.compare_set(key, "", claimant)
         )
-        if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
+        if owner != claimant.encode():  # the owner's id, or whatever else is there
             raise WeightValidationError(
                 f"rank {self.rank} was claimed by another process already ({key!r} in "
                 f"{self.where}): each worker needs a distinct worker_index (rank = rank_offset + "
@@ -309,15 +305,11 @@ class BroadcastGroup:
     def read_list(self, key: str, limit_s: float) -> list[Any]:
         """The values appended under `key` (none if there are none or the store does not answer)."""
         try:
-            raw = self._bounded(
-                f"reading {key!r} from",
-                lambda: self._store.get(key) if self._store.check([key]) else b"",
-                limit_s,
-            )
+            raw = self._read(key, limit_s) or b""
         except WeightTransferError:  # a dead or stopped store: nothing to read
             return []
         values = []
-        for line in bytes(raw)[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
+        for line in raw[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
             with contextlib.suppress(ValueError, RecursionError):
                 values.append(json.loads(line))
         return values
@@ -331,9 +323,8 @@ class BroadcastGroup:
         prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
         what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
         try:
-            if (
-                self.backend == "gloo"
-            ):  # gloo bounds its rendezvous by this; collectives pass theirs
+            # gloo bounds its rendezvous by `limit`; its collectives pass their own.
+            if self.backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
                 return
             options = dist.ProcessGroupNCCL.Options()
