@@ -107,10 +107,8 @@ def check_port(port: object, *, allow_zero: bool = True) -> int:
 def _listen(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address`:`port` only (port 0: a free one)."""
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        # It sets SO_REUSEADDR: connections in TIME_WAIT do not keep the port from a new bind.
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, flags=socket.AI_PASSIVE)[0]
+        # create_server sets SO_REUSEADDR: TIME_WAIT connections never block binding the port again.
         return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
     except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
@@ -139,7 +137,7 @@ class BroadcastWork:
 
 
 class BroadcastGroup:
-    """One end of a trainer-rooted group: rank 0 is the trainer and hosts the store, 1..N workers."""
+    """One end of a trainer-rooted group: rank 0, the trainer, hosts the store; 1..N workers."""
 
     def __init__(
         self,
@@ -187,7 +185,7 @@ class BroadcastGroup:
         self.where = f"the transfer store at {master_address}:{self.port}"
 
     def _bounded(self, doing: str, fn: Callable[[], Any], limit_s: float | None = None) -> Any:
-        """Runs store call `fn` (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
+        """Runs store call `fn` (`doing` what) on a daemon thread, for `limit_s` at most."""
         # torch's client waits for a stopped host (its socket open) forever, and each call for the
         # one before it; after a timeout the client is mid-conversation: it is used never again.
         limit_s = self.timeout_s if limit_s is None else limit_s
