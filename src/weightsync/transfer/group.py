@@ -1,12 +1,9 @@
 """A broadcast group made only for weight transfer, its store folded in; every operation bounded.
 
-The group is built from its own `TCPStore` and a backend process group constructed directly
-(gloo or NCCL), so it never touches torch.distributed's default group: a trainer already running
-FSDP or DDP keeps its own. The trainer is rank 0 and hosts the store; every rank sends small
-JSON control messages through it (wire parameters, rank claims, the update handshake, abort
-notes). Every store call returns within `timeout_s` even when the store's host is stopped with
-its socket open; every value read is checked (size, then JSON) before use, since any process
-that reaches the port can write into the store; torch's failures come out as weightsync's errors.
+Rank 0 (the trainer) hosts the group's own `TCPStore`, and gloo or NCCL is built on it directly,
+never on torch.distributed's default group (a trainer's FSDP or DDP keeps its own). Ranks exchange
+small JSON messages through the store; every store call returns within `timeout_s`, and every
+value read is checked before use, since any process that reaches the port can write there.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import resource
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,29 +34,22 @@ __all__ = [
     "translate",
 ]
 
-_T = TypeVar("_T")
-_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
-
 INIT_ERRORS = "init_errors"
 """Store key a worker appends the reason its join failed to, as `"rank R: Error: message"`."""
 
-# A rank keeps up to two connections per other rank: the store and the transfer link. A process
-# keeps this many files free for everything else it opens.
-_LINKS_PER_PEER = 2
-_FILES_KEPT_FREE = 64
-# A store call gets its own limit plus this, so that torch's own timeout and message come first.
-_STORE_GRACE_S = 1.0
-# The largest value a rank takes from the store; a weightsync rank writes a few refusals at most.
-_MAX_VALUE_BYTES = 1 << 20
+_BACKENDS = ["gloo", "nccl"]
+_LINKS_PER_PEER = 2  # connections a rank keeps per other rank: the store and the transfer link
+_FILES_KEPT_FREE = 64  # open files a process keeps for everything else
+_STORE_GRACE_S = 1.0  # on top of a store call's own limit, so that torch's timeout comes first
+_MAX_VALUE_BYTES = 1 << 20  # the largest value a rank takes; a rank writes a few refusals at most
 _MAX_LIST_BYTES = 4 << 20  # of an appended list (`read_list`): what lies beyond is not read
 
 
 def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
     """Maps a torch.distributed failure onto weightsync's error classes (one line, no C++ frames)."""
-    # torch reports timeouts as a RuntimeError saying so; another type naming a timeout (a
-    # constructor's TypeError about its `timeout` argument) is a failure.
+    # torch's timeouts are RuntimeErrors saying so; a TypeError about a `timeout` argument is not.
     text = str(exc).lower()
-    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"  # no C++ frames
+    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     if isinstance(exc, TimeoutError) or (
         isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
     ):
@@ -72,8 +62,8 @@ def translate(what: str, exc: Exception, timeout_s: float) -> WeightTransferErro
     )
 
 
-def _check_world_size(world_size: object) -> int:
-    """Returns `world_size` once a group that large can exist here (int >= 2, open-file limit)."""
+def _check_world_size(world_size: object) -> None:
+    """Refuses a world size that is no int >= 2 or beyond what this process's open files allow."""
     if not _is_int(world_size) or world_size < 2:
         raise WeightValidationError(
             f"world_size must be an int >= 2 (the trainer plus at least one worker), got {world_size!r}"
@@ -90,23 +80,20 @@ def _check_world_size(world_size: object) -> int:
             f"so world_size can be at most {limit}: use fewer workers, or raise the limit "
             "(ulimit -n) on every host"
         )
-    return world_size
 
 
 def check_backend(backend: str) -> torch.device:
     """Returns the device a backend's tensors live on; `nccl` without CUDA is refused, never replaced."""
-    if backend not in _BACKEND_DEVICES:
+    if backend not in _BACKENDS:
+        raise WeightValidationError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
         raise WeightValidationError(
-            f"backend must be one of {sorted(_BACKEND_DEVICES)}, got {backend!r}"
+            "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
+            "neither; use backend 'gloo' for CPU tensors"
         )
-    if backend == "nccl":
-        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-            raise WeightValidationError(
-                "backend 'nccl' needs CUDA and a torch build with NCCL, and this process has "
-                "neither; use backend 'gloo' for CPU tensors"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_port(port: object, *, allow_zero: bool = True) -> int:
@@ -117,31 +104,22 @@ def check_port(port: object, *, allow_zero: bool = True) -> int:
     return port
 
 
-def _bind_listener(address: str, port: int) -> socket.socket:
+def _listen(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address`:`port` only (port 0: a free one)."""
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except (OSError, UnicodeError) as exc:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, flags=socket.AI_PASSIVE)[0]
+        # create_server sets SO_REUSEADDR: TIME_WAIT connections never block binding the port again.
+        return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
+    except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
             f"master_address {address!r} does not resolve on this host: {exc}; give an address "
             "of this machine that the workers can reach"
         ) from exc
-    listener = socket.socket(family, kind, proto)
-    try:
-        # Closed connections linger in TIME_WAIT; they must not keep the port from being bound
-        # again right after close(). A live listener still refuses a second bind.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(sockaddr)
-        listener.listen(socket.SOMAXCONN)
     except OSError as exc:
-        listener.close()
         raise WeightTransferError(
             f"cannot listen on master_address {address!r}, master_port {port}: {exc}; pick a "
             "free port (master_port=0 picks one) or an address of this machine"
         ) from exc
-    return listener
 
 
 class BroadcastWork:
@@ -159,11 +137,7 @@ class BroadcastWork:
 
 
 class BroadcastGroup:
-    """One end of a trainer-rooted group (rank 0 the trainer, which hosts the store; 1..N workers).
-
-    Raises WeightValidationError (bad rank, world size, timeout, backend) or
-    WeightTransferTimeout (the store is not reached within `timeout_s`).
-    """
+    """One end of a trainer-rooted group: rank 0, the trainer, hosts the store; 1..N workers."""
 
     def __init__(
         self,
@@ -191,44 +165,29 @@ class BroadcastGroup:
         what = f"connecting to the transfer store at {master_address}:{master_port}"
         options: dict[str, Any] = {"timeout": self._timeout}
         if rank == 0:  # the trainer's store listens on `master_address` only (torch: everywhere)
-            listener = _bind_listener(master_address, master_port)
+            listener = _listen(master_address, master_port)
             master_port = listener.getsockname()[1]
             what = f"starting the transfer store on {master_address}:{master_port}"
-            # The store owns the socket from here and closes it with itself; the libuv server
-            # ignores a given socket.
+            # The store owns the socket from here and closes it (libuv's server would ignore it).
             options.update(
                 master_listen_fd=listener.detach(), wait_for_workers=False, use_libuv=False
             )
         try:
-            self._store: Any = self._call(
-                what,
-                lambda: dist.TCPStore(  # type: ignore[attr-defined]
-                    master_address, master_port, world_size, rank == 0, **options
-                ),
+            self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
+                master_address, master_port, world_size, rank == 0, **options
             )
-        except WeightTransferError:
+        except Exception as exc:
             if rank == 0:
                 with contextlib.suppress(OSError):
                     os.close(options["master_listen_fd"])
-            raise
+            raise translate(what, exc, self.timeout_s) from exc
         self.port: int = self._store.port
         self.where = f"the transfer store at {master_address}:{self.port}"
 
-    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
-        try:
-            return fn()
-        except WeightTransferError:
-            raise
-        except Exception as exc:
-            raise translate(what, exc, self.timeout_s) from exc
-
-    # --- the store: every call bounded, every value checked ----------------------------------
-
-    def _bounded(self, doing: str, fn: Callable[[], _T], limit_s: float | None = None) -> _T:
-        """Runs a store call (`doing` what, to the store) on a daemon thread, `limit_s` at most."""
-        # torch's store client waits for its host without a bound, and a call waits for the one
-        # before it on the same connection: a stopped trainer (SIGSTOP) whose socket is open
-        # would hang it forever. After a timeout the client is mid-conversation: never again.
+    def _bounded(self, doing: str, fn: Callable[[], Any], limit_s: float | None = None) -> Any:
+        """Runs store call `fn` (`doing` what) on a daemon thread, for `limit_s` at most."""
+        # torch's client waits for a stopped host (its socket open) forever, and each call for the
+        # one before it; after a timeout the client is mid-conversation: it is used never again.
         limit_s = self.timeout_s if limit_s is None else limit_s
         what = f"{doing} {self.where}"
         if self._store_stuck:
@@ -236,18 +195,15 @@ class BroadcastGroup:
                 f"{what}: {self.where} stopped answering earlier (timeout_s): its host (the "
                 "trainer) is stopped or stuck"
             )
-        box: list[tuple[bool, Any]] = []
+        result: list[Any] = []
+        failure: list[WeightTransferError] = []
         done = threading.Event()
 
         def run() -> None:
             try:
-                box.append((True, self._call(what, fn)))
-            except WeightTransferError as exc:
-                # A fresh error: this one's chain holds torch's frames, which hold the group
-                # and its socket for as long as a caller keeps the error.
-                box.append((False, type(exc)(str(exc))))
-            except BaseException as exc:  # handed to the waiting thread
-                box.append((False, exc.with_traceback(None)))
+                result.append(fn())
+            except Exception as exc:  # a fresh error: torch's frames would keep the group alive
+                failure.append(translate(what, exc, self.timeout_s))
             done.set()
 
         threading.Thread(target=run, name="weightsync-store", daemon=True).start()
@@ -257,21 +213,16 @@ class BroadcastGroup:
                 f"{what} timed out after {limit_s:g} s (timeout_s): the store's host (the "
                 "trainer) does not answer: stopped, stuck or unreachable"
             )
-        ok, value = box.pop()
-        if ok:
-            return value  # type: ignore[no-any-return]
-        try:
-            raise value
-        finally:
-            del value  # this frame is in the error's traceback: no cycle through it
+        if failure:
+            raise failure.pop()  # popped, so this frame (in its traceback) does not hold it
+        return result[0]
 
-    def _value(self, key: str, raw: object) -> Any:
+    def _value(self, key: str, raw: bytes) -> Any:
         """The JSON value stored under `key`, its size and form checked before use."""
-        data = bytes(raw)  # type: ignore[call-overload]
-        if len(data) > _MAX_VALUE_BYTES:
-            raise self.malformed(key, f"{len(data)} bytes, more than {_MAX_VALUE_BYTES}")
+        if len(raw) > _MAX_VALUE_BYTES:
+            raise self.malformed(key, f"{len(raw)} bytes, more than {_MAX_VALUE_BYTES}")
         try:
-            return json.loads(data)
+            return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise self.malformed(key, f"not JSON: {type(exc).__name__}: {str(exc)[:100]}") from None
 
@@ -288,22 +239,26 @@ class BroadcastGroup:
         text = json.dumps(value)
         self._bounded(f"writing {key!r} to", lambda: self._store.set(key, text))
 
-    def get(self, key: str, timeout_s: float | None = None) -> Any:
-        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    def _read(self, key: str, limit_s: float, *, wait: bool = False) -> Any:
+        """The bytes under `key`: None when there are none, unless `wait`ing `limit_s` for them."""
 
         def read() -> Any:
-            self._store.wait([key], datetime.timedelta(seconds=limit))
+            if wait:
+                self._store.wait([key], datetime.timedelta(seconds=limit_s))
+            elif not self._store.check([key]):
+                return None
             return self._store.get(key)
 
-        return self._value(key, self._bounded(f"reading {key!r} from", read, limit))
+        return self._bounded(f"reading {key!r} from", read, limit_s)
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """Reads the value under `key`, waiting up to `timeout_s` (default: the group's)."""
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._value(key, self._read(key, limit_s, wait=True))
 
     def lookup(self, key: str) -> Any:
         """The value under `key`, or None when there is none yet; never waits for one."""
-        raw = self._bounded(
-            f"reading {key!r} from",
-            lambda: self._store.get(key) if self._store.check([key]) else None,
-        )
+        raw = self._read(key, self.timeout_s)
         return None if raw is None else self._value(key, raw)
 
     def try_get(self, key: str) -> Any:
@@ -333,7 +288,7 @@ class BroadcastGroup:
         owner = self._bounded(
             f"claiming {key!r} in", lambda: self._store.compare_set(key, "", claimant)
         )
-        if bytes(owner) != claimant.encode():  # the owner's id, or whatever else is there
+        if owner != claimant.encode():  # the owner's id, or whatever else is there
             raise WeightValidationError(
                 f"rank {self.rank} was claimed by another process already ({key!r} in "
                 f"{self.where}): each worker needs a distinct worker_index (rank = rank_offset + "
@@ -348,20 +303,14 @@ class BroadcastGroup:
     def read_list(self, key: str, limit_s: float) -> list[Any]:
         """The values appended under `key` (none if there are none or the store does not answer)."""
         try:
-            raw = self._bounded(
-                f"reading {key!r} from",
-                lambda: self._store.get(key) if self._store.check([key]) else b"",
-                limit_s,
-            )
-        except Exception:  # a dead or stopped store: nothing to read
+            raw = self._read(key, limit_s) or b""
+        except WeightTransferError:  # a dead or stopped store: nothing to read
             return []
         values = []
-        for line in bytes(raw)[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
+        for line in raw[:_MAX_LIST_BYTES].decode("utf-8", "replace").splitlines():
             with contextlib.suppress(ValueError, RecursionError):
                 values.append(json.loads(line))
         return values
-
-    # --- collectives ---------------------------------------------------------------------------
 
     def connect(self, timeout_s: float | None = None) -> None:
         """Forms the process group, within `timeout_s` (default: the group's); idempotent."""
@@ -371,24 +320,21 @@ class BroadcastGroup:
         limit = datetime.timedelta(seconds=limit_s)
         prefix = dist.PrefixStore("weightsync", self._store)  # type: ignore[attr-defined]
         what = f"forming the {self.backend} group (rank {self.rank} of {self.world_size})"
-        if self.backend == "gloo":  # gloo bounds its rendezvous by this; collectives pass theirs
-            self._pg = self._call(
-                what, lambda: dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
-            )
-        else:
+        try:
+            # gloo bounds its rendezvous by `limit`; its collectives pass their own.
+            if self.backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, limit)
+                return
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
-            self._pg = self._call(
-                what, lambda: dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
-            )
-            # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out) here.
-            probe = dist.AllreduceOptions()
+            self._pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
+            # NCCL connects lazily: a tiny all-reduce makes the rendezvous happen (and time out).
+            what, probe = "all-reduce", dist.AllreduceOptions()
             probe.timeout = limit
-            work = self._call(
-                "all-reduce",
-                lambda: self._pg.allreduce([torch.zeros(1, device=self.device)], probe),
-            )
-            BroadcastWork(work, "all-reduce", limit_s).wait()
+            work = self._pg.allreduce([torch.zeros(1, device=self.device)], probe)
+        except Exception as exc:
+            raise translate(what, exc, self.timeout_s) from exc
+        BroadcastWork(work, what, limit_s).wait()
 
     @property
     def is_connected(self) -> bool:
@@ -403,20 +349,19 @@ class BroadcastGroup:
             )
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor, options.timeout = 0, 0, self._timeout
-        return BroadcastWork(
-            self._call(what, lambda: pg.broadcast([tensor], options)), what, self.timeout_s
-        )
+        try:
+            return BroadcastWork(pg.broadcast([tensor], options), what, self.timeout_s)
+        except Exception as exc:
+            raise translate(what, exc, self.timeout_s) from exc
 
     def close(self, *, release_store: bool = False) -> None:
         """Drops the process group (peers then fail fast); `release_store` drops the store too."""
         if self._pg is not None:
             # NCCL needs an abort to unblock peers; gloo's shutdown closes its sockets now, even
-            # while a failed collective's traceback references the group. A broken one may refuse.
+            # while a failed collective's traceback holds the group. A broken one may refuse.
             with contextlib.suppress(Exception):
                 self._pg.abort() if self.backend == "nccl" else self._pg.shutdown()
             self._pg = None
-            # A failed collective's exception chain is a young reference cycle holding the
-            # group's listening sockets until the collector runs.
-            gc.collect(1)
+            gc.collect(1)  # a failed collective's young reference cycle holds the group's sockets
         if release_store:  # the last reference: the store's thread stops, its port is free now
             self._store = None
