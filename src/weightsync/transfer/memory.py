@@ -1,12 +1,12 @@
 """Naming memory across processes: shared-memory segments, handle records, CUDA IPC, open regions.
 
-A trainer exports a region (a POSIX shared-memory segment on CPUs, a CUDA allocation on GPUs) and
-names each tensor in it with a JSON-safe [`IPCHandle`][weightsync.transfer.memory.IPCHandle]
-record; a receiver checks the record, opens the region once and views the tensor in place.
-Segments are named `<session>-<n>`, so a receiver attaches only to its own session's, and never
-leak: the owner unlinks them, and a `SegmentJanitor` process, told each name before the segment
-exists, unlinks the rest once the owner is gone, even after SIGKILL. Every private torch call
-weightsync makes (CUDA IPC export and import) is here.
+One concept: how one process names memory another maps, from creation to release. A trainer
+exports a region (a POSIX shared-memory segment on CPUs, a CUDA allocation on GPUs) and names each
+tensor in it with a JSON-safe [`IPCHandle`][weightsync.transfer.memory.IPCHandle] record; a
+receiver checks the record, opens the region once and views the tensor in place. Segments are
+named `<session>-<n>`: a receiver attaches only to its own session's, and none leaks (the owner
+unlinks them; a `SegmentJanitor` process, told each name before the segment exists, unlinks the
+rest once the owner is gone, even after SIGKILL). Every private torch call is here.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ SHM_LIMIT_ENV = "WEIGHTSYNC_SHM_LIMIT_BYTES"
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
 # Populating maps every page up front, several times cheaper than first-touch faults.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
 # The janitor runs in a fresh interpreter (`-I`), sharing nothing with the trainer but this pipe.
 # It watches the trainer's pid as well as the pipe: a child the trainer forked (a DataLoader
 # worker) inherits the pipe's write end and would keep it open long after the trainer died.
@@ -151,12 +151,8 @@ class SharedSegment:
             if limit is not None and nbytes > int(limit):
                 raise OSError(errno.ENOSPC, f"No space left on device ({SHM_LIMIT_ENV}={limit})")
             fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-            # Reserving the pages now, a full /dev/shm fails here (ENOSPC), not by SIGBUS later.
-            try:
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, nbytes)
-                else:
-                    os.ftruncate(fd, nbytes)
+            try:  # pages reserved now: a full /dev/shm fails here (ENOSPC), not by SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
                 mapping = mmap.mmap(fd, nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
                 _unlink_segment(name)
@@ -454,11 +450,7 @@ class IPCHandle:
         return {key: value for key, value in record.items() if value is not None}
 
     def view(self, region: torch.Tensor) -> torch.Tensor:
-        """Views the record's bytes inside a uint8 `region` as the typed tensor (no copy).
-
-        Raises:
-            WeightValidationError: the bytes reach past the end of `region`.
-        """
+        """Views the record's bytes inside a uint8 `region` as the typed tensor (no copy)."""
         if self.offset + self.nbytes > region.numel():
             where = self.segment if self.segment is not None else "the CUDA storage"
             raise WeightValidationError(
@@ -481,8 +473,6 @@ _REF_COUNTER_RE = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 
 def cuda_device_uuids() -> dict[str, int]:
     """The CUDA devices this process sees, by physical UUID -> local device index."""
-    if not torch.cuda.is_available():
-        return {}
     return {
         str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
     }
@@ -497,21 +487,15 @@ def export_cuda_storage(storage: torch.UntypedStorage) -> CUDAStorageHandle:
     # ref counter handle, ref counter offset, event handle, event sync required).
     _, args = reductions.reduce_tensor(whole)  # type: ignore[no-untyped-call]
     device, handle, nbytes, offset, _, counter, counter_offset, event, event_sync = args[6:15]
-    handle, counter, event = (
-        base64.b64encode(data).decode("ascii") if data is not None else None
-        for data in (handle, counter, event)
-    )
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode("ascii")
+
     return CUDAStorageHandle(
-        uuid,
-        handle,
-        int(nbytes),
-        int(offset),
-        counter,
-        int(counter_offset),
-        event,
+        str(torch.cuda.get_device_properties(device).uuid), b64(handle), int(nbytes), int(offset),
+        b64(counter), int(counter_offset), b64(event) if event is not None else None,
         bool(event_sync),
-    )
+    )  # fmt: skip
 
 
 def _check_ref_counter(handle: CUDAStorageHandle, *, where: str) -> None:
