@@ -1,21 +1,18 @@
 """Naming memory across processes: shared-memory segments, handle records, CUDA IPC, open regions.
 
-One concept: how one process names memory another maps, from creation to release.
-
-A trainer exports a region (a POSIX shared-memory segment on CPUs, a CUDA allocation on GPUs) and
-names each tensor in it with a JSON-safe [`IPCHandle`][weightsync.transfer.memory.IPCHandle]
-record; a receiver checks the record, opens the region once and views the tensor in place. Segments
-are named `<session>-<n>` (`weightsync-` + 48 random bits), so a receiver attaches only to its own
-session's, and never leak: the owner unlinks them, and a `SegmentJanitor` process, told each name
-before the segment exists, unlinks the rest once the owner is gone, even after SIGKILL. Every
-private torch call weightsync makes (CUDA IPC export and import) is here.
+One concept: how one process names memory another maps, from creation to release. A trainer
+exports a region (a POSIX shared-memory segment on CPUs, a CUDA allocation on GPUs) and names each
+tensor in it with a JSON-safe [`IPCHandle`][weightsync.transfer.memory.IPCHandle] record; a
+receiver checks the record, opens the region once and views the tensor in place. Segments are
+named `<session>-<n>`: a receiver attaches only to its own session's, and none leaks (the owner
+unlinks them; a `SegmentJanitor` process, told each name before the segment exists, unlinks the
+rest once the owner is gone, even after SIGKILL). Every private torch call is here.
 """
 
 from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]  # stdlib shm_open/shm_unlink, no tracker
 import base64
-import binascii
 import contextlib
 import ctypes
 import errno
@@ -68,6 +65,8 @@ SHM_LIMIT_ENV = "WEIGHTSYNC_SHM_LIMIT_BYTES"
 
 _SESSION_RE = re.compile(r"weightsync-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"weightsync-[0-9a-f]{12}-[0-9]{1,6}")
+# Populating maps every page up front, several times cheaper than first-touch faults.
+_MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
 # The janitor runs in a fresh interpreter (`-I`), sharing nothing with the trainer but this pipe.
 # It watches the trainer's pid as well as the pipe: a child the trainer forked (a DataLoader
 # worker) inherits the pipe's write end and would keep it open long after the trainer died.
@@ -132,10 +131,9 @@ def _free_space_hint() -> str:
         stat = os.statvfs("/dev/shm")
     except OSError:
         return ""
-    free = stat.f_bavail * stat.f_frsize
     return (
-        f" (/dev/shm has {free / 2**20:.0f} MiB free: enlarge it, e.g. `docker run --shm-size`, "
-        "or lower bucket_size_bytes)"
+        f" (/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free: enlarge it, e.g. "
+        "`docker run --shm-size`, or lower bucket_size_bytes)"
     )
 
 
@@ -145,35 +143,27 @@ class SharedSegment:
     def __init__(self, name: str, nbytes: int) -> None:
         if nbytes < 1:
             raise WeightValidationError(f"a segment needs nbytes >= 1, got {nbytes}")
-        self.name, self.nbytes = name, nbytes
         limit = os.environ.get(SHM_LIMIT_ENV)
         if limit is not None and not limit.isdigit():
             raise WeightValidationError(f"{SHM_LIMIT_ENV} must be a number of bytes, got {limit!r}")
-        try:
-            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        except OSError as exc:  # the name is taken, or /dev/shm is missing or not writable
-            raise WeightTransferError(
-                f"cannot create shared-memory segment {name!r}: {exc}{_free_space_hint()}"
-            ) from exc
+        self.name, self.nbytes = name, nbytes
         try:
             if limit is not None and nbytes > int(limit):
                 raise OSError(errno.ENOSPC, f"No space left on device ({SHM_LIMIT_ENV}={limit})")
-            if hasattr(os, "posix_fallocate"):
-                # Reserve the pages now: a full /dev/shm fails here (ENOSPC), not by SIGBUS later.
+            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+            try:  # pages reserved now: a full /dev/shm fails here (ENOSPC), not by SIGBUS later
                 os.posix_fallocate(fd, 0, nbytes)
-            else:
-                os.ftruncate(fd, nbytes)
-            # Populating maps every page up front, several times cheaper than first-touch faults.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            _unlink_segment(name)
+                mapping = mmap.mmap(fd, nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                _unlink_segment(name)
+                raise
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the name is taken, or /dev/shm is missing, not writable or full
             raise WeightTransferError(
                 f"cannot create shared-memory segment {name!r} of {nbytes} bytes: {exc}"
                 f"{_free_space_hint()}"
             ) from exc
-        finally:
-            os.close(fd)
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
 
     @property
@@ -194,17 +184,16 @@ class SharedSegment:
 class _AttachedSegment:
     """A read-only mapping of another process's segment; `identity` is `(dev, inode, size)`."""
 
-    name: str
     identity: tuple[int, int, int]
     tensor: torch.Tensor  # read-only memory: a receiver can never corrupt the trainer's weights
 
     @property
     def nbytes(self) -> int:
-        """Size in bytes."""
         return int(self.tensor.numel())
 
 
-def _open_existing(name: str) -> int:
+def _open_existing(name: str) -> tuple[int, tuple[int, int, int]]:
+    """A read-only descriptor of segment `name`, and its `(device, inode, size)`."""
     try:
         fd: int = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
     except FileNotFoundError:
@@ -214,28 +203,24 @@ def _open_existing(name: str) -> int:
         ) from None
     except OSError as exc:
         raise WeightValidationError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
-    return fd
+    stat = os.fstat(fd)
+    return fd, (stat.st_dev, stat.st_ino, stat.st_size)
 
 
 def _segment_identity(name: str) -> tuple[int, int, int]:
     """`(device, inode, size)` of an existing segment: a mapping is current while it is unchanged."""
-    fd = _open_existing(name)
-    try:
-        stat = os.fstat(fd)
-    finally:
-        os.close(fd)
-    return stat.st_dev, stat.st_ino, stat.st_size
+    fd, identity = _open_existing(name)
+    os.close(fd)
+    return identity
 
 
 def attach_segment(name: str) -> _AttachedSegment:
     """Maps segment `name` read-only."""
-    fd = _open_existing(name)
+    fd, identity = _open_existing(name)
+    tensor = torch.empty(0, dtype=torch.uint8)
     try:
-        stat = os.fstat(fd)
-        tensor = torch.empty(0, dtype=torch.uint8)
-        if stat.st_size:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, stat.st_size, flags=flags, prot=mmap.PROT_READ)
+        if identity[2]:
+            mapping = mmap.mmap(fd, identity[2], _MAP_FLAGS, mmap.PROT_READ)
             with warnings.catch_warnings():  # torch warns the buffer is read-only: the point
                 warnings.simplefilter("ignore", UserWarning)
                 tensor = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -243,7 +228,7 @@ def attach_segment(name: str) -> _AttachedSegment:
         raise WeightValidationError(f"cannot map shared-memory segment {name!r}: {exc}") from exc
     finally:
         os.close(fd)
-    return _AttachedSegment(name, (stat.st_dev, stat.st_ino, stat.st_size), tensor)
+    return _AttachedSegment(identity, tensor)
 
 
 class SegmentJanitor:
@@ -320,24 +305,19 @@ class SegmentJanitor:
 _RECORD_KEYS = frozenset({"segment", "cuda", "offset", "nbytes", "dtype", "shape"})
 
 
-def _b64(value: object, *, what: str) -> bytes:
-    if not isinstance(value, str):
-        raise WeightValidationError(f"{what} must be a base64 string, got {type(value).__name__}")
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise WeightValidationError(f"{what} is not valid base64") from None
-
-
-def _keys(data: object, expected: Any, required: Any, where: str) -> Mapping[str, Any]:
+def _fields(data: object, where: str, keys: Any, required: Any, counts: Any) -> Mapping[str, Any]:
+    """`data` as a mapping with all `required` keys, no key outside `keys`, `counts` ints >= 0."""
     if not isinstance(data, Mapping):
         raise WeightValidationError(f"{where} must be an object, got {type(data).__name__}")
-    unknown, missing = sorted(set(data) - set(expected)), sorted(set(required) - set(data))
+    unknown, missing = sorted(set(data) - set(keys)), sorted(set(required) - set(data))
     if unknown or missing:
         raise WeightValidationError(
             f"{where} has unknown keys {unknown} and lacks keys {missing}; "
-            f"expected keys: {sorted(expected)}"
+            f"expected keys: {sorted(keys)}"
         )
+    for key in counts:
+        if not _is_int(data[key]) or data[key] < 0:
+            raise WeightValidationError(f"{where}.{key} must be an int >= 0, got {data[key]!r}")
     return data
 
 
@@ -361,20 +341,24 @@ class CUDAStorageHandle:
     @classmethod
     def from_dict(cls, data: object, *, where: str) -> CUDAStorageHandle:
         """Builds the handle from its dict form, checking every field's type."""
-        fields = cls.__dataclass_fields__
-        data = _keys(data, fields, fields, f"{where}.cuda")
+        fields, where = cls.__dataclass_fields__, f"{where}.cuda"
+        counts = ("storage_nbytes", "storage_offset", "ref_counter_offset")
+        data = _fields(data, where, fields, fields, counts)
         if not isinstance(data["device_uuid"], str) or not data["device_uuid"]:
-            raise WeightValidationError(f"{where}.cuda.device_uuid must be a non-empty string")
+            raise WeightValidationError(f"{where}.device_uuid must be a non-empty string")
         for key in ("handle", "ref_counter_handle", "event_handle"):
-            if data[key] is not None or key != "event_handle":  # only the event may be absent
-                _b64(data[key], what=f"{where}.cuda.{key}")
-        for key in ("storage_nbytes", "storage_offset", "ref_counter_offset"):
-            if not _is_int(data[key]) or data[key] < 0:
-                raise WeightValidationError(
-                    f"{where}.cuda.{key} must be an int >= 0, got {data[key]!r}"
-                )
+            value = data[key]
+            if key != "event_handle" or value is not None:  # only the event may be absent
+                if not isinstance(value, str):
+                    raise WeightValidationError(
+                        f"{where}.{key} must be a base64 string, got {type(value).__name__}"
+                    )
+                try:
+                    base64.b64decode(value, validate=True)
+                except ValueError:  # binascii.Error
+                    raise WeightValidationError(f"{where}.{key} is not valid base64") from None
         if not isinstance(data["event_sync_required"], bool):
-            raise WeightValidationError(f"{where}.cuda.event_sync_required must be a bool")
+            raise WeightValidationError(f"{where}.event_sync_required must be a bool")
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -405,18 +389,15 @@ class IPCHandle:
     @classmethod
     def from_dict(cls, data: object, *, where: str, spec: TensorSpec | None = None) -> IPCHandle:
         """Checks a record's form and consistency (and against `spec`), touching no memory."""
-        data = _keys(data, _RECORD_KEYS, ("offset", "nbytes", "dtype", "shape"), where)
+        required = ("offset", "nbytes", "dtype", "shape")
+        data = _fields(data, where, _RECORD_KEYS, required, ("offset", "nbytes"))
         try:
             dtype = dtype_from_name(data["dtype"])
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
-        shape = data["shape"]
+        offset, nbytes, shape = data["offset"], data["nbytes"], data["shape"]
         if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
             raise WeightValidationError(f"{where}.shape must be a list of ints >= 0, got {shape!r}")
-        offset, nbytes = data["offset"], data["nbytes"]
-        for key, value in (("offset", offset), ("nbytes", nbytes)):
-            if not _is_int(value) or value < 0:
-                raise WeightValidationError(f"{where}.{key} must be an int >= 0, got {value!r}")
         if nbytes != math.prod(shape) * dtype.itemsize:
             raise WeightValidationError(
                 f"{where}.nbytes is {nbytes} but shape {list(shape)} of {data['dtype']} holds "
@@ -463,13 +444,10 @@ class IPCHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-safe dict form (the inverse of `from_dict`)."""
-        record: dict[str, Any] = {"offset": self.offset, "nbytes": self.nbytes}
-        record |= {"dtype": self.dtype, "shape": list(self.shape)}
-        if self.segment is not None:
-            record["segment"] = self.segment
-        if self.cuda is not None:
-            record["cuda"] = self.cuda.to_dict()
-        return record
+        cuda = self.cuda.to_dict() if self.cuda is not None else None
+        record = {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype}
+        record |= {"shape": list(self.shape), "segment": self.segment, "cuda": cuda}
+        return {key: value for key, value in record.items() if value is not None}
 
     def view(self, region: torch.Tensor) -> torch.Tensor:
         """Views the record's bytes inside a uint8 `region` as the typed tensor (no copy)."""
@@ -495,8 +473,6 @@ _REF_COUNTER_RE = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 
 def cuda_device_uuids() -> dict[str, int]:
     """The CUDA devices this process sees, by physical UUID -> local device index."""
-    if not torch.cuda.is_available():
-        return {}
     return {
         str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
     }
@@ -510,8 +486,7 @@ def export_cuda_storage(storage: torch.UntypedStorage) -> CUDAStorageHandle:
     # storage class, dtype, device, handle, storage bytes, storage offset, requires_grad,
     # ref counter handle, ref counter offset, event handle, event sync required).
     _, args = reductions.reduce_tensor(whole)  # type: ignore[no-untyped-call]
-    device, handle, nbytes, offset = args[6:10]
-    counter, counter_offset, event, event_sync = args[11:15]
+    device, handle, nbytes, offset, _, counter, counter_offset, event, event_sync = args[6:15]
 
     def b64(data: bytes) -> str:
         return base64.b64encode(data).decode("ascii")
@@ -558,18 +533,14 @@ def _allocation_extent(tensor: torch.Tensor) -> int:
         raise WeightValidationError(
             f"cannot check the size of CUDA IPC memory without the CUDA driver library: {exc}"
         ) from None
-    address_range.argtypes = [
-        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64
-    ]  # fmt: skip
-    address_range.restype = ctypes.c_int
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    base, size, address = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64(tensor.data_ptr())
     with torch.cuda.device(tensor.device):
-        status = address_range(ctypes.byref(base), ctypes.byref(size), tensor.data_ptr())
+        status = address_range(ctypes.byref(base), ctypes.byref(size), address)  # a CUresult
     if status != 0:
         raise WeightValidationError(
             f"cannot check the size of CUDA IPC memory: cuMemGetAddressRange returned {status}"
         )
-    return int(base.value + size.value - tensor.data_ptr())
+    return int(base.value + size.value - address.value)
 
 
 def _import_cuda_storage(handle: CUDAStorageHandle, *, where: str) -> torch.Tensor:
@@ -651,24 +622,23 @@ class RegionCache:
         """Checks a record against live memory and views its tensor; `regions`: this delivery's."""
         if handle.nbytes == 0:
             return torch.empty(spec.shape, dtype=spec.dtype)
-        key: object = handle.cuda.cache_key if handle.cuda is not None else handle.segment
-        region = regions.get(key)
-        if region is None and handle.cuda is not None:
-            if handle.offset + handle.nbytes > handle.cuda.storage_nbytes:
+        cuda = handle.cuda
+        key: object = cuda.cache_key if cuda is not None else handle.segment
+        if key not in regions and cuda is not None:
+            if handle.offset + handle.nbytes > cuda.storage_nbytes:
                 raise WeightValidationError(  # refused before the handle is even opened
                     f"{where}: offset {handle.offset} + nbytes {handle.nbytes} reaches past "
-                    f"the end of the CUDA storage ({handle.cuda.storage_nbytes} bytes)"
+                    f"the end of the CUDA storage ({cuda.storage_nbytes} bytes)"
                 )
-            region = regions[key] = _import_cuda_storage(handle.cuda, where=where)
             # Kept open across updates: importing a handle whose storage was freed would open it
             # anew, and the producer's reference count would be released twice.
-            self._cuda[handle.cuda.cache_key] = region
+            regions[key] = self._cuda[cuda.cache_key] = _import_cuda_storage(cuda, where=where)
             self._used.add(key)
-        elif region is None:
+        elif key not in regions:
             assert handle.segment is not None
-            region = regions[key] = self._attach(handle.segment, where)
+            regions[key] = self._attach(handle.segment, where)
         try:
-            return handle.view(region)
+            return handle.view(regions[key])
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
 
@@ -711,12 +681,10 @@ class RegionCache:
         """Unmaps segments unlinked, replaced or resized by their owner; returns their names."""
         gone = []
         for name, attached in list(self._segments.items()):
-            try:
-                current: tuple[int, int, int] | None = _segment_identity(name)
-            except WeightValidationError:  # unlinked: the name no longer opens
-                current = None
-            if current != attached.identity:
-                gone.append(name)
+            with contextlib.suppress(WeightValidationError):  # unlinked: the name no longer opens
+                if _segment_identity(name) == attached.identity:
+                    continue
+            gone.append(name)
         if gone:
             with self._lock:
                 for name in gone:
