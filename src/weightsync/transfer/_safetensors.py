@@ -11,7 +11,6 @@ import json
 import math
 import os
 import stat
-import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
                     f"{path}: {size} bytes is too short for a safetensors file (8-byte header "
                     "length first)"
                 )
-            (header_len,) = struct.unpack("<Q", prefix)
+            header_len = int.from_bytes(prefix, "little")
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
                 raise WeightValidationError(
                     f"{path}: safetensors header length {header_len} exceeds the file "
@@ -106,17 +105,16 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     missing = [key for key in ("dtype", "shape", "data_offsets") if key not in value]
     if missing:
         raise WeightValidationError(f"{where} has no {missing[0]!r} (an entry needs all three)")
-    dtype = _DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    dtype_tag, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    dtype = _DTYPES.get(dtype_tag) if isinstance(dtype_tag, str) else None
     if dtype is None:
         raise WeightValidationError(
-            f"{where} has dtype {value['dtype']!r:.40}; supported: {sorted(_DTYPES)}"
+            f"{where} has dtype {dtype_tag!r:.40}; supported: {sorted(_DTYPES)}"
         )
-    shape = value["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise WeightValidationError(
             f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
         )
-    offsets = value["data_offsets"]
     nbytes = math.prod(shape) * dtype.itemsize
     if (
         not isinstance(offsets, list)
@@ -168,5 +166,5 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
         f.writelines(payloads)

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -66,8 +66,7 @@ class WeightDir:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON form: `{"path": DIR}`, and `weight_version` when set."""
-        version = {} if self.weight_version is None else {"weight_version": self.weight_version}
-        return {"path": self.path, **version}
+        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 @dataclass
@@ -103,10 +102,7 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
         directory = Path(path).absolute()
-        is_dir = False
-        with contextlib.suppress(OSError):  # a name too long for the filesystem, say
-            is_dir = directory.is_dir()
-        if not is_dir:
+        if not os.path.isdir(directory):  # False, not OSError, for a name too long, say
             raise WeightValidationError(
                 f"path {str(directory)!r}: not a directory visible to this server; the trainer "
                 "must write the checkpoint to storage the server reads at the same path"
