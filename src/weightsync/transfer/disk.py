@@ -213,8 +213,7 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
             if update_info._entries:  # read by from_directory: the headers are known
                 return update_info
-            # Built by hand: the names it lists say nothing of what the files hold.
-            update_info = WeightDir(update_info.path, update_info.weight_version)
+            update_info = update_info.to_dict()  # built by hand: its lists are not the files'
         request = _parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
@@ -255,9 +254,8 @@ class DiskWeightTransferEngine(WeightTransferEngine):
     ) -> TransferStats:
         """Checks the directory against the model, then reads its tensors into the model.
 
-        Every file is opened before the first tensor is written: a file gone since its header was
-        read refuses the update with nothing written. A weight in `params` (a contiguous CPU
-        tensor) is read straight into its memory; any other goes through `load_weights`.
+        Every file is opened before the first tensor is written: one gone since its header was
+        read refuses the update, nothing written. Weights in `params` are read in place.
 
         Raises:
             WeightValidationError: The directory does not match the model; nothing was written.
@@ -322,10 +320,7 @@ def save_weight_dir(
     *,
     weight_version: str | int | None = None,
 ) -> dict[str, Any]:
-    """Writes tensors as a checkpoint directory (`model.safetensors`): the trainer's side.
-
-    The file is written under a temporary name and renamed into place: a reader never sees it
-    half-written.
+    """The trainer's side: writes tensors to `path/model.safetensors`, renamed into place when whole.
 
     Args:
         named_tensors: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
