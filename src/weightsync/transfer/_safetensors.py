@@ -44,17 +44,14 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """Opens a checkpoint file; anything but a regular file is refused before a byte is read."""
     # Opened without blocking: a FIFO would block `open` until some writer came.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise WeightValidationError(
-                f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's "
-                "files must be plain files"
-            )
+    if stat.S_ISREG(os.fstat(fd).st_mode):
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    os.close(fd)
+    raise WeightValidationError(
+        f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's files must be "
+        "plain files"
+    )
 
 
 def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
@@ -131,7 +128,7 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
 
 
 def read_tensor(fd: int, entry: SafetensorsEntry, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Reads `entry`'s tensor from file `fd` into `out` (its spec's, contiguous, CPU) or new memory."""
+    """Reads `entry`'s tensor from file `fd` into `out` (contiguous, CPU, its shape) or new memory."""
     spec = entry.spec
     if out is None:
         out = torch.empty(spec.shape, dtype=spec.dtype)
@@ -151,9 +148,8 @@ def read_tensor(fd: int, entry: SafetensorsEntry, out: torch.Tensor | None = Non
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
     """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
-    payloads = [
-        _byte_view(tensor) for tensor in tensors.values()
-    ]  # zero-copy, each holds its tensor
+    # Zero-copy views, each keeping its tensor alive until written.
+    payloads = [_byte_view(tensor) for tensor in tensors.values()]
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for (name, tensor), data in zip(tensors.items(), payloads, strict=True):
