@@ -78,7 +78,7 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
         raise WeightValidationError(f"{path}: cannot read: {exc}") from None
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError included
         raise WeightValidationError(f"{path}: safetensors header is not JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep
         raise WeightValidationError(
