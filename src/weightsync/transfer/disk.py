@@ -213,7 +213,7 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
             if update_info._entries:  # read by from_directory: the headers are known
                 return update_info
-            update_info = update_info.to_dict()  # built by hand: its lists are not the files'
+            update_info = update_info.to_dict()  # built by hand: read the files, not its lists
         request = _parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
