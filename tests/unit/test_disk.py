@@ -43,6 +43,7 @@ HOSTILE = {
     "nested too deep": lambda p: _raw_file(p, b"[" * 100_000 + b"]" * 100_000),
     "entry not an object": lambda p: _raw_file(p, json.dumps({"w": 3}).encode()),
     "unknown dtype": lambda p: _raw_file(p, json.dumps(_entry(dtype="F128")).encode(), b"\0" * 8),
+    "dtype not a string": lambda p: _raw_file(p, json.dumps(_entry(dtype=[])).encode(), b"\0" * 8),
     "negative dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(-2,))).encode(), b"\0" * 8),
     "bool dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(True,))).encode(), b"\0" * 8),
     "offsets past the data": lambda p: _raw_file(

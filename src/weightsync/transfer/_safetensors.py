@@ -1,9 +1,7 @@
-"""The safetensors format, read and written here directly: headers checked, data never unpickled.
+"""The safetensors format, read and written directly: every header checked, no data unpickled.
 
-A file is an 8-byte little-endian header length, a JSON header of names, dtypes, shapes and byte
-offsets, then the raw little-endian data. Reading the header alone tells what a file holds, so a
-receiver can check a checkpoint against its model before it reads a byte of data. The model
-loader and the `disk` transfer backend share this one reader.
+A file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and data
+offsets), then the raw data: the header alone says what a file holds, checked before data is read.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import json
 import math
 import os
 import stat
-import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +28,7 @@ _DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-# A header describes tensors, not data: real ones are kilobytes to a few megabytes. The bound
-# keeps a hostile length from making a reader allocate the file's size for "JSON".
+# Real headers are kilobytes to megabytes: a hostile length must not size the reader's allocation.
 _MAX_HEADER_BYTES = 100 << 20
 
 
@@ -43,26 +39,19 @@ class SafetensorsEntry:
     spec: TensorSpec
     offset: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.spec.nbytes
-
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """Opens a checkpoint file; anything but a regular file is refused before a byte is read."""
     # Opened without blocking: a FIFO would block `open` until some writer came.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise WeightValidationError(
-                f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's "
-                "files must be plain files"
-            )
+    if stat.S_ISREG(os.fstat(fd).st_mode):
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    os.close(fd)
+    raise WeightValidationError(
+        f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's files must be "
+        "plain files"
+    )
 
 
 def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
@@ -78,7 +67,7 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
                     f"{path}: {size} bytes is too short for a safetensors file (8-byte header "
                     "length first)"
                 )
-            (header_len,) = struct.unpack("<Q", prefix)
+            header_len = int.from_bytes(prefix, "little")
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
                 raise WeightValidationError(
                     f"{path}: safetensors header length {header_len} exceeds the file "
@@ -89,7 +78,7 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
         raise WeightValidationError(f"{path}: cannot read: {exc}") from None
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError included
         raise WeightValidationError(f"{path}: safetensors header is not JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep
         raise WeightValidationError(
@@ -99,12 +88,9 @@ def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
         raise WeightValidationError(
             f"{path}: safetensors header must be a JSON object, got {type(header).__name__}"
         )
+    header.pop("__metadata__", None)
     base = 8 + header_len
-    entries = [
-        _entry(path, name, value, base, size - base)
-        for name, value in header.items()
-        if name != "__metadata__"
-    ]
+    entries = [_entry(path, name, value, base, size - base) for name, value in header.items()]
     return sorted(entries, key=lambda e: e.offset)
 
 
@@ -116,17 +102,16 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     missing = [key for key in ("dtype", "shape", "data_offsets") if key not in value]
     if missing:
         raise WeightValidationError(f"{where} has no {missing[0]!r} (an entry needs all three)")
-    dtype = _DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
+    dtype_tag, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    dtype = _DTYPES.get(dtype_tag) if isinstance(dtype_tag, str) else None
     if dtype is None:
         raise WeightValidationError(
-            f"{where} has dtype {value.get('dtype')!r:.40}; supported: {sorted(_DTYPES)}"
+            f"{where} has dtype {dtype_tag!r:.40}; supported: {sorted(_DTYPES)}"
         )
-    shape = value.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise WeightValidationError(
             f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
         )
-    offsets = value.get("data_offsets")
     nbytes = math.prod(shape) * dtype.itemsize
     if (
         not isinstance(offsets, list)
@@ -142,48 +127,40 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
     return SafetensorsEntry(TensorSpec(name, dtype, tuple(shape)), base + offsets[0])
 
 
-def read_into(fd: int, out: torch.Tensor, entry: SafetensorsEntry) -> None:
-    """Reads `entry`'s data from `fd` into `out`'s memory (contiguous, CPU) with positional reads."""
-    if entry.nbytes == 0:
-        return
+def read_tensor(fd: int, entry: SafetensorsEntry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reads `entry`'s tensor from file `fd` into `out` (contiguous, CPU, its shape) or new memory."""
+    spec = entry.spec
+    if out is None:
+        out = torch.empty(spec.shape, dtype=spec.dtype)
     # A writable ctypes array over the tensor's memory: the file's bytes land in place.
-    view = memoryview((ctypes.c_ubyte * entry.nbytes).from_address(out.data_ptr())).cast("B")
+    view = memoryview((ctypes.c_ubyte * spec.nbytes).from_address(out.data_ptr())).cast("B")
     done = 0
-    while done < entry.nbytes:  # a read returns at most about 2 GiB at once
+    while done < spec.nbytes:  # a read returns at most about 2 GiB at once
         got = os.preadv(fd, [view[done:]], entry.offset + done)
         if got == 0:
             raise WeightValidationError(
-                f"tensor {entry.spec.name!r}: the file ended after {done} of {entry.nbytes} bytes "
+                f"tensor {spec.name!r}: the file ended after {done} of {spec.nbytes} bytes "
                 "(it changed after its header was read)"
             )
         done += got
-
-
-def read_tensor(fd: int, entry: SafetensorsEntry) -> torch.Tensor:
-    """Reads the tensor of `entry` from the open file `fd` into fresh memory."""
-    out = torch.empty(entry.spec.shape, dtype=entry.spec.dtype)
-    read_into(fd, out, entry)
     return out
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
     """Writes `tensors` to a safetensors file (readable by the `safetensors` package too)."""
+    # Zero-copy views, each keeping its tensor alive until written.
+    payloads = [_byte_view(tensor) for tensor in tensors.values()]
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    payloads = []
-    for name, tensor in tensors.items():
-        data = _byte_view(tensor)  # zero-copy; keeps its tensor alive until written
+    for (name, tensor), data in zip(tensors.items(), payloads, strict=True):
         header[name] = {
             "dtype": _NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + len(data)],
         }
         offset += len(data)
-        payloads.append(data)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for data in payloads:
-            f.write(data)
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        f.writelines(payloads)

@@ -1,11 +1,8 @@
-"""The `disk` backend: a checkpoint directory (safetensors) that the trainer wrote, loaded in place.
+"""The `disk` backend: the trainer writes a safetensors checkpoint directory, the server loads it.
 
-The trainer writes its weights to storage both ends see
-([`save_weight_dir`][weightsync.transfer.disk.save_weight_dir], or any `save_pretrained`); the
-update info names the directory, as in vLLM's draft `disk` backend: `{"path": "/shared/step_42"}`.
-Every file's header is checked against the model before a byte of data is read, then the data is
-read straight into the weights' memory. Reads, not a memory map: a mapped file that shrinks kills
-the reader (SIGBUS), where a short read fails the update as one.
+The update info names the directory, as in vLLM's draft `disk` backend: `{"path": DIR}`. Every
+header is checked against the model before any data is read, straight into the weights: reads, not
+a memory map, since a mapped file that shrinks kills the reader (SIGBUS) where a read fails.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,7 +24,6 @@ from weightsync.transfer._safetensors import (
     SafetensorsEntry,
     open_regular,
     read_header,
-    read_into,
     read_tensor,
     write_safetensors,
 )
@@ -68,14 +64,18 @@ class WeightDir:
     path: str
     weight_version: str | int | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON form: `{"path": DIR}`, and `weight_version` when set."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
 
 @dataclass
 class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """A checkpoint directory, with what its safetensors headers say it holds.
 
     Build it with [`from_directory`][weightsync.transfer.disk.DiskWeightTransferUpdateInfo.from_directory];
-    over the wire it is `{"path": DIR}` (plus an optional `weight_version`), and `names`,
-    `dtype_names` and `shapes` are read from the files' headers, not sent.
+    over the wire it is `{"path": DIR}` (plus an optional `weight_version`): `names`, `dtype_names`
+    and `shapes` are read from the files' headers, not sent.
 
     Attributes:
         path: The directory, absolute.
@@ -92,75 +92,69 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ) -> DiskWeightTransferUpdateInfo:
         """Reads and checks the headers of the checkpoint in `path`; no tensor data is read.
 
-        The files are those listed by `model.safetensors.index.json` when present, else every
-        `*.safetensors` file of the directory. Each name must appear once, and, with an index,
-        in the file the index names.
+        The files are those `model.safetensors.index.json` maps names to (each name in its file),
+        else every `*.safetensors` file of the directory; no name may be in two files.
 
         Raises:
-            WeightValidationError: Not a directory, no safetensors file, an unreadable or
-                malformed header, a name in two files, or an index that disagrees with the files;
-                the message names the file and what to fix.
+            WeightValidationError: Not a directory, no safetensors file, a malformed header, a
+                name in two files, or an index that disagrees with the files (named, with a fix).
         """
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise WeightValidationError(f"path must name a checkpoint directory, got {path!r:.80}")
         directory = Path(path).absolute()
-        is_dir = False
-        with contextlib.suppress(OSError):  # a name too long for the filesystem, say
-            is_dir = directory.is_dir()
-        if not is_dir:
+        if not os.path.isdir(directory):  # False, not OSError, for a name too long, say
             raise WeightValidationError(
                 f"path {str(directory)!r}: not a directory visible to this server; the trainer "
                 "must write the checkpoint to storage the server reads at the same path"
             )
-        index = _read_index(directory)
-        files = sorted(set(index.values())) if index is not None else _safetensors_files(directory)
-        entries: list[tuple[str, SafetensorsEntry]] = []
-        seen: dict[str, str] = {}
+        files, index = _checkpoint_files(directory)
+        found: dict[str, tuple[str, SafetensorsEntry]] = {}  # name -> (file, entry), data order
         for file in files:
             for entry in read_header(directory / file):
                 name = entry.spec.name
-                if name in seen:
+                if name in found:
                     raise WeightValidationError(
-                        f"{directory}: tensor {name!r} is in both {seen[name]} and {file}"
+                        f"{directory}: tensor {name!r} is in both {found[name][0]} and {file}"
                     )
                 if index is not None and index.get(name) != file:
                     raise WeightValidationError(
                         f"{directory / _INDEX}: maps {name!r} to {index.get(name)!r}, but it is "
                         f"in {file}"
                     )
-                seen[name] = file
-                entries.append((file, entry))
-        if index is not None and index.keys() - seen.keys():
-            missing = sorted(index.keys() - seen.keys())
+                found[name] = (file, entry)
+        missing = sorted(index.keys() - found.keys()) if index is not None else []
+        if missing:
             raise WeightValidationError(
                 f"{directory / _INDEX}: lists {len(missing)} tensors no file holds, e.g. "
                 f"{missing[:3]}"
             )
+        specs = [entry.spec for _, entry in found.values()]
         info = cls(
-            names=[e.spec.name for _, e in entries],
-            dtype_names=[dtype_name(e.spec.dtype) for _, e in entries],
-            shapes=[list(e.spec.shape) for _, e in entries],
+            names=[s.name for s in specs],
+            dtype_names=[dtype_name(s.dtype) for s in specs],
+            shapes=[list(s.shape) for s in specs],
             weight_version=weight_version,
             path=str(directory),
         )
-        info._entries = entries
+        info._entries = list(found.values())
         return info
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the wire form: `{"path": ...}` and the version label, if any."""
-        return _wire_form(self.path, self.weight_version)
+        return WeightDir(self.path, self.weight_version).to_dict()
 
 
-def _wire_form(path: str, weight_version: str | int | None) -> dict[str, Any]:
-    version = {} if weight_version is None else {"weight_version": weight_version}
-    return {"path": path, **version}
-
-
-def _read_index(directory: Path) -> dict[str, str] | None:
-    """The index's name -> file map, checked; None without an index."""
+def _checkpoint_files(directory: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files to read, and the index's name -> file map (None without an index)."""
     path = directory / _INDEX
     if not path.is_file():
-        return None
+        files = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise WeightValidationError(
+                f"{directory}: no *.safetensors file; write the weights in safetensors format "
+                "(save_weight_dir, or save_pretrained(safe_serialization=True))"
+            )
+        return files, None
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -175,40 +169,22 @@ def _read_index(directory: Path) -> dict[str, str] | None:
         raise WeightValidationError(
             f"{path}: weight_map must map tensor names to safetensors file names of this directory"
         )
-    return weight_map
-
-
-def _safetensors_files(directory: Path) -> list[str]:
-    files = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
-    if not files:
-        raise WeightValidationError(
-            f"{directory}: no *.safetensors file; write the weights in safetensors format "
-            "(save_weight_dir, or save_pretrained(safe_serialization=True))"
-        )
-    return files
-
-
-def _derived(name: str, expected: Mapping[str, TensorSpec]) -> bool:
-    """Whether the model derives this tensor (a tied `lm_head.weight`, old rotary frequencies)."""
-    return name not in expected and (
-        name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
-    )
+    return sorted(set(weight_map.values())), weight_map
 
 
 class DiskWeightTransferEngine(WeightTransferEngine):
     """Receiver of the `disk` backend: loads a checkpoint directory into the model.
 
-    Nothing to join: `init_transfer_engine` accepts `{}` and is optional. Each update info names
-    one directory; a transaction may load several. Every weight of the model must be in the
-    directory (a checkpoint, not a patch), checked with the names, dtypes and shapes before
-    any data is read.
+    Nothing to join: `init_transfer_engine` takes `{}` and is optional. Each update info names a
+    directory holding every weight of the model (a checkpoint, not a patch; a transaction may load
+    several), checked with its names, dtypes and shapes before any data is read.
 
     Args:
         worker_index: This worker's index (unused: every worker reads the same directory).
         expected_specs: What the model holds, by name; the headers are checked against it.
-        params: The model's weights by name; each one that is a contiguous CPU tensor is read
-            into in place (give the fused weights' row views too, as `named_weights()` yields
-            them), the others go through `load_weights`.
+        params: The model's weights by name; a contiguous CPU tensor among them is read into in
+            place (give the fused weights' row views too, as `named_weights()` yields them), the
+            others go through `load_weights`.
     """
 
     init_info_cls = DiskWeightTransferInitInfo
@@ -232,14 +208,12 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         """Parses `{"path": DIR}` and reads the headers of the directory's files.
 
         Raises:
-            WeightValidationError: Unknown keys, or a directory that is not a safetensors
-                checkpoint (see `DiskWeightTransferUpdateInfo.from_directory`).
+            WeightValidationError: Unknown keys, or not a checkpoint (see `from_directory`).
         """
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
             if update_info._entries:  # read by from_directory: the headers are known
                 return update_info
-            # Built by hand: the names it lists say nothing of what the files hold.
-            update_info = WeightDir(update_info.path, update_info.weight_version)
+            update_info = update_info.to_dict()  # built by hand: read the files, not its lists
         request = _parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
@@ -249,13 +223,20 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         """The checkpoint's specs, without what the model derives, checked against the model.
 
         Raises:
-            WeightValidationError: A name the model lacks, a dtype or shape that differs, or a
-                weight of the model the directory does not hold.
+            WeightValidationError: A name the model lacks, another dtype or shape, or a weight
+                of the model the directory lacks.
         """
         expected = self.expected_specs
         if expected is None:
             return update_info.specs()
-        specs = [s for s in update_info.specs() if not _derived(s.name, expected)]
+        # Skipped as the loader skips them: the model derives a tied `lm_head.weight` and the
+        # rotary frequencies that older checkpoints saved.
+        specs = [
+            s
+            for s in update_info.specs()
+            if s.name in expected
+            or not (s.name == "lm_head.weight" or s.name.endswith("rotary_emb.inv_freq"))
+        ]
         missing = sorted(expected.keys() - {s.name for s in specs})
         if missing:
             raise WeightValidationError(
@@ -273,28 +254,32 @@ class DiskWeightTransferEngine(WeightTransferEngine):
     ) -> TransferStats:
         """Checks the directory against the model, then reads its tensors into the model.
 
-        Every file is opened before the first tensor is written, so a file that went missing
-        since the headers were read refuses the update with nothing written. A weight in
-        `params` (a CPU tensor, contiguous) is read straight into its memory; any other goes
-        through `load_weights`.
+        Every file is opened before the first tensor is written: one gone since its header was
+        read refuses the update, nothing written. Weights in `params` are read in place.
 
         Raises:
             WeightValidationError: The directory does not match the model; nothing was written.
-            WeightTransferError: Reading failed after some weights were written
-                (`partially_applied`): a file shorter than its header says, say.
+            WeightTransferError: Reading failed after some weights were written (a file shorter
+                than its header says, say): `partially_applied`.
         """
         if self._shut_down:
             raise WeightTransferError("the disk transfer engine was shut down")
         start = time.perf_counter()
         info = self.parse_update_info(update_info)
-        specs = self.check_update(info)
-        wanted = {s.name for s in specs}
+        specs = {s.name: s for s in self.check_update(info)}
+        in_place = {  # the weights whose memory takes the file's bytes as they lie
+            name: t
+            for name, t in (self.params or {}).items()
+            if t.device.type == "cpu"
+            and t.is_contiguous()
+            and specs.get(name) == TensorSpec.of(name, t)
+        }
         directory = Path(info.path)
         with contextlib.ExitStack() as files:
             try:
                 fds = {
                     file: files.enter_context(open_regular(directory / file)).fileno()
-                    for file in dict.fromkeys(f for f, _ in info._entries)
+                    for file in dict.fromkeys(file for file, _ in info._entries)
                 }
             except (OSError, WeightValidationError) as exc:
                 raise WeightValidationError(
@@ -304,8 +289,11 @@ class DiskWeightTransferEngine(WeightTransferEngine):
             written = 0
             try:
                 for file, entry in info._entries:
-                    if entry.spec.name in wanted:
-                        self._read(fds[file], entry, load_weights)
+                    name = entry.spec.name
+                    if name in specs:
+                        tensor = read_tensor(fds[file], entry, out=in_place.get(name))
+                        if name not in in_place:
+                            load_weights([(name, tensor)])
                         written += 1
             except Exception as exc:
                 raise WeightTransferError(
@@ -313,26 +301,13 @@ class DiskWeightTransferEngine(WeightTransferEngine):
                     f"({type(exc).__name__}: {exc})",
                     partially_applied=True,
                 ) from exc
-        nbytes, seconds = sum(s.nbytes for s in specs), time.perf_counter() - start
+        nbytes, seconds = sum(s.nbytes for s in specs.values()), time.perf_counter() - start
         stats = TransferStats(len(specs), nbytes, num_buckets=len(fds), seconds=seconds)
         logger.info(
             "loaded %d tensors, %.1f MB from %s in %.3f s (%.2f GB/s)",
             stats.num_tensors, stats.num_bytes / 1e6, directory, stats.seconds, stats.gbps,
         )  # fmt: skip
         return stats
-
-    def _read(self, fd: int, entry: SafetensorsEntry, load_weights: LoadWeightsFn) -> None:
-        """Reads one tensor into its weight: in place when the weight's memory allows."""
-        spec = entry.spec
-        target = self.params.get(spec.name) if self.params is not None else None
-        if (
-            target is not None
-            and (target.dtype, tuple(target.shape)) == (spec.dtype, spec.shape)
-            and (target.device.type == "cpu" and target.is_contiguous())
-        ):
-            read_into(fd, target, entry)
-        else:
-            load_weights([(spec.name, read_tensor(fd, entry))])
 
     def shutdown(self) -> None:
         """Marks the engine shut down (it holds nothing between updates). Safe to call twice."""
@@ -345,10 +320,7 @@ def save_weight_dir(
     *,
     weight_version: str | int | None = None,
 ) -> dict[str, Any]:
-    """Writes tensors as a checkpoint directory (`model.safetensors`): the trainer's side.
-
-    The file is written under a temporary name and renamed into place, so a reader never sees
-    a half-written file.
+    """The trainer's side: writes tensors to `path/model.safetensors`, renamed into place when whole.
 
     Args:
         named_tensors: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
@@ -359,14 +331,12 @@ def save_weight_dir(
         The update info to send: `{"path": DIR}` (and `weight_version` when given).
 
     >>> import tempfile
-    >>> info = save_weight_dir([("w", torch.ones(2))], tempfile.mkdtemp())
-    >>> sorted(info)
+    >>> sorted(save_weight_dir([("w", torch.ones(2))], tempfile.mkdtemp()))
     ['path']
     """
     directory = Path(path).absolute()
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach() for name, tensor in named_tensors}
     partial = directory / ".model.safetensors.partial"
-    write_safetensors(tensors, partial)
+    write_safetensors({name: tensor.detach() for name, tensor in named_tensors}, partial)
     os.replace(partial, directory / "model.safetensors")
-    return _wire_form(str(directory), weight_version)
+    return WeightDir(str(directory), weight_version).to_dict()
