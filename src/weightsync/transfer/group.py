@@ -108,8 +108,14 @@ def _listen(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address`:`port` only (port 0: a free one)."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(address, port, flags=socket.AI_PASSIVE)[0]
-        # create_server sets SO_REUSEADDR: TIME_WAIT connections never block binding the port again.
-        return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
+        # create_server sets SO_REUSEADDR: TIME_WAIT connections never block binding the port again;
+        # an IPv6 wildcard keeps taking IPv4 peers too, as a plain socket does.
+        return socket.create_server(
+            sockaddr,
+            family=family,
+            backlog=socket.SOMAXCONN,
+            dualstack_ipv6=family == socket.AF_INET6,
+        )
     except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
             f"master_address {address!r} does not resolve on this host: {exc}; give an address "
