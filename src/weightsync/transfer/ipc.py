@@ -1,15 +1,11 @@
 """Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
 
-One concept: both ends of one protocol, read top to bottom. The trainer's
-[`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession] exports its memory (CUDA IPC for
-CUDA tensors, POSIX shared memory for CPU ones) and describes it in JSON-safe records
-([`weightsync.transfer.memory`][weightsync.transfer.memory]);
-[`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights] hands every
-worker's `receive_weights` first an *announcement* (`ipc_handles` null: a rejection anywhere
-stops the update before any byte moves), then one *part* per bucket (packed: `num_buffers`
-buffers, refilled only once acknowledged) or one part exporting the tensors in place (unpacked).
-[`IPCWeightTransferEngine`][weightsync.transfer.ipc.IPCWeightTransferEngine] checks, maps and
-copies each part, refusing late, stray, duplicated or out-of-order ones.
+One concept: both ends of one protocol. The trainer's session exports its memory (CUDA IPC, or POSIX shared
+memory for CPU tensors) as JSON-safe records ([`weightsync.transfer.memory`][weightsync.transfer.memory]).
+A send delivers to every worker an *announcement* (`ipc_handles` null: a rejection anywhere stops
+the update before any byte moves), then one *part* per bucket (packed: `num_buffers` buffers, each
+refilled once acknowledged) or one part exporting the tensors in place (unpacked). The worker's
+engine checks, maps and copies each part, refusing late, stray, duplicated or out-of-order ones.
 """
 
 from __future__ import annotations
@@ -111,16 +107,14 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """One delivery of an IPC update: an announcement, or a part with its tensors' handles.
 
     The announcement (`ipc_handles` null) lists the whole update in `names`, `dtype_names` and
-    `shapes`. A part lists only its own tensors, which are the announced tensors from
-    `first_index` on, with one handle record per tensor. `update_id` and `weight_version` are the
-    same in every delivery of an update. Every field is JSON-safe and
-    [`to_dict`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo.to_dict] round-trips.
+    `shapes`; a part lists only its own tensors, the announced ones from `first_index` on, with one
+    handle record each. `update_id` and `weight_version` are the same in every delivery of an
+    update. Every field is JSON-safe and `to_dict` round-trips.
 
     Attributes:
         update_id: Identifies the update all its deliveries belong to.
         ipc_handles: One record per tensor of this part (see
-            [`IPCHandle`][weightsync.transfer.memory.IPCHandle]), or None for the
-            announcement, which moves nothing.
+            [`IPCHandle`][weightsync.transfer.memory.IPCHandle]), or None for the announcement.
         first_index: Position of this part's first tensor in the announced update (0 for the
             announcement).
 
@@ -142,26 +136,22 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         first, records = self.first_index, self.ipc_handles
         if not _is_int(first) or first < 0:
             raise WeightValidationError(f"first_index must be an int >= 0, got {first!r}")
-        if records is None and first:
-            raise WeightValidationError(
-                f"an announcement (ipc_handles null) has first_index 0, got {first}"
-            )
-        if records is not None and (
-            not isinstance(records, list) or len(records) != len(self.names)
-        ):
+        self._handles = []
+        if records is None:
+            if first:
+                raise WeightValidationError(
+                    f"an announcement (ipc_handles null) has first_index 0, got {first}"
+                )
+            return
+        if not isinstance(records, list) or len(records) != len(self.names):
             count = len(records) if isinstance(records, list) else "no"
             raise WeightValidationError(
                 f"ipc_handles must be a list with one record per name: got {count} records "
                 f"for {len(self.names)} names"
             )
-        self._handles = (
-            [
-                IPCHandle.from_dict(record, where=f"ipc_handles[{i}] ({spec.name!r})", spec=spec)
-                for i, (record, spec) in enumerate(zip(records, self.specs(), strict=True))
-            ]
-            if records is not None
-            else []
-        )
+        for i, (record, spec) in enumerate(zip(records, self.specs(), strict=True)):
+            where = f"ipc_handles[{i}] ({spec.name!r})"
+            self._handles.append(IPCHandle.from_dict(record, where=where, spec=spec))
 
     @property
     def is_announcement(self) -> bool:
@@ -197,9 +187,9 @@ def _release(owned: dict[str, memory.SharedSegment], janitor: memory.SegmentJani
 class IPCTrainerSession:
     """The trainer's end of an IPC transfer: its exported memory and its wire parameters.
 
-    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init]; the arguments
-    are the same. The session unlinks its segments on `close`, after a failed transfer (bucket
-    buffers), and, through its janitor process, when the trainer dies.
+    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init] (same arguments). The
+    session unlinks its segments on `close`, after a failed transfer (bucket buffers), and, through
+    its janitor process, when the trainer dies.
 
     Args:
         wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]): `packed`
@@ -380,8 +370,7 @@ def ipc_trainer_init(
     Nothing is allocated until the first send (or `shared_tensors`).
 
     Args:
-        wire: The wire parameters (see
-            [`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession]).
+        wire: The wire parameters (see [`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession]).
         **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
 
     Raises:
@@ -399,10 +388,10 @@ def ipc_trainer_init(
 
 
 class _Courier:
-    """Delivers one update's messages in order on a daemon thread, each wait bounded.
+    """Delivers one update's messages in order on a daemon thread; after a failure, none more.
 
-    After a failure or a timeout nothing more reaches the workers (who refuse late parts of an
-    update they no longer wait for); a `deliver` still running when its wait timed out is abandoned.
+    A `deliver` still running when its bounded wait timed out is abandoned, but nothing queued
+    behind it reaches the workers (who refuse late parts of an update they no longer wait for).
     """
 
     def __init__(self, deliver: _DeliverFn, header: dict[str, Any], timeout_s: float) -> None:
@@ -411,20 +400,19 @@ class _Courier:
         self._jobs = queue.SimpleQueue()
         # Deliveries not yet acknowledged, with what they carry and the bucket buffer they pin.
         self.pending: deque[tuple[concurrent.futures.Future[None], str, int]] = deque()
-        self._cancelled = threading.Event()  # on a timeout and on close: checked between buckets
+        self._cancelled = threading.Event()  # on a failure, a timeout and close
         threading.Thread(target=self._run, name="weightsync-ipc", daemon=True).start()
 
     def _run(self) -> None:
-        failed = False
         while (job := self._jobs.get()) is not None:
             info, future = job
-            if failed or self._cancelled.is_set() or not future.set_running_or_notify_cancel():
+            if self._cancelled.is_set() or not future.set_running_or_notify_cancel():
                 future.cancel()
                 continue
             try:
                 self._deliver(info)
             except BaseException as exc:  # handed to the trainer's thread, which re-raises it
-                failed = True
+                self._cancelled.set()
                 future.set_exception(exc)
             else:
                 future.set_result(None)
@@ -617,10 +605,10 @@ def ipc_trainer_send_weights(
 ) -> TransferStats:
     """Sends one update to every worker through memory handles.
 
-    First an announcement lets every worker validate the whole update, so a rejection anywhere
-    stops it before any byte moves. Then packed mode copies bucket after bucket into the session's
-    reusable buffers (packing bucket k+1 while workers copy bucket k) and unpacked mode exports
-    every tensor in place in one delivery.
+    An announcement first lets every worker validate the whole update: a rejection anywhere stops
+    it before any byte moves. Then packed mode copies bucket after bucket into the session's
+    buffers (packing bucket k+1 while workers copy bucket k); unpacked mode exports every tensor in
+    place in one delivery.
 
     Args:
         iterator: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
@@ -707,9 +695,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         params: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; only
             their specs are used (the bytes always arrive through `load_weights`).
 
-    `load_weights` gets views of the trainer's memory; copy them before returning. Shared-memory
-    views are mapped read-only, so a worker can never corrupt the trainer's weights. Mappings are
-    kept between updates (a packed buffer is mapped once) and dropped once unused.
+    `load_weights` gets views of the trainer's memory, to copy before returning; shared-memory
+    views are read-only, so a worker cannot corrupt the trainer's weights. Mappings are kept
+    between updates (a packed buffer is mapped once) and dropped once unused.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -727,8 +715,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._session: str | None = None
         self._mappings = RegionCache()
         self._progress: _Progress | None = None
-        # Every send has a new update_id, so an announcement of one seen before is late or
-        # repeated; the most recent ones are enough to tell.
+        # Every send has a new update_id: one seen recently is a late or repeated announcement.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
         self._watch: _Watch | None = None  # frees what a trainer left, between updates
 
@@ -739,10 +726,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     @property
     def update_in_progress(self) -> bool:
-        """True from an update's announcement until its last part landed.
+        """True from an update's announcement until its last part landed (then it is complete).
 
-        A control plane advances its weight version only once this is False again after a
-        delivery: the update is then complete.
+        A control plane advances its weight version only once this is False after a delivery.
         """
         return self._progress is not None
 
@@ -770,9 +756,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
         Every record is checked (known dtype, nbytes = shape x dtype size, offset + nbytes inside
         the region, segment of this session and existing, CUDA device UUID visible) before any
-        tensor is loaded. The announcement is validated against the model (`expected_specs`);
-        each part must then continue the announced update in order. A rejected announcement or
-        first part leaves the weights as they were.
+        tensor is loaded. The announcement is checked against the model (`expected_specs`); each
+        part must continue it in order. A refused announcement or first part changes no weight.
 
         Raises:
             WeightValidationError: The delivery was refused (invalid, late, stray, duplicated
