@@ -677,8 +677,7 @@ class _Progress:
     update_id: str
     specs: list[TensorSpec]
     weight_version: str | int | None
-    next_index: int = 0
-    touched: bool = False
+    next_index: int = 0  # > 0: parts were loaded, so the weights are torn until it completes
 
 
 def _refusal(message: str) -> WeightValidationError:
@@ -792,10 +791,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             )
         specs = self.check_update(info)
         self._announced.append(info.update_id)
-        progress = self._progress
-        if progress is not None:
+        if (progress := self._progress) is not None:
             self._mappings.clear()  # the abandoned update's memory: never read again
-        if progress is not None and progress.touched:
+        if progress is not None and progress.next_index:
             logger.warning(
                 "worker %d: update %s was left incomplete; its weights stay torn until "
                 "update %s completes",
@@ -850,7 +848,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             ) from exc
         finally:
             del tensors  # a traceback would keep the trainer's memory mapped
-        progress.touched, progress.next_index = True, end
+        progress.next_index = end
         if end == len(progress.specs):
             self._progress = None
             self._mappings.drop_unused()
