@@ -1,11 +1,12 @@
 """Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
 
-One concept: both ends of one protocol. The trainer's session exports its memory (CUDA IPC, or POSIX shared
-memory for CPU tensors) as JSON-safe records ([`weightsync.transfer.memory`][weightsync.transfer.memory]).
-A send delivers to every worker an *announcement* (`ipc_handles` null: a rejection anywhere stops
-the update before any byte moves), then one *part* per bucket (packed: `num_buffers` buffers, each
-refilled once acknowledged) or one part exporting the tensors in place (unpacked). The worker's
-engine checks, maps and copies each part, refusing late, stray, duplicated or out-of-order ones.
+One concept: both ends of one protocol. The trainer's session exports its memory (CUDA IPC, or
+POSIX shared memory for CPU tensors) as JSON-safe records
+([`weightsync.transfer.memory`][weightsync.transfer.memory]). A send delivers to every worker an
+*announcement* (`ipc_handles` null: a rejection anywhere stops the update before any byte moves),
+then one *part* per bucket (packed: `num_buffers` buffers, each refilled once acknowledged) or one
+part exporting the tensors in place (unpacked). The worker's engine checks, maps and copies each
+part, refusing late, stray, duplicated or out-of-order ones.
 """
 
 from __future__ import annotations
