@@ -1,15 +1,12 @@
 """Memory-handle transfer (backend `ipc`): a colocated trainer lends its memory to the workers.
 
-One concept: both ends of one protocol, read top to bottom. The trainer's
-[`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession] exports its memory (CUDA IPC for
-CUDA tensors, POSIX shared memory for CPU ones) and describes it in JSON-safe records
-([`weightsync.transfer.memory`][weightsync.transfer.memory]);
-[`ipc_trainer_send_weights`][weightsync.transfer.ipc.ipc_trainer_send_weights] hands every
-worker's `receive_weights` first an *announcement* (`ipc_handles` null: a rejection anywhere
-stops the update before any byte moves), then one *part* per bucket (packed: `num_buffers`
-buffers, refilled only once acknowledged) or one part exporting the tensors in place (unpacked).
-[`IPCWeightTransferEngine`][weightsync.transfer.ipc.IPCWeightTransferEngine] checks, maps and
-copies each part, refusing late, stray, duplicated or out-of-order ones.
+One concept: both ends of one protocol. The trainer's session exports its memory (CUDA IPC, or
+POSIX shared memory for CPU tensors) as JSON-safe records
+([`weightsync.transfer.memory`][weightsync.transfer.memory]). A send delivers to every worker an
+*announcement* (`ipc_handles` null: a rejection anywhere stops the update before any byte moves),
+then one *part* per bucket (packed: `num_buffers` buffers, each refilled once acknowledged) or one
+part exporting the tensors in place (unpacked). The worker's engine checks, maps and copies each
+part, refusing late, stray, duplicated or out-of-order ones.
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ from weightsync.transfer.buckets import (
     _announced_buckets,
     _AnnouncedTensors,
     _BufferPool,
-    _Window,
     flat_layout,
     pack_bucket,
     plan_buckets,
@@ -112,16 +108,14 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """One delivery of an IPC update: an announcement, or a part with its tensors' handles.
 
     The announcement (`ipc_handles` null) lists the whole update in `names`, `dtype_names` and
-    `shapes`. A part lists only its own tensors, which are the announced tensors from
-    `first_index` on, with one handle record per tensor. `update_id` and `weight_version` are the
-    same in every delivery of an update. Every field is JSON-safe and
-    [`to_dict`][weightsync.transfer.ipc.IPCWeightTransferUpdateInfo.to_dict] round-trips.
+    `shapes`; a part lists only its own tensors, the announced ones from `first_index` on, with one
+    handle record each. `update_id` and `weight_version` are the same in every delivery of an
+    update. Every field is JSON-safe and `to_dict` round-trips.
 
     Attributes:
         update_id: Identifies the update all its deliveries belong to.
         ipc_handles: One record per tensor of this part (see
-            [`IPCHandle`][weightsync.transfer.memory.IPCHandle]), or None for the
-            announcement, which moves nothing.
+            [`IPCHandle`][weightsync.transfer.memory.IPCHandle]), or None for the announcement.
         first_index: Position of this part's first tensor in the announced update (0 for the
             announcement).
 
@@ -140,24 +134,24 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise WeightValidationError(
                 f"update_id must be a non-empty string, got {self.update_id!r}"
             )
-        first = self.first_index
+        first, records = self.first_index, self.ipc_handles
         if not _is_int(first) or first < 0:
             raise WeightValidationError(f"first_index must be an int >= 0, got {first!r}")
         self._handles = []
-        if self.ipc_handles is None:
+        if records is None:
             if first:
                 raise WeightValidationError(
                     f"an announcement (ipc_handles null) has first_index 0, got {first}"
                 )
             return
-        if not isinstance(self.ipc_handles, list) or len(self.ipc_handles) != len(self.names):
-            count = len(self.ipc_handles) if isinstance(self.ipc_handles, list) else "no"
+        if not isinstance(records, list) or len(records) != len(self.names):
+            count = len(records) if isinstance(records, list) else "no"
             raise WeightValidationError(
                 f"ipc_handles must be a list with one record per name: got {count} records "
                 f"for {len(self.names)} names"
             )
-        for index, (record, spec) in enumerate(zip(self.ipc_handles, self.specs(), strict=True)):
-            where = f"ipc_handles[{index}] ({spec.name!r})"
+        for i, (record, spec) in enumerate(zip(records, self.specs(), strict=True)):
+            where = f"ipc_handles[{i}] ({spec.name!r})"
             self._handles.append(IPCHandle.from_dict(record, where=where, spec=spec))
 
     @property
@@ -194,9 +188,9 @@ def _release(owned: dict[str, memory.SharedSegment], janitor: memory.SegmentJani
 class IPCTrainerSession:
     """The trainer's end of an IPC transfer: its exported memory and its wire parameters.
 
-    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init]; the arguments
-    are the same. The session unlinks its segments on `close`, after a failed transfer (bucket
-    buffers), and, through its janitor process, when the trainer dies.
+    Prefer [`ipc_trainer_init`][weightsync.transfer.ipc.ipc_trainer_init] (same arguments). The
+    session unlinks its segments on `close`, after a failed transfer (bucket buffers), and, through
+    its janitor process, when the trainer dies.
 
     Args:
         wire: The wire parameters ([`WireParams`][weightsync.transfer.base.WireParams]): `packed`
@@ -219,10 +213,8 @@ class IPCTrainerSession:
         self._janitor = memory.SegmentJanitor(self.session)
         self._counter = itertools.count()
         self._owned: dict[str, memory.SharedSegment] = {}
-        self._shared: list[memory.SharedSegment] = []
-        # Per device, `num_buffers` bucket buffers and their segments (CPU), allocated on use.
-        self._pools: dict[torch.device, _BufferPool[_BucketBuffer]] = {}
-        self._closed = False
+        self._shared: list[memory.SharedSegment] = []  # where unpacked sends find CPU tensors
+        self._pools: dict[torch.device, _BufferPool[_BucketBuffer]] = {}  # bucket buffers
         self._finalizer = weakref.finalize(self, _release, self._owned, self._janitor)
 
     @property
@@ -240,7 +232,7 @@ class IPCTrainerSession:
         return sorted(self._owned)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise WeightTransferError(
                 "this IPC trainer session is closed: call ipc_trainer_init again"
             )
@@ -356,9 +348,8 @@ class IPCTrainerSession:
 
     def close(self) -> None:
         """Unlinks every segment of this session and stops its janitor. Safe to call twice."""
-        if self._closed:
+        if not self._finalizer.alive:
             return
-        self._closed = True
         self._pools.clear()
         self._shared.clear()
         self._finalizer()
@@ -380,8 +371,7 @@ def ipc_trainer_init(
     Nothing is allocated until the first send (or `shared_tensors`).
 
     Args:
-        wire: The wire parameters (see
-            [`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession]).
+        wire: The wire parameters (see [`IPCTrainerSession`][weightsync.transfer.ipc.IPCTrainerSession]).
         **wire_fields: The same, as keywords (`packed=False`), instead of `wire`.
 
     Raises:
@@ -399,43 +389,50 @@ def ipc_trainer_init(
 
 
 class _Courier:
-    """Runs deliveries in order on a daemon thread, each wait bounded; after a failure, none more.
+    """Delivers one update's messages in order on a daemon thread; after a failure, none more.
 
-    A `deliver` still running when its wait timed out is abandoned, but nothing queued behind it
-    reaches the workers (who refuse late parts of an update they no longer wait for).
+    A `deliver` still running when its bounded wait timed out is abandoned, but nothing queued
+    behind it reaches the workers (who refuse late parts of an update they no longer wait for).
     """
 
-    def __init__(self, deliver: _DeliverFn, timeout_s: float) -> None:
-        self._deliver, self._timeout_s = deliver, timeout_s
+    def __init__(self, deliver: _DeliverFn, header: dict[str, Any], timeout_s: float) -> None:
+        self._deliver, self._header, self._timeout_s = deliver, header, timeout_s
         self._jobs: queue.SimpleQueue[tuple[dict[str, Any], concurrent.futures.Future[None]] | None]
         self._jobs = queue.SimpleQueue()
-        self._pending: deque[tuple[concurrent.futures.Future[None], str]] = deque()
-        self._cancelled = threading.Event()  # on a timeout and on close: checked between buckets
-        self.thread = threading.Thread(target=self._run, name="weightsync-ipc", daemon=True)
-        self.thread.start()
+        # Deliveries not yet acknowledged, with what they carry and the bucket buffer they pin.
+        self.pending: deque[tuple[concurrent.futures.Future[None], str, int]] = deque()
+        self._cancelled = threading.Event()  # on a failure, a timeout and close
+        threading.Thread(target=self._run, name="weightsync-ipc", daemon=True).start()
 
     def _run(self) -> None:
-        failed = False
         while (job := self._jobs.get()) is not None:
             info, future = job
-            if failed or self._cancelled.is_set() or not future.set_running_or_notify_cancel():
+            if self._cancelled.is_set() or not future.set_running_or_notify_cancel():
                 future.cancel()
                 continue
             try:
                 self._deliver(info)
             except BaseException as exc:  # handed to the trainer's thread, which re-raises it
-                failed = True
+                self._cancelled.set()
                 future.set_exception(exc)
             else:
                 future.set_result(None)
 
-    def submit(self, info: dict[str, Any], what: str) -> None:
+    def submit(
+        self, first: int, records: list[dict[str, Any]] | None, what: str, buffer: int = -1
+    ) -> None:
+        """Queues the part of tensors `first ..` with their records, or (None) the announcement."""
+        info = {**self._header, "ipc_handles": records, "first_index": first}
+        if records is not None:
+            end = first + len(records)
+            info |= {key: info[key][first:end] for key in ("names", "dtype_names", "shapes")}
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._jobs.put((info, future))
-        self._pending.append((future, what))
+        self.pending.append((future, what, buffer))
 
-    def wait_oldest(self) -> None:
-        future, what = self._pending.popleft()
+    def wait_oldest(self) -> int:
+        """Waits for the oldest delivery's acknowledgement; returns the buffer it pinned."""
+        future, what, buffer = self.pending.popleft()
         try:
             future.result(self._timeout_s)
         except concurrent.futures.TimeoutError:
@@ -446,47 +443,22 @@ class _Courier:
                 f"delivering {what}: the workers did not acknowledge within timeout_s="
                 f"{self._timeout_s:g} s"
             ) from None
+        return buffer
 
     def raise_if_failed(self) -> None:
         """Raises a failed delivery early, in delivery order; pending successes stay pending."""
-        if any(f.done() and not f.cancelled() and f.exception() for f, _ in self._pending):
+        if any(f.done() and not f.cancelled() and f.exception() for f, _, _ in self.pending):
             self.drain()
 
     def drain(self) -> None:
-        while self._pending:
+        while self.pending:
             self.wait_oldest()
-
-    def close(self) -> None:
-        """Drops what is still queued; a delivery already running is left to end on its own."""
-        self._cancelled.set()
-        for future, _ in self._pending:
-            future.cancel()
-        self._jobs.put(None)
-
-
-@dataclass
-class _Sending:
-    """One update on its way: the session, what was announced, the tensors, the courier, stats."""
-
-    session: IPCTrainerSession
-    specs: list[TensorSpec]
-    source: _AnnouncedTensors
-    header: dict[str, Any]
-    courier: _Courier
-    stats: TransferStats
-
-    def part(self, first: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The delivery of tensors `first ..`: their slice of the metadata, and their records."""
-        end, header = first + len(records), self.header
-        sliced = {key: header[key][first:end] for key in ("names", "dtype_names", "shapes")}
-        return {**header, **sliced, "ipc_handles": records, "first_index": first}
 
     def announce(self) -> None:
         """Delivers the announcement and waits: a rejection anywhere stops the update here."""
-        announcement = {**self.header, "ipc_handles": None, "first_index": 0}
-        self.courier.submit(announcement, "the update's announcement")
+        self.submit(0, None, "the update's announcement")
         try:
-            self.courier.wait_oldest()
+            self.wait_oldest()
         except WeightValidationError as exc:
             raise WeightValidationError(
                 f"a worker rejected the update; nothing moved: {exc}"
@@ -497,6 +469,13 @@ class _Sending:
             raise WeightTransferError(
                 f"announcing the update failed: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def close(self) -> None:
+        """Drops what is still queued; a delivery already running is left to end on its own."""
+        self._cancelled.set()
+        for future, _, _ in self.pending:
+            future.cancel()
+        self._jobs.put(None)
 
 
 def _device_of(
@@ -526,31 +505,29 @@ def _data_failed(exc: Exception, *, delivered: bool, cleanup: str = "") -> Excep
     )
 
 
-def _send_packed(send: _Sending) -> None:
-    """Announces, then packs bucket after bucket into the session's buffers and delivers each."""
-    session, courier, stats, wire = send.session, send.courier, send.stats, send.session.wire
-    buckets = plan_buckets(send.specs, wire.bucket_size_bytes)
+def _send_packed(
+    session: IPCTrainerSession,
+    courier: _Courier,
+    specs: list[TensorSpec],
+    source: _AnnouncedTensors,
+) -> int:
+    """Announces, then packs bucket after bucket into the session's buffers; returns the parts."""
+    wire = session.wire
+    buckets = plan_buckets(specs, wire.bucket_size_bytes)
     nbytes = max((b.nbytes for b in buckets), default=1)
-    send.announce()
+    courier.announce()
     device: torch.device | None = None
-    pool: _BufferPool[_BucketBuffer] | None = None
-
-    def land(buffer_index: int) -> None:
-        courier.wait_oldest()  # the workers copied out of this buffer: it may be refilled
-        assert pool is not None
-        pool.give_back(buffer_index)
-
-    window: _Window[int] = _Window(wire.num_buffers, land)
+    sent = 0
     try:
-        for first, bucket, tensors in _announced_buckets(buckets, send.source, len(send.specs)):
+        for first, bucket, tensors in _announced_buckets(buckets, source, len(specs)):
             device = _device_of(tensors, [s.spec for s in bucket.slots], device)
-            if pool is None:
-                pool = session._pool(device)
+            pool = session._pool(device)
+            if not sent:
                 pool.reset()
-            window.make_room()
+            if len(courier.pending) >= wire.num_buffers:
+                pool.give_back(courier.wait_oldest())  # the workers copied out: refill it
             courier.raise_if_failed()
-            buffer_index, (buffer, segment) = pool.take(nbytes)
-            window.push(buffer_index)
+            index, (buffer, segment) = pool.take(nbytes)
             with torch.no_grad():  # parameters that require grad are copied as plain bytes
                 pack_bucket(bucket, tensors, buffer)
             cuda = None
@@ -560,44 +537,45 @@ def _send_packed(send: _Sending) -> None:
                 cuda = memory.export_cuda_storage(buffer.untyped_storage())
             name = segment.name if segment is not None else None
             records = [
-                IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda)
+                IPCHandle.for_tensor(s.spec, s.offset, segment=name, cuda=cuda).to_dict()
                 for s in bucket.slots
             ]
-            what = f"part {stats.num_buckets + 1} of {len(buckets)}"
-            courier.submit(send.part(first, [r.to_dict() for r in records]), what)
-            stats.num_buckets += 1
-        window.drain()
+            sent += 1
+            courier.submit(first, records, f"part {sent} of {len(buckets)}", index)
+        courier.drain()
     except Exception as exc:
-        window.clear()
         session.drop_buffers()
         cleanup = "; the bucket buffers were unlinked"
-        raise _data_failed(exc, delivered=stats.num_buckets > 0, cleanup=cleanup) from exc
+        raise _data_failed(exc, delivered=sent > 0, cleanup=cleanup) from exc
+    return sent
 
 
-def _send_unpacked(send: _Sending) -> None:
+def _send_unpacked(
+    session: IPCTrainerSession,
+    courier: _Courier,
+    specs: list[TensorSpec],
+    source: _AnnouncedTensors,
+) -> int:
     """Exports every tensor where it lies and delivers them in one part, after the announcement."""
-    session, specs, source = send.session, send.specs, send.source
     tensors = [source.take(spec, i) for i, spec in enumerate(specs)]
     source.check_exhausted(len(specs))
-    _device_of(tensors, specs, None)
+    device = _device_of(tensors, specs, None)
     exports: dict[int, CUDAStorageHandle] = {}
     records = [
         session._export_in_place(s, t, exports).to_dict()
         for s, t in zip(specs, tensors, strict=True)
     ]
-    for device in {t.device for t in tensors if t.is_cuda} if exports else ():
+    if device.type == "cuda":
         synchronize(device, timeout_s=session.wire.timeout_s, what="exporting the tensors")
-    send.announce()
+    courier.announce()
     if not specs:
-        return
+        return 0
     try:
-        # `tensors` stays referenced until the workers acknowledged: they read its memory.
-        send.courier.submit(send.part(0, records), "the update")
-        send.stats.num_buckets = send.stats.direct_buckets = 1
-        send.courier.drain()
+        courier.submit(0, records, "the update")
+        courier.drain()
     except Exception as exc:
         raise _data_failed(exc, delivered=True) from exc
-    del tensors
+    return 1
 
 
 @dataclass
@@ -628,10 +606,10 @@ def ipc_trainer_send_weights(
 ) -> TransferStats:
     """Sends one update to every worker through memory handles.
 
-    First an announcement lets every worker validate the whole update, so a rejection anywhere
-    stops it before any byte moves. Then packed mode copies bucket after bucket into the session's
-    reusable buffers (packing bucket k+1 while workers copy bucket k) and unpacked mode exports
-    every tensor in place in one delivery.
+    An announcement first lets every worker validate the whole update: a rejection anywhere stops
+    it before any byte moves. Then packed mode copies bucket after bucket into the session's
+    buffers (packing bucket k+1 while workers copy bucket k); unpacked mode exports every tensor in
+    place in one delivery.
 
     Args:
         iterator: `(name, tensor)` pairs, e.g. `model.named_parameters()`.
@@ -671,10 +649,14 @@ def ipc_trainer_send_weights(
     if version is not None:
         header["weight_version"] = version
     stats = TransferStats(num_tensors=len(specs), num_bytes=sum(s.nbytes for s in specs))
-    courier = _Courier(trainer_args.deliver, session.wire.timeout_s)
+    courier = _Courier(trainer_args.deliver, header, session.wire.timeout_s)
     try:
-        sending = _Sending(session, specs, source, header, courier, stats)
-        (_send_packed if session.wire.packed else _send_unpacked)(sending)
+        if session.wire.packed:
+            stats.num_buckets = _send_packed(session, courier, specs, source)
+        else:
+            stats.num_buckets = stats.direct_buckets = _send_unpacked(
+                session, courier, specs, source
+            )
     finally:
         courier.close()
     stats.seconds = time.perf_counter() - start
@@ -696,8 +678,12 @@ class _Progress:
     update_id: str
     specs: list[TensorSpec]
     weight_version: str | int | None
-    next_index: int = 0
-    touched: bool = False
+    next_index: int = 0  # > 0: parts were loaded, so the weights are torn until it completes
+
+
+def _refusal(message: str) -> WeightValidationError:
+    """A refused delivery moved no byte: the update in progress goes on as if it never came."""
+    return WeightValidationError(f"delivery refused, no byte moved: {message}")
 
 
 class IPCWeightTransferEngine(WeightTransferEngine):
@@ -709,9 +695,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         params: See [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; only
             their specs are used (the bytes always arrive through `load_weights`).
 
-    `load_weights` gets views of the trainer's memory; copy them before returning. Shared-memory
-    views are mapped read-only, so a worker can never corrupt the trainer's weights. Mappings are
-    kept between updates (a packed buffer is mapped once) and dropped once unused.
+    `load_weights` gets views of the trainer's memory, to copy before returning; shared-memory
+    views are read-only, so a worker cannot corrupt the trainer's weights. Mappings are kept
+    between updates (a packed buffer is mapped once) and dropped once unused.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -729,8 +715,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._session: str | None = None
         self._mappings = RegionCache()
         self._progress: _Progress | None = None
-        # Every send has a new update_id, so an announcement of one seen before is late or
-        # repeated; the most recent ones are enough to tell.
+        # Every send has a new update_id: one seen recently is a late or repeated announcement.
         self._announced: deque[str] = deque(maxlen=_ANNOUNCED_IDS_KEPT)
         self._watch: _Watch | None = None  # frees what a trainer left, between updates
 
@@ -741,10 +726,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
     @property
     def update_in_progress(self) -> bool:
-        """True from an update's announcement until its last part landed.
+        """True from an update's announcement until its last part landed (then it is complete).
 
-        A control plane advances its weight version only once this is False again after a
-        delivery: the update is then complete.
+        A control plane advances its weight version only once this is False after a delivery.
         """
         return self._progress is not None
 
@@ -772,9 +756,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
         Every record is checked (known dtype, nbytes = shape x dtype size, offset + nbytes inside
         the region, segment of this session and existing, CUDA device UUID visible) before any
-        tensor is loaded. The announcement is validated against the model (`expected_specs`);
-        each part must then continue the announced update in order. A rejected announcement or
-        first part leaves the weights as they were.
+        tensor is loaded. The announcement is checked against the model (`expected_specs`); each
+        part must continue it in order. A refused announcement or first part changes no weight.
 
         Raises:
             WeightValidationError: The delivery was refused (invalid, late, stray, duplicated
@@ -794,13 +777,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         if info.is_announcement:
             self._announce(info)
         else:
-            progress, part = self._check_part(info), info.specs()
-            self._load_part(info, part, load_weights)
-            progress.touched = True
-            progress.next_index = info.first_index + len(part)
-            if progress.next_index == len(progress.specs):
-                self._progress = None
-                self._mappings.drop_unused()
+            part = self._receive_part(info, load_weights)
             stats.num_tensors, stats.num_bytes = len(part), sum(s.nbytes for s in part)
             stats.num_buckets, stats.loaded_names = 1, [spec.name for spec in part]
         stats.seconds = time.perf_counter() - start
@@ -809,16 +786,15 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     def _announce(self, info: IPCWeightTransferUpdateInfo) -> None:
         """Validates an announced update against the model and starts tracking it."""
         if info.update_id in self._announced:
-            raise self._reject(
+            raise _refusal(
                 f"update {info.update_id} was already announced to this worker: deliver each "
                 "announcement once (a new send has a new update_id)"
             )
         specs = self.check_update(info)
         self._announced.append(info.update_id)
-        progress = self._progress
-        if progress is not None:
+        if (progress := self._progress) is not None:
             self._mappings.clear()  # the abandoned update's memory: never read again
-        if progress is not None and progress.touched:
+        if progress is not None and progress.next_index:
             logger.warning(
                 "worker %d: update %s was left incomplete; its weights stay torn until "
                 "update %s completes",
@@ -826,34 +802,29 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             )  # fmt: skip
         self._progress = _Progress(info.update_id, specs, info.weight_version) if specs else None
 
-    def _check_part(self, info: IPCWeightTransferUpdateInfo) -> _Progress:
-        """Checks that a part continues the announced update, in order; returns its progress."""
-        progress = self._progress
+    def _receive_part(
+        self, info: IPCWeightTransferUpdateInfo, load_weights: LoadWeightsFn
+    ) -> list[TensorSpec]:
+        """Checks that a part continues the announced update in order, maps it, loads it."""
+        progress, part = self._progress, info.specs()
         if progress is None or progress.update_id != info.update_id:
-            raise self._reject(
+            raise _refusal(
                 f"update {info.update_id} was not announced to this worker: deliver the "
                 "announcement (ipc_handles null) to every worker before the parts"
             )
-        part = info.specs()
         end = info.first_index + len(part)
         if info.first_index != progress.next_index:
-            raise self._reject(
+            raise _refusal(
                 f"update {info.update_id}: this part starts at tensor {info.first_index} but the "
                 f"worker expects tensor {progress.next_index}: deliver parts once each, in order"
             )
         if part != progress.specs[info.first_index : end] or (
             info.weight_version != progress.weight_version
         ):
-            raise self._reject(
+            raise _refusal(
                 f"update {info.update_id}: the part's tensors {info.first_index}..{end - 1} or "
                 "weight_version differ from what was announced"
             )
-        return progress
-
-    def _load_part(
-        self, info: IPCWeightTransferUpdateInfo, part: list[TensorSpec], load_weights: LoadWeightsFn
-    ) -> None:
-        """Resolves every record of a part, then hands the tensors to `load_weights`."""
         regions: dict[object, torch.Tensor] = {}
         resolve = self._mappings.resolve
         try:
@@ -862,7 +833,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 for i, (handle, spec) in enumerate(zip(info.handles(), part, strict=True))
             ]
         except WeightValidationError as exc:
-            raise self._reject(str(exc)) from None
+            raise _refusal(str(exc)) from None
         try:
             with torch.no_grad():  # loaders copy into parameters that may require grad
                 load_weights(tensors)
@@ -870,22 +841,19 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 # The trainer refills its buffer once we return: our copies must be done.
                 synchronize(device, timeout_s=DEFAULT_TIMEOUT_S, what="load_weights' copies")
         except Exception as exc:
-            raise self._fail(f"load_weights failed: {type(exc).__name__}: {exc}") from exc
+            self.abort_update()  # its weights may have been written in part
+            raise WeightTransferError(
+                f"worker {self.worker_index}: IPC weight transfer failed: load_weights failed: "
+                f"{type(exc).__name__}: {exc}; the weights may be torn: send a complete update",
+                partially_applied=True,
+            ) from exc
         finally:
-            del tensors
-
-    def _reject(self, message: str) -> WeightValidationError:
-        """A refused delivery moved no byte: the update in progress goes on as if it never came."""
-        return WeightValidationError(f"delivery refused, no byte moved: {message}")
-
-    def _fail(self, message: str) -> WeightTransferError:
-        """Drops the update after its weights may have been written in part; returns the error."""
-        self.abort_update()
-        return WeightTransferError(
-            f"worker {self.worker_index}: IPC weight transfer failed: {message}; the weights may "
-            "be torn: send a complete update",
-            partially_applied=True,
-        )
+            del tensors  # a traceback would keep the trainer's memory mapped
+        progress.next_index = end
+        if end == len(progress.specs):
+            self._progress = None
+            self._mappings.drop_unused()
+        return part
 
     def abort_update(self) -> None:
         """Forgets the update in progress and unmaps every region; its late parts are refused."""
