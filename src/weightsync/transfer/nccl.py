@@ -241,28 +241,19 @@ def _cut(reason: str) -> str:
     return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
 
 
-def _checked(
-    group: BroadcastGroup, key: str, value: Any, form: Callable[[dict[str, Any]], bool]
-) -> Any:
-    """`value` read under `key` if None or a dict of the `form`; else the store is not to trust."""
-    if value is None or (isinstance(value, dict) and form(value)):
+def _checked(group: BroadcastGroup, key: str, value: Any) -> Any:
+    """`value` read under `key` if None or of the form that key holds; else the store is untrusted."""
+    v = value if isinstance(value, dict) else {}
+    if key.endswith("/decision"):
+        ok = v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
+    elif "/answer/" in key:
+        ok = v.get("ok") is True or isinstance(v.get("refused"), str)
+    else:  # the announcement, update/{n}
+        counted = _is_int(v.get("tensors")) and _is_int(v.get("digest"))
+        ok = isinstance(v.get("send"), str) and (isinstance(v.get("refused"), str) or counted)
+    if value is None or ok:
         return value
     raise group.malformed(key, f"{value!r:.100}")
-
-
-def _announced(v: dict[str, Any]) -> bool:
-    return isinstance(v.get("send"), str) and (
-        isinstance(v.get("refused"), str)
-        or (_is_int(v.get("tensors")) and _is_int(v.get("digest")))
-    )
-
-
-def _answered(v: dict[str, Any]) -> bool:
-    return v.get("ok") is True or isinstance(v.get("refused"), str)
-
-
-def _decided(v: dict[str, Any]) -> bool:
-    return v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
 
 
 def _rejected(reasons: str) -> WeightValidationError:
@@ -341,7 +332,7 @@ def _collect(
                     failed = f"{type(error).__name__}: {error}"  # the worker never saw it: unseen
                     value = group.set_once(key, {"refused": _cut(failed), "unseen": True})
             if value is not None:
-                answers[rank] = _checked(group, key, value, _answered)
+                answers[rank] = _checked(group, key, value)
         now = time.monotonic()
         if len(answers) == group.world_size - 1 or now >= deadline:
             return answers
@@ -383,18 +374,16 @@ class _WorkerHandshake:
             raise self._group.malformed(_LATEST, f"{n!r:.100}")
         return n or 0
 
-    def _phase(
-        self, n: int, raw: Any
-    ) -> tuple[_Phase, dict[str, Any] | None, dict[str, Any] | None]:
-        """Update `n`'s phase, announcement (`raw`, as read) and decision."""
+    def _phase(self, n: int, raw: Any) -> tuple[_Phase, dict[str, Any], dict[str, Any]]:
+        """Update `n`'s phase, announcement (`raw`, as read) and decision; {} for none yet."""
         group = self._group
-        announced = _checked(group, _update_key(n), raw, _announced)
+        announced = _checked(group, _update_key(n), raw)
         if announced is None:
-            return _Phase.AWAITED, None, None
-        decided = _checked(group, _decision_key(n), group.lookup(_decision_key(n)), _decided)
+            return _Phase.AWAITED, {}, {}
+        decided = _checked(group, _decision_key(n), group.lookup(_decision_key(n)))
         if decided is None and "refused" in announced:  # the trainer refused its own
             decided = {"refused": f"rank 0: {announced['refused']}"}
-        return (_Phase.OPEN if decided is None else _Phase.DECIDED), announced, decided
+        return (_Phase.DECIDED if decided else _Phase.OPEN), announced, decided or {}
 
     def refuse(self, send: str, reason: str, digest: int | None = None) -> bool:
         """Refuses `send`'s message at once; returns False when the trainer's store is gone."""
@@ -405,7 +394,7 @@ class _WorkerHandshake:
             n = self._latest()
             phase, announced, _ = self._phase(n, group.lookup(_update_key(n)) if n else None)
             key = _answer_key(n, group.rank)
-            if announced is not None and announced["send"] == send and group.lookup(key) is None:
+            if announced.get("send") == send and group.lookup(key) is None:
                 if phase is _Phase.OPEN:  # decided: the trainer went on without this rank
                     group.set_once(key, {"refused": reason})
                 return True
@@ -438,12 +427,10 @@ class _WorkerHandshake:
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
-                assert announced is not None
                 return self._answer(n, announced, specs, deadline)
-            assert announced is not None and decided is not None
-            if announced["send"] == send:  # a message late for its update is refused
+            if announced["send"] == send:  # DECIDED: a message late for its update is refused
                 key = _answer_key(n, group.rank)
-                mine = _checked(group, key, group.lookup(key), _answered)
+                mine = _checked(group, key, group.lookup(key))
                 # Answered by this worker itself: the message is for a later update of the same
                 # send (a retry, say). "unseen": only the trainer answered, for a call that failed.
                 if mine is None or mine.get("unseen"):
@@ -470,7 +457,7 @@ class _WorkerHandshake:
         mine = {"refused": _cut(str(problem))} if problem else {"ok": True}
         stored = group.set_once(key, mine)
         if stored != mine:  # the trainer took a refusal kept for this update as the answer
-            answer = _checked(group, key, stored, _answered)
+            answer = _checked(group, key, stored)
             if answer is None or "refused" not in answer:
                 raise group.malformed(key, f"{stored!r:.100}")
             raise _rejected(f"rank {group.rank}: {_cut(answer['refused'])}")
@@ -479,7 +466,7 @@ class _WorkerHandshake:
         if _answered_hook is not None:
             _answered_hook(n)
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
-        decision = _checked(group, _decision_key(n), value, _decided)
+        decision = _checked(group, _decision_key(n), value)
         if decision.get("go") is True:
             self._went = n
             return
