@@ -1,15 +1,12 @@
 """Trainer-rooted broadcast, both ends: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
 
 Both backends speak one protocol over a group of their own (rank 0 the trainer, workers from
-`rank_offset`). One update, as this file reads top to bottom: the trainer announces it in the
-group's store; every worker answers, ready or refused and why, a refusing one never waiting; the
-trainer decides, and a refusal anywhere stops everyone before any tensor byte moves. Then the
-buckets are broadcast ([`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights]),
-at most `num_buffers` in flight, and each worker loads them as they land or receives them straight
-into its parameters ([`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine],
-[`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine]). A rank that fails
-mid-transfer writes its reason to the store and closes the group: its peers fail at once with that
-reason. docs/transfer/broadcast.md gives the handshake's rules and every interleaving.
+`rank_offset`). The trainer announces each update in the group's store; every worker answers,
+ready or refused and why; the trainer decides, and a refusal anywhere stops everyone before any
+byte moves. Then the buckets are broadcast, at most `num_buffers` in flight, and each worker loads
+them as they land or receives them straight into its parameters. A rank that fails mid-transfer
+writes its reason to the store and closes the group: its peers fail at once with that reason.
+docs/transfer/broadcast.md gives the handshake's rules and every interleaving.
 
 One concept: the broadcast protocol, both of its ends, so that one update reads in one file.
 """
@@ -692,9 +689,8 @@ class TrainerGroup:
             specs: list[TensorSpec] | None = None
             problem: WeightValidationError | None = None
             try:
-                specs = _parse_info(
-                    WeightTransferUpdateInfo, args.update_info, what="update_info"
-                ).specs()
+                info = _parse_info(WeightTransferUpdateInfo, args.update_info, what="update_info")
+                specs = info.specs()
             except WeightValidationError as exc:
                 problem = exc  # told to the workers in the handshake, then raised
             self._seq += 1
@@ -899,13 +895,12 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             for vllm_key, key in _VLLM_INIT_KEYS.items():
                 if vllm_key in data:
                     value = data.pop(vllm_key)
-                    if key in data and data[key] != value:
+                    if data.setdefault(key, value) != value:
                         raise WeightValidationError(
                             f"init_info.{vllm_key} ({value!r}) and init_info.{key} "
                             f"({data[key]!r}) name the same wire parameter with different "
                             "values: send one of them"
                         )
-                    data[key] = value
             init_info = {"backend": self.backend, **data}
         return super().parse_init_info(init_info)
 
