@@ -178,15 +178,14 @@ def _send_identity(update_info: object) -> str:
     # A message mangled on its way keeps its send; a stray one has another.
     if isinstance(update_info, WeightTransferUpdateInfo):
         update_info = update_info.to_dict()
+    key: Any = ["content", update_info]
     if isinstance(update_info, Mapping) and isinstance(update_info.get("send_id"), str):
-        key: Any = ["send_id", update_info["send_id"]]
+        key = ["send_id", update_info["send_id"]]
     elif isinstance(update_info, Mapping):  # null fields are as good as absent (to_dict omits them)
         # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
         wire_keys = _VLLM_UPDATE_WIRE_KEYS
         content = {k: v for k, v in update_info.items() if v is not None and k not in wire_keys}
         key = ["content", content]
-    else:
-        key = ["content", update_info]
     try:
         text = json.dumps(key, sort_keys=True, default=repr)
     except (TypeError, ValueError, RecursionError):  # keys of mixed types, a nesting too deep
