@@ -1,21 +1,12 @@
 """Trainer-rooted broadcast, both ends: backend `nccl` (CUDA tensors) and `gloo` (CPU tensors).
 
 Both backends speak one protocol over a group of their own (rank 0 the trainer, workers from
-`rank_offset`); only the communicator differs. One update, as this file reads top to bottom:
-
-1. The trainer announces it in the group's store (`_open_update`).
-2. Every worker checks its own message and answers, ready or refused and why
-   (`_WorkerHandshake`); a refusing worker never waits.
-3. The trainer decides: a refusal anywhere stops everyone before any tensor byte moves.
-4. The buckets are broadcast ([`trainer_send_weights`][weightsync.transfer.nccl.trainer_send_weights]),
-   at most `num_buffers` in flight; packed, or one broadcast per tensor.
-5. Each worker loads every bucket as it lands, or receives it straight into its parameters
-   ([`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine],
-   [`GlooWeightTransferEngine`][weightsync.transfer.nccl.GlooWeightTransferEngine]).
-
-On a failure mid-transfer a rank writes its reason to the store and closes the group; its peers'
-next collective then fails at once and they report that reason. docs/transfer/broadcast.md gives
-the handshake's rules and every interleaving.
+`rank_offset`). The trainer announces each update in the group's store; every worker answers,
+ready or refused and why; the trainer decides, and a refusal anywhere stops everyone before any
+byte moves. Then the buckets are broadcast, at most `num_buffers` in flight, and each worker loads
+them as they land or receives them straight into its parameters. A rank that fails mid-transfer
+writes its reason to the store and closes the group: its peers fail at once with that reason.
+docs/transfer/broadcast.md gives the handshake's rules and every interleaving.
 
 One concept: the broadcast protocol, both of its ends, so that one update reads in one file.
 """
@@ -24,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import hashlib
 import json
 import logging
@@ -37,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -174,44 +164,6 @@ _VLLM_INIT_KEYS = {
 _VLLM_UPDATE_WIRE_KEYS = {"packed": "packed", **_VLLM_INIT_KEYS}
 
 
-def _from_vllm_keys(init_info: Mapping[str, Any], backend: str) -> dict[str, Any]:
-    """`init_info` with vLLM's key names translated, and `backend` if it names none."""
-    data = dict(init_info)
-    unique_id = "nccl_unique_id_b64"
-    if unique_id in data:
-        raise WeightValidationError(
-            f"init_info.{unique_id}: vLLM's NCCL unique-id rendezvous is not weightsync's wire; a "
-            "weightsync worker joins the trainer's store at master_address:master_port"
-        )
-    for vllm_key, key in _VLLM_INIT_KEYS.items():
-        if vllm_key in data:
-            value = data.pop(vllm_key)
-            if key in data and data[key] != value:
-                raise WeightValidationError(
-                    f"init_info.{vllm_key} ({value!r}) and init_info.{key} ({data[key]!r}) name "
-                    f"the same wire parameter with different values: send one of them"
-                )
-            data[key] = value
-    data.setdefault("backend", backend)
-    return data
-
-
-def _without_vllm_wire_keys(update_info: Mapping[str, Any], wire: WireParams) -> dict[str, Any]:
-    """`update_info` without vLLM's older wire keys, once each agrees with the group's `wire`."""
-    data = dict(update_info)
-    for vllm_key, key in _VLLM_UPDATE_WIRE_KEYS.items():
-        if vllm_key not in data:
-            continue
-        value, expected = data.pop(vllm_key), getattr(wire, key)
-        if type(value) is not type(expected) or value != expected:
-            raise WeightValidationError(
-                f"update_info.{vllm_key} is {value!r}, but the group's wire parameters, decided "
-                f"by the trainer at init, have {key}={expected!r}: leave {vllm_key} out of "
-                "update_info (vLLM 0.28 moved it to the init info), or give it the group's value"
-            )
-    return data
-
-
 # --- what ties a worker's answer to the trainer's update ----------------------------------------
 
 
@@ -226,15 +178,14 @@ def _send_identity(update_info: object) -> str:
     # A message mangled on its way keeps its send; a stray one has another.
     if isinstance(update_info, WeightTransferUpdateInfo):
         update_info = update_info.to_dict()
+    key: Any = ["content", update_info]
     if isinstance(update_info, Mapping) and isinstance(update_info.get("send_id"), str):
-        key: Any = ["send_id", update_info["send_id"]]
+        key = ["send_id", update_info["send_id"]]
     elif isinstance(update_info, Mapping):  # null fields are as good as absent (to_dict omits them)
         # vLLM's older wire keys describe the wire, not the message: a trainer's copy may lack them.
         wire_keys = _VLLM_UPDATE_WIRE_KEYS
         content = {k: v for k, v in update_info.items() if v is not None and k not in wire_keys}
         key = ["content", content]
-    else:
-        key = ["content", update_info]
     try:
         text = json.dumps(key, sort_keys=True, default=repr)
     except (TypeError, ValueError, RecursionError):  # keys of mixed types, a nesting too deep
@@ -244,23 +195,21 @@ def _send_identity(update_info: object) -> str:
 
 # --- steps 1 to 3: the handshake, one small state machine held in the group's store -------------
 #
-# Keys of update n (n counts the trainer's updates from 1); every value read is checked for its
-# form, since any process that reaches the store can write into it:
-#   update/latest              trainer   n, written after update/{n}
-#   update/{n}                 trainer   {send, tensors, digest}, or {send, refused}: ANNOUNCED
-#   update/{n}/answer/{rank}   worker    {ok: true} or {refused}; set once. The trainer answers
-#                                        for a worker whose call failed ({refused, unseen}) or
-#                                        that kept a refusal for this very update
-#   update/{n}/decision        trainer   {go: true}, {refused} or {timeout}: DECIDED
-#   update/early/{rank}        worker    refusals that found no open update of theirs, kept
-#
-# The trainer: ANNOUNCE -> COLLECT answers (until all came or timeout_s) -> DECIDE, and forget
-# update n-2. A worker reads update n in one of the phases below, and a message of send S does:
-#   AWAITED   not announced yet:  join waits for it;  refuse keeps its refusal for it
-#   OPEN      announced, undecided:  join answers ready and waits for the decision (or refuses
-#             when the trainer announced other tensors);  refuse answers refused, if S's
-#   DECIDED   join goes on to n + 1, unless n was S's and this worker took no part in it (the
-#             message is late: refused);  refuse of S's unanswered update says nothing more
+# Update n (counted from 1) in the store; any process that reaches it can write there, so every
+# value read is checked for its form (docs/transfer/wire.md lists the keys):
+#   update/{n}                {send, tensors, digest}, or the trainer's {send, refused}; then
+#   update/latest = n         ANNOUNCED by the trainer
+#   update/{n}/answer/{rank}  {ok: true} or {refused}, set once by the worker, or by the trainer
+#                             for a failed call ({refused, unseen}) or a refusal kept for n
+#   update/{n}/decision       {go: true}, {refused} or {timeout}: DECIDED by the trainer
+#   update/early/{rank}       a worker's refusals that found no open update of their send
+# The trainer: ANNOUNCE -> COLLECT answers (all, or until timeout_s) -> DECIDE, then forgets
+# update n-2. A worker finds update n in one phase, where a message of send S does:
+#   AWAITED  join waits for it;  refuse keeps its refusal for it
+#   OPEN     join answers (refused, if the trainer announced other tensors) and waits for the
+#            decision;  refuse answers refused, if n is S's
+#   DECIDED  join goes on to n + 1, unless n was S's and went without this worker (the message
+#            is late: refused);  refuse of S's unanswered update says nothing more
 
 _LATEST = "update/latest"
 _REASON_CHARS = 4000  # a reason is cut to this in the store (a refusal may list every tensor)
@@ -269,9 +218,9 @@ _EARLY_KEPT = 8
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 _PEER_REASON_CHARS = 1000  # of a peer's abort note, in an error message
 
+# Test hook, called on a worker with `n` once it answered update `n` ready, before it waits for
+# the decision (fault tests stop the trainer there).
 _answered_hook: Callable[[int], None] | None = None
-"""Test hook: called on a worker with `n` once it answered update `n` ready, before it waits for
-the decision (fault tests stop the trainer there)."""
 
 
 class _Phase(enum.Enum):
@@ -288,28 +237,19 @@ def _cut(reason: str) -> str:
     return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
 
 
-def _checked(
-    group: BroadcastGroup, key: str, value: Any, form: Callable[[dict[str, Any]], bool]
-) -> Any:
-    """`value` read under `key` if None or a dict of the `form`; else the store is not to trust."""
-    if value is None or (isinstance(value, dict) and form(value)):
+def _checked(group: BroadcastGroup, key: str, value: Any) -> Any:
+    """`value` read under `key` if None or of the form that key holds; else the store is untrusted."""
+    v = value if isinstance(value, dict) else {}
+    if key.endswith("/decision"):
+        ok = v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
+    elif "/answer/" in key:
+        ok = v.get("ok") is True or isinstance(v.get("refused"), str)
+    else:  # the announcement, update/{n}
+        counted = _is_int(v.get("tensors")) and _is_int(v.get("digest"))
+        ok = isinstance(v.get("send"), str) and (isinstance(v.get("refused"), str) or counted)
+    if value is None or ok:
         return value
     raise group.malformed(key, f"{value!r:.100}")
-
-
-def _announced(v: dict[str, Any]) -> bool:
-    return isinstance(v.get("send"), str) and (
-        isinstance(v.get("refused"), str)
-        or (_is_int(v.get("tensors")) and _is_int(v.get("digest")))
-    )
-
-
-def _answered(v: dict[str, Any]) -> bool:
-    return v.get("ok") is True or isinstance(v.get("refused"), str)
-
-
-def _decided(v: dict[str, Any]) -> bool:
-    return v.get("go") is True or any(isinstance(v.get(k), str) for k in ("refused", "timeout"))
 
 
 def _rejected(reasons: str) -> WeightValidationError:
@@ -388,7 +328,7 @@ def _collect(
                     failed = f"{type(error).__name__}: {error}"  # the worker never saw it: unseen
                     value = group.set_once(key, {"refused": _cut(failed), "unseen": True})
             if value is not None:
-                answers[rank] = _checked(group, key, value, _answered)
+                answers[rank] = _checked(group, key, value)
         now = time.monotonic()
         if len(answers) == group.world_size - 1 or now >= deadline:
             return answers
@@ -403,8 +343,7 @@ def _collect(
 
 def _early_refusal(group: BroadcastGroup, rank: int, n: int, send: str, digest: int) -> str | None:
     """A refusal `rank` kept for update `n`, if it refused a message of `n`'s very tensors."""
-    # A refused message of the send listing other tensors (a stray or mangled copy) is no
-    # answer to this update, which waits for the worker's own.
+    # A refused copy of the send listing other tensors (stray, or mangled) answers nothing.
     key = _early_key(rank)
     kept = group.lookup(key)
     if kept is not None and not isinstance(kept, list):
@@ -431,30 +370,27 @@ class _WorkerHandshake:
             raise self._group.malformed(_LATEST, f"{n!r:.100}")
         return n or 0
 
-    def _phase(
-        self, n: int, raw: Any
-    ) -> tuple[_Phase, dict[str, Any] | None, dict[str, Any] | None]:
-        """The phase of update `n` (`raw`: its announcement as read), announcement and decision."""
+    def _phase(self, n: int, raw: Any) -> tuple[_Phase, dict[str, Any], dict[str, Any]]:
+        """Update `n`'s phase, announcement (`raw`, as read) and decision; {} for none yet."""
         group = self._group
-        announced = _checked(group, _update_key(n), raw, _announced)
+        announced = _checked(group, _update_key(n), raw)
         if announced is None:
-            return _Phase.AWAITED, None, None
-        decided = _checked(group, _decision_key(n), group.lookup(_decision_key(n)), _decided)
+            return _Phase.AWAITED, {}, {}
+        decided = _checked(group, _decision_key(n), group.lookup(_decision_key(n)))
         if decided is None and "refused" in announced:  # the trainer refused its own
             decided = {"refused": f"rank 0: {announced['refused']}"}
-        return (_Phase.OPEN if decided is None else _Phase.DECIDED), announced, decided
+        return (_Phase.DECIDED if decided else _Phase.OPEN), announced, decided or {}
 
     def refuse(self, send: str, reason: str, digest: int | None = None) -> bool:
         """Refuses `send`'s message at once; returns False when the trainer's store is gone."""
-        # It answers the newest update if that is `send`'s and unanswered here; otherwise it is
-        # kept for the next update, which takes it only if of `send` and announcing the tensors
-        # of `digest` (None: no update takes it).
+        # Answers the newest update if it is `send`'s and unanswered here; else kept for the next
+        # update, which takes it only if of `send` and announcing `digest`'s tensors.
         group, reason = self._group, _cut(reason)
         try:
             n = self._latest()
             phase, announced, _ = self._phase(n, group.lookup(_update_key(n)) if n else None)
             key = _answer_key(n, group.rank)
-            if announced is not None and announced["send"] == send and group.lookup(key) is None:
+            if announced.get("send") == send and group.lookup(key) is None:
                 if phase is _Phase.OPEN:  # decided: the trainer went on without this rank
                     group.set_once(key, {"refused": reason})
                 return True
@@ -487,12 +423,10 @@ class _WorkerHandshake:
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
-                assert announced is not None
                 return self._answer(n, announced, specs, deadline)
-            assert announced is not None and decided is not None
-            if announced["send"] == send:  # a message late for its update is refused
+            if announced["send"] == send:  # DECIDED: a message late for its update is refused
                 key = _answer_key(n, group.rank)
-                mine = _checked(group, key, group.lookup(key), _answered)
+                mine = _checked(group, key, group.lookup(key))
                 # Answered by this worker itself: the message is for a later update of the same
                 # send (a retry, say). "unseen": only the trainer answered, for a call that failed.
                 if mine is None or mine.get("unseen"):
@@ -519,7 +453,7 @@ class _WorkerHandshake:
         mine = {"refused": _cut(str(problem))} if problem else {"ok": True}
         stored = group.set_once(key, mine)
         if stored != mine:  # the trainer took a refusal kept for this update as the answer
-            answer = _checked(group, key, stored, _answered)
+            answer = _checked(group, key, stored)
             if answer is None or "refused" not in answer:
                 raise group.malformed(key, f"{stored!r:.100}")
             raise _rejected(f"rank {group.rank}: {_cut(answer['refused'])}")
@@ -528,7 +462,7 @@ class _WorkerHandshake:
         if _answered_hook is not None:
             _answered_hook(n)
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
-        decision = _checked(group, _decision_key(n), value, _decided)
+        decision = _checked(group, _decision_key(n), value)
         if decision.get("go") is True:
             self._went = n
             return
@@ -537,7 +471,7 @@ class _WorkerHandshake:
         raise WeightTransferTimeout(_cut(decision["timeout"]))
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
-        """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake's."""
+        """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake."""
         try:
             value = self._group.get(key, max(deadline - time.monotonic(), 0.001))
         except WeightTransferTimeout:
@@ -564,7 +498,7 @@ class _WorkerHandshake:
         return False
 
 
-# --- steps 4 and 5: the buckets, and what a rank does when they fail ----------------------------
+# --- steps 4 and 5: the buckets, both ends, and what a rank does when they fail ------------------
 
 
 @dataclass
@@ -573,11 +507,10 @@ class _InFlight:
 
     work: BroadcastWork | None  # None: a bucket of empty tensors, nothing on the wire
     bucket: Bucket
-    data: torch.Tensor | None = None  # the bytes on the wire (a pool buffer or tensor memory)
+    data: torch.Tensor  # the bytes on the wire (a pool buffer or tensor memory)
     buffer_index: int | None = None
-    region: _DirectRegion | None = None  # the bucket lands in tensor memory
-    saved_gaps: list[torch.Tensor] | None = None  # the region's gaps, restored once it lands
-    keepalive: Sequence[torch.Tensor] = ()  # tensors that must live until it is done
+    region: _DirectRegion | None = None  # the bucket lies in tensor memory
+    saved_gaps: list[torch.Tensor] | None = None  # a receiver's region gaps, restored on landing
 
 
 def _plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
@@ -585,6 +518,55 @@ def _plan(specs: Sequence[TensorSpec], wire: WireParams) -> list[Bucket]:
     if wire.packed:
         return plan_buckets(specs, wire.bucket_size_bytes)
     return [Bucket((Slot(spec, 0),), spec.nbytes) for spec in specs]
+
+
+def _post(
+    group: BroadcastGroup,
+    pool: _BufferPool[torch.Tensor],
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor],
+    stats: TransferStats,
+) -> _InFlight:
+    """Starts `bucket`'s broadcast: in the tensors' memory when it is one region, else a buffer."""
+    # The trainer sends `tensors` (packed into the buffer); a worker passes the parameters it
+    # may receive into, if it holds all of them.
+    if bucket.nbytes == 0:
+        return _InFlight(None, bucket, torch.empty(0, dtype=torch.uint8, device=group.device))
+    receiving = group.rank > 0
+    what = (
+        f"{'receiving' if receiving else 'sending'} bucket of {len(bucket.slots)} tensors from "
+        f"{bucket.slots[0].spec.name!r}"
+    )
+    region = None
+    if len(tensors) == len(bucket.slots) and all(t.device == group.device for t in tensors):
+        region = _direct_region(bucket, tensors)
+    if region is not None:
+        stats.direct_buckets += 1
+        saved = region.save_gaps() if receiving else None  # other tensors may live in the gaps
+        work = group.broadcast(region.data, what)
+        return _InFlight(work, bucket, region.data, None, region, saved)
+    index, buffer = pool.take(bucket.nbytes)
+    data = buffer[: bucket.nbytes]
+    if not receiving:
+        with torch.no_grad():  # parameters that require grad are copied as plain bytes
+            data = pack_bucket(bucket, tensors, data)
+    return _InFlight(group.broadcast(data, what), bucket, data, index)
+
+
+def _land(
+    item: _InFlight, pool: _BufferPool[torch.Tensor], load_weights: LoadWeightsFn | None = None
+) -> None:
+    """Waits for a posted bucket; a worker then loads it (`load_weights`) unless it came in place."""
+    if item.work is not None:
+        item.work.wait()
+    if item.region is not None:
+        if item.saved_gaps is not None:
+            item.region.restore_gaps(item.saved_gaps)
+    elif load_weights is not None:
+        with torch.no_grad():  # loaders copy into parameters that may require grad
+            load_weights(unpack_bucket(item.bucket, item.data))
+    if item.buffer_index is not None:
+        pool.give_back(item.buffer_index)
 
 
 def _abort(group: BroadcastGroup, reason: BaseException) -> None:
@@ -670,13 +652,12 @@ class TrainerGroup:
             self._group.connect(timeout_s=deadline - time.monotonic())
         except WeightTransferError as exc:
             errors = [str(e) for e in self._group.read_list(INIT_ERRORS, _REPORT_READ_S)]
-            if errors:
-                more = len(errors) - _ERRORS_SHOWN
-                shown = "; ".join(errors[:_ERRORS_SHOWN]) + (
-                    f" (and {more} more)" if more > 0 else ""
-                )
-                raise type(exc)(f"{exc}; workers reported: {shown}") from exc
-            raise
+            if not errors:
+                raise
+            shown = "; ".join(errors[:_ERRORS_SHOWN])
+            more = len(errors) - _ERRORS_SHOWN
+            shown += f" (and {more} more)" if more > 0 else ""
+            raise type(exc)(f"{exc}; workers reported: {shown}") from exc
 
     def _await_workers(self, joining: Sequence[Future[Any]], deadline: float) -> None:
         """Waits until every worker claimed its rank, or one of `joining` failed."""
@@ -698,7 +679,7 @@ class TrainerGroup:
     def _send(
         self, iterator: Iterable[tuple[str, torch.Tensor]], args: NCCLTrainerSendWeightsArgs
     ) -> TransferStats:
-        """One update: the handshake (steps 1-3), then the buckets (step 4); see trainer_send_weights."""
+        """One update: the handshake (steps 1-3), then the buckets (step 4)."""
         self.connect()
         start = time.perf_counter()
         window: _Window[_InFlight] | None = None
@@ -707,9 +688,8 @@ class TrainerGroup:
             specs: list[TensorSpec] | None = None
             problem: WeightValidationError | None = None
             try:
-                specs = _parse_info(
-                    WeightTransferUpdateInfo, args.update_info, what="update_info"
-                ).specs()
+                info = _parse_info(WeightTransferUpdateInfo, args.update_info, what="update_info")
+                specs = info.specs()
             except WeightValidationError as exc:
                 problem = exc  # told to the workers in the handshake, then raised
             self._seq += 1
@@ -719,15 +699,13 @@ class TrainerGroup:
             sent = 0  # from the first tensor on, workers may hold new bytes
             buckets = _plan(specs, self._wire)
             tensors = _AnnouncedTensors(iter(iterator), args.post_iter_func)
-            nbytes = sum(s.nbytes for s in specs)
-            stats = TransferStats(len(specs), nbytes, num_buckets=len(buckets))
+            stats = TransferStats(len(specs), sum(s.nbytes for s in specs), len(buckets))
             self._pool.reset()
-            window = _Window(self._info.num_buffers, self._land)
+            window = _Window(self._wire.num_buffers, lambda item: _land(item, self._pool))
             for first, bucket, bucket_tensors in _announced_buckets(buckets, tensors, len(specs)):
                 sent = first + len(bucket.slots)
-                if bucket.nbytes:
-                    window.make_room()
-                    window.push(self._post(bucket, bucket_tensors, stats))
+                window.make_room()
+                window.push(_post(self._group, self._pool, bucket, bucket_tensors, stats))
             window.drain()
         except Exception as exc:
             if sent < 0 and isinstance(exc, WeightValidationError):
@@ -754,27 +732,6 @@ class TrainerGroup:
         # A tensor that differs from the announcement stays a validation error; a timeout stays one.
         validation = isinstance(exc, WeightValidationError)
         return WeightValidationError(str(error)) if validation else error
-
-    def _post(self, bucket: Bucket, tensors: list[torch.Tensor], stats: TransferStats) -> _InFlight:
-        """Starts broadcasting `bucket`: from the tensors' memory when it is one region, else packed."""
-        group = self._group
-        what = f"sending bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
-        region = _direct_region(bucket, tensors) if tensors[0].device == group.device else None
-        if region is not None:
-            stats.direct_buckets += 1
-            return _InFlight(
-                group.broadcast(region.data, what), bucket, region.data, keepalive=tensors
-            )
-        index, buffer = self._pool.take(bucket.nbytes)
-        with torch.no_grad():  # parameters that require grad are copied as plain bytes
-            data = pack_bucket(bucket, tensors, buffer[: bucket.nbytes])
-        return _InFlight(group.broadcast(data, what), bucket, data, index)
-
-    def _land(self, item: _InFlight) -> None:
-        assert item.work is not None
-        item.work.wait()
-        if item.buffer_index is not None:
-            self._pool.give_back(item.buffer_index)
 
     def close(self) -> None:
         """Closes the group and its store; workers blocked on it fail at once. Safe to call twice.
@@ -895,35 +852,9 @@ def trainer_send_weights(
 
 # --- the workers' end -----------------------------------------------------------------------------
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _exclusive(method: _F) -> _F:
-    """Runs a receiver's method holding its `_busy` lock (a sweep finding it held skips its turn)."""
-
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._busy:
-            return method(self, *args, **kwargs)
-
-    return run  # type: ignore[return-value]
-
 
 class _BroadcastWeightTransferEngine(WeightTransferEngine):
-    """Worker side of the broadcast transfer; subclasses name the backend.
-
-    Arguments as for [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; its
-    rank is `rank_offset + worker_index`. When a bucket's tensors lie in `params` at the plan's
-    offsets (a module laid out by [`flatten_module`][weightsync.transfer.buckets.flatten_module], or
-    tensors from [`flat_tensors`][weightsync.transfer.buckets.flat_tensors]), the bucket is received
-    straight into parameter memory.
-
-    Raises:
-        WeightValidationError: The backend cannot run in this process (`nccl` without CUDA).
-
-    Receiver memory beyond the model is at most `num_buffers` x the largest bucket, and nothing
-    for buckets received in place.
-    """
+    """Worker side of the broadcast transfer; subclasses name the backend."""
 
     backend: ClassVar[str]
     init_info_cls: ClassVar[type[WeightTransferInitInfo]] = NCCLWeightTransferInitInfo
@@ -938,7 +869,6 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         super().__init__(worker_index=worker_index, expected_specs=expected_specs, params=params)
         self.device = check_backend(self.backend)
         self._group: BroadcastGroup | None = None
-        self._info: NCCLWeightTransferInitInfo | None = None
         self._wire = _DEFAULT_WIRE  # the group's, once joined
         self._pool: _BufferPool[torch.Tensor] | None = None
         self._handshake: _WorkerHandshake | None = None
@@ -954,158 +884,163 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
     def parse_init_info(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> Any:
         """Parses the init info: vLLM's key names too; the backend defaults to this engine's."""
         if isinstance(init_info, Mapping):
-            init_info = _from_vllm_keys(init_info, self.backend)
+            data = dict(init_info)
+            if (unique_id := "nccl_unique_id_b64") in data:
+                raise WeightValidationError(
+                    f"init_info.{unique_id}: vLLM's NCCL unique-id rendezvous is not weightsync's "
+                    "wire; a weightsync worker joins the trainer's store at master_address:"
+                    "master_port"
+                )
+            for vllm_key, key in _VLLM_INIT_KEYS.items():
+                if vllm_key in data:
+                    value = data.pop(vllm_key)
+                    if data.setdefault(key, value) != value:
+                        raise WeightValidationError(
+                            f"init_info.{vllm_key} ({value!r}) and init_info.{key} "
+                            f"({data[key]!r}) name the same wire parameter with different "
+                            "values: send one of them"
+                        )
+            init_info = {"backend": self.backend, **data}
         return super().parse_init_info(init_info)
 
     def parse_update_info(self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo) -> Any:
-        """Parses the update info; vLLM's older keys too, when they agree with the group.
-
-        vLLM's update info before 0.28 repeated the wire parameters (`packed`,
-        `packed_buffer_size_bytes`, `packed_num_buffers`); each is taken when it has the
-        group's value, and refused by name otherwise.
-        """
+        """Parses the update info; vLLM's older wire keys too, when they have the group's values."""
         if isinstance(update_info, Mapping):
-            update_info = _without_vllm_wire_keys(update_info, self._wire)
+            data = dict(update_info)
+            for vllm_key, key in _VLLM_UPDATE_WIRE_KEYS.items():
+                if vllm_key not in data:
+                    continue
+                value, expected = data.pop(vllm_key), getattr(self._wire, key)
+                if type(value) is not type(expected) or value != expected:
+                    raise WeightValidationError(
+                        f"update_info.{vllm_key} is {value!r}, but the group's wire parameters, "
+                        f"decided by the trainer at init, have {key}={expected!r}: leave "
+                        f"{vllm_key} out of update_info (vLLM 0.28 moved it to the init info), "
+                        "or give it the group's value"
+                    )
+            update_info = data
         return super().parse_update_info(update_info)
 
-    @_exclusive
     def init_transfer_engine(self, init_info: Mapping[str, Any] | WeightTransferInitInfo) -> None:
-        """Joins the trainer's group; blocks until every rank joined or `timeout_s` passed.
-
-        Re-initializing replaces the current group (after a failure, or for a new trainer).
-        vLLM's init info is taken as well (`packed_buffer_size_bytes`, `packed_num_buffers`; no
-        `backend`): only its NCCL unique-id rendezvous is refused.
-
-        Raises:
-            WeightValidationError: Malformed init info, a backend other than this engine's, a rank
-                outside the world, or wire parameters that differ from the trainer's.
-            WeightTransferTimeout: The trainer or another worker did not join in time.
-        """
-        info: NCCLWeightTransferInitInfo = self.parse_init_info(init_info)
-        if info.backend != self.backend:
-            raise WeightValidationError(
-                f"init_info.backend is {info.backend!r} but this engine speaks {self.backend!r}: "
-                f"create the worker's engine with backend {info.backend!r}"
-            )
-        self.shutdown()
-        rank = info.rank_offset + self.worker_index
-        if rank >= info.world_size:
-            raise WeightValidationError(
-                f"rank_offset ({info.rank_offset}) + worker_index ({self.worker_index}) = {rank} "
-                f"is outside world_size {info.world_size}: world_size must be 1 + the number of workers"
-            )
-        deadline = time.monotonic() + info.timeout_s  # one timeout_s for the whole join
-        group = BroadcastGroup(
-            backend=info.backend,
-            master_address=info.master_address,
-            master_port=info.master_port,
-            rank=rank,
-            world_size=info.world_size,
-            timeout_s=info.timeout_s,
-        )
-        try:
-            trainer_wire = group.get("wire", timeout_s=max(deadline - time.monotonic(), 0.001))
-            if not isinstance(trainer_wire, dict):  # a value from the network: check its type
+        """Joins the trainer's group, replacing any current one; `timeout_s` at most in all."""
+        with self._busy:
+            info: NCCLWeightTransferInitInfo = self.parse_init_info(init_info)
+            if info.backend != self.backend:
                 raise WeightValidationError(
-                    f"the store at {info.master_address}:{info.master_port} holds no trainer's "
-                    f"wire parameters (got {type(trainer_wire).__name__}): pass the worker the "
-                    "init_info of a weightsync trainer group"
+                    f"init_info.backend is {info.backend!r} but this engine speaks "
+                    f"{self.backend!r}: create the worker's engine with backend {info.backend!r}"
                 )
-            mismatched = ", ".join(
-                f"{k}: worker {v!r} vs trainer {trainer_wire.get(k)!r}"
-                for k, v in info.wire_params().items()
-                if trainer_wire.get(k) != v
-            )
-            if mismatched:
+            self.shutdown()
+            rank = info.rank_offset + self.worker_index
+            if rank >= info.world_size:
                 raise WeightValidationError(
-                    f"init_info disagrees with the trainer's group ({mismatched}): pass the worker "
-                    "the trainer's TrainerGroup.init_info unchanged"
+                    f"rank_offset ({info.rank_offset}) + worker_index ({self.worker_index}) = "
+                    f"{rank} is outside world_size {info.world_size}: world_size must be 1 + the "
+                    "number of workers"
                 )
-            group.claim_rank(self._claimant)
-            group.connect(timeout_s=deadline - time.monotonic())
-        except Exception as exc:
-            with contextlib.suppress(Exception):  # the store may be gone: the error matters
-                group.append(INIT_ERRORS, f"rank {rank}: {type(exc).__name__}: {exc}"[:4000])
-            group.close()
-            raise
-        self._group, self._info, self._wire = group, info, info.wire
-        self._handshake = _WorkerHandshake(group)
-        self._watch = _Watch(self._release_gone, name="weightsync-group-watch")
+            deadline = time.monotonic() + info.timeout_s
+            group = BroadcastGroup(
+                backend=info.backend,
+                master_address=info.master_address,
+                master_port=info.master_port,
+                rank=rank,
+                world_size=info.world_size,
+                timeout_s=info.timeout_s,
+            )
+            try:
+                trainer_wire = group.get("wire", timeout_s=max(deadline - time.monotonic(), 0.001))
+                if not isinstance(trainer_wire, dict):  # a value from the network: check its type
+                    raise WeightValidationError(
+                        f"the store at {info.master_address}:{info.master_port} holds no "
+                        f"trainer's wire parameters (got {type(trainer_wire).__name__}): pass the "
+                        "worker the init_info of a weightsync trainer group"
+                    )
+                mismatched = ", ".join(
+                    f"{k}: worker {v!r} vs trainer {trainer_wire.get(k)!r}"
+                    for k, v in info.wire_params().items()
+                    if trainer_wire.get(k) != v
+                )
+                if mismatched:
+                    raise WeightValidationError(
+                        f"init_info disagrees with the trainer's group ({mismatched}): pass the "
+                        "worker the trainer's TrainerGroup.init_info unchanged"
+                    )
+                group.claim_rank(self._claimant)
+                group.connect(timeout_s=deadline - time.monotonic())
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # the store may be gone: the error matters
+                    group.append(INIT_ERRORS, f"rank {rank}: {type(exc).__name__}: {exc}"[:4000])
+                group.close()
+                raise
+            self._group, self._wire = group, info.wire
+            self._pool = _byte_buffers(info.num_buffers, group.device)
+            self._handshake = _WorkerHandshake(group)
+            self._watch = _Watch(self._release_gone, name="weightsync-group-watch")
         logger.info("worker rank %d joined a %s group of %d", rank, info.backend, info.world_size)
 
-    @_exclusive
     def receive_weights(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
         load_weights: LoadWeightsFn,
     ) -> TransferStats:
-        """Receives one update (see the base class); validation happens before any byte moves.
-
-        A message this worker refuses is answered at once, whether or not the trainer is
-        broadcasting yet (see `refuse_update`); an accepted one waits, `timeout_s` at most, for
-        the trainer's update. After a failure the group is closed: call `init_transfer_engine`
-        again for the next update.
-        """
-        group, info, handshake = self._group, self._info, self._handshake
-        if group is None or info is None or handshake is None or not group.is_connected:
-            raise WeightTransferError(
-                "the transfer engine is not initialized (or its group closed after a failure): "
-                "call init_transfer_engine(init_info) first"
-            )
-        start = time.perf_counter()
-        try:
-            specs = self.check_update(self.parse_update_info(update_info))
-        except WeightValidationError as exc:
-            self._refuse(update_info, str(exc))
-            raise
-        window: _Window[_InFlight] | None = None
-        touched = False  # whether any byte of the model may have been overwritten
-        try:
-            handshake.join(_send_identity(update_info), specs)
-            stats = TransferStats(
-                num_tensors=len(specs),
-                num_bytes=sum(s.nbytes for s in specs),
-                loaded_names=[s.name for s in specs],
-            )
-            if self._pool is None:
-                self._pool = _byte_buffers(info.num_buffers, group.device)
-            self._pool.reset()
-            buckets = _plan(specs, self._wire)
-            window = _Window(info.num_buffers, lambda item: self._land(item, load_weights, stats))
-            for bucket in buckets:
-                touched |= len(window) >= info.num_buffers  # a bucket lands in make_room
-                window.make_room()
-                item = self._post(group, bucket)
-                window.push(item)
-                touched |= item.region is not None  # received straight into the model
-            touched |= len(window) > 0
-            window.drain()
-        except Exception as exc:
-            if window is None and isinstance(exc, WeightValidationError):
-                raise  # refused in the handshake: nothing moved, the group stays usable
-            if window is not None:
-                window.clear()  # in-flight work pins the group's connections open
-            raise _transfer_failed(group, exc, partially_applied=touched) from exc
-        stats.num_buckets = len(buckets)
+        """The handshake (after checking the message), then the buckets (step 5)."""
+        with self._busy:
+            group, pool, handshake = self._group, self._pool, self._handshake
+            if group is None or pool is None or handshake is None or not group.is_connected:
+                raise WeightTransferError(
+                    "the transfer engine is not initialized (or its group closed after a "
+                    "failure): call init_transfer_engine(init_info) first"
+                )
+            start = time.perf_counter()
+            try:
+                specs = self.check_update(self.parse_update_info(update_info))
+            except WeightValidationError as exc:
+                self._refuse(update_info, str(exc))
+                raise
+            window: _Window[_InFlight] | None = None
+            touched = False  # whether any byte of the model may have been overwritten
+            try:
+                handshake.join(_send_identity(update_info), specs)
+                buckets = _plan(specs, self._wire)
+                names = [s.name for s in specs]
+                nbytes = sum(s.nbytes for s in specs)
+                stats = TransferStats(len(specs), nbytes, len(buckets), loaded_names=names)
+                pool.reset()
+                depth, params = self._wire.num_buffers, self.params or {}
+                window = _Window(depth, lambda item: _land(item, pool, load_weights))
+                for bucket in buckets:
+                    touched |= len(window) >= depth  # a bucket lands in make_room
+                    window.make_room()
+                    mine = [params[s.spec.name] for s in bucket.slots if s.spec.name in params]
+                    item = _post(group, pool, bucket, mine, stats)
+                    window.push(item)
+                    touched |= item.region is not None  # received straight into the model
+                touched |= len(window) > 0
+                window.drain()
+            except Exception as exc:
+                if window is None and isinstance(exc, WeightValidationError):
+                    raise  # refused in the handshake: nothing moved, the group stays usable
+                if window is not None:
+                    window.clear()  # in-flight work pins the group's connections open
+                raise _transfer_failed(group, exc, partially_applied=touched) from exc
         stats.seconds = time.perf_counter() - start
         logger.info("received %d tensors, %.1f MB in %.3f s (%.2f GB/s)", stats.num_tensors,
                     stats.num_bytes / 1e6, stats.seconds, stats.gbps)  # fmt: skip
         return stats
 
-    @_exclusive
     def refuse_update(
         self,
         update_info: Mapping[str, Any] | WeightTransferUpdateInfo,
         reason: WeightSyncError,
     ) -> None:
         """Answers the update's handshake with `reason` at once (see the base class)."""
-        if self.is_initialized:  # else no trainer can be waiting on this rank
-            self._refuse(update_info, f"{type(reason).__name__}: {reason}")
+        with self._busy:
+            if self.is_initialized:  # else no trainer can be waiting on this rank
+                self._refuse(update_info, f"{type(reason).__name__}: {reason}")
 
     def _refuse(
         self, update_info: Mapping[str, Any] | WeightTransferUpdateInfo, reason: str
     ) -> None:
-        """Answers the handshake with a refusal of `update_info`'s message."""
         if self._handshake is None:
             return
         try:  # what the message lists, so that only an update announcing it takes the refusal
@@ -1114,42 +1049,6 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             digest = None  # it lists nothing readable: no update announces it
         if not self._handshake.refuse(_send_identity(update_info), reason, digest):
             self.shutdown()  # the trainer is gone: leave its group
-
-    def _post(self, group: BroadcastGroup, bucket: Bucket) -> _InFlight:
-        """Starts receiving `bucket`, in place when the params allow it."""
-        if bucket.nbytes == 0:
-            return _InFlight(None, bucket)
-        region = None
-        if self.params is not None:
-            targets = [self.params.get(slot.spec.name) for slot in bucket.slots]
-            if all(t is not None and t.device == group.device for t in targets):
-                region = _direct_region(bucket, targets)  # type: ignore[arg-type]
-        what = f"receiving bucket of {len(bucket.slots)} tensors from {bucket.slots[0].spec.name!r}"
-        if region is not None:
-            saved = region.save_gaps()
-            return _InFlight(
-                group.broadcast(region.data, what), bucket, region.data, None, region, saved
-            )
-        assert self._pool is not None
-        index, buffer = self._pool.take(bucket.nbytes)
-        data = buffer[: bucket.nbytes]
-        return _InFlight(group.broadcast(data, what), bucket, data, index)
-
-    def _land(self, item: _InFlight, load_weights: LoadWeightsFn, stats: TransferStats) -> None:
-        """Waits for a posted bucket, then loads it (unless it landed in place)."""
-        if item.work is not None:
-            item.work.wait()
-        if item.region is not None:
-            assert item.saved_gaps is not None
-            item.region.restore_gaps(item.saved_gaps)
-            stats.direct_buckets += 1
-            return
-        data = item.data if item.data is not None else torch.empty(0, dtype=torch.uint8)
-        with torch.no_grad():  # loaders copy into parameters that may require grad
-            load_weights(unpack_bucket(item.bucket, data.to(self.device)))
-        if item.buffer_index is not None:
-            assert self._pool is not None
-            self._pool.give_back(item.buffer_index)
 
     def _release_gone(self) -> bool:
         """The watch's sweep: leaves the group if its trainer is gone; returns whether joined."""
@@ -1162,31 +1061,46 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
         finally:
             self._busy.release()
 
-    @_exclusive
     def shutdown(self) -> None:
         """Leaves the group, frees the bucket buffers and stops the watch. Safe to call twice."""
-        _Watch.stop_if_any(self._watch)
-        self._watch = None
-        self._leave()
+        with self._busy:
+            _Watch.stop_if_any(self._watch)
+            self._watch = None
+            self._leave()
 
     def _leave(self) -> None:
         if self._group is not None:
             self._group.close()
-        self._group, self._info, self._pool, self._handshake = None, None, None, None
-        self._wire = _DEFAULT_WIRE
+        self._group, self._pool, self._handshake, self._wire = None, None, None, _DEFAULT_WIRE
 
 
 class NCCLWeightTransferEngine(_BroadcastWeightTransferEngine):
     """Worker side of the broadcast transfer over NCCL: CUDA tensors, one GPU per rank.
 
-    Arguments, behaviour and errors as described in the module; see
-    [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine] for the lifecycle.
+    Arguments and lifecycle as for
+    [`WeightTransferEngine`][weightsync.transfer.base.WeightTransferEngine]; the worker's rank is
+    `rank_offset + worker_index`. vLLM's init and update infos are taken too, but for its NCCL
+    unique-id rendezvous. A message this worker refuses is answered at once (see
+    `refuse_update`); an accepted one waits, `timeout_s` at most, for the trainer's update. A
+    bucket whose tensors lie in `params` at the plan's offsets (a module laid out by
+    [`flatten_module`][weightsync.transfer.buckets.flatten_module]) is received straight into
+    them; memory beyond the model is at most `num_buffers` x the largest bucket.
+
+    Raises:
+        WeightValidationError: `nccl` without CUDA; at `init_transfer_engine`, malformed init
+            info, another backend, a rank outside the world, or wire parameters other than the
+            trainer's.
+        WeightTransferTimeout: At `init_transfer_engine`, a rank did not join within `timeout_s`.
     """
 
     backend: ClassVar[str] = "nccl"
 
 
 class GlooWeightTransferEngine(_BroadcastWeightTransferEngine):
-    """Worker side of the broadcast transfer over gloo: the same protocol on CPU tensors."""
+    """Worker side of the broadcast transfer over gloo: the same protocol on CPU tensors.
+
+    Everything [`NCCLWeightTransferEngine`][weightsync.transfer.nccl.NCCLWeightTransferEngine]
+    says holds, with CPU tensors.
+    """
 
     backend: ClassVar[str] = "gloo"
