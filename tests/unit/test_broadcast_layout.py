@@ -42,15 +42,3 @@ def test_the_group_holds_its_store():
 
 def test_the_handshake_names_its_phases_in_one_place():
     assert [phase.name for phase in nccl._Phase] == ["AWAITED", "OPEN", "DECIDED"]
-
-
-def test_both_ends_post_and_land_a_bucket_through_the_same_two_functions():
-    assert callable(nccl._post) and callable(nccl._land)
-    ends = [nccl.TrainerGroup, nccl.GlooWeightTransferEngine]
-    own = [
-        f"{end.__name__}.{name}"
-        for end in ends
-        for name in ("_post", "_land")
-        if hasattr(end, name)
-    ]
-    assert own == []
