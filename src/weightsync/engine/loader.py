@@ -27,6 +27,7 @@ from weightsync.errors import EngineConfigError, WeightValidationError
 from weightsync.transfer._safetensors import (
     open_regular,
     read_header,
+    read_index,
     read_tensor,
     write_safetensors,
 )
@@ -94,13 +95,12 @@ def load_hf_directory(
             f"{directory} has no config.json: pass a Hugging Face model directory or a preset name"
         )
     config = LlamaConfig.from_hf_dict(_read_json(config_path), source=str(config_path))
-    index_path = directory / "model.safetensors.index.json"
-    if index_path.is_file():
-        index = _read_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise EngineConfigError(f"{index_path}: weight_map must map names to file names")
-        files = sorted(set(map(str, weight_map.values())))
+    try:
+        index = read_index(directory)
+    except WeightValidationError as exc:
+        raise EngineConfigError(str(exc)) from None
+    if index is not None:
+        files = sorted(set(index.values()))
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

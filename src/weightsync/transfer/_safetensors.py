@@ -14,6 +14,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -30,6 +31,7 @@ _DTYPES = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Real headers are kilobytes to megabytes: a hostile length must not size the reader's allocation.
 _MAX_HEADER_BYTES = 100 << 20
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,10 @@ class SafetensorsEntry:
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """Opens a checkpoint file; anything but a regular file is refused before a byte is read."""
-    # Opened without blocking: a FIFO would block `open` until some writer came.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # opened without blocking: a FIFO would block `open` until some writer came
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WeightValidationError(f"{path}: cannot read: {exc}") from None
     if stat.S_ISREG(os.fstat(fd).st_mode):
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -136,7 +140,10 @@ def read_tensor(fd: int, entry: SafetensorsEntry, out: torch.Tensor | None = Non
     view = memoryview((ctypes.c_ubyte * spec.nbytes).from_address(out.data_ptr())).cast("B")
     done = 0
     while done < spec.nbytes:  # a read returns at most about 2 GiB at once
-        got = os.preadv(fd, [view[done:]], entry.offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], entry.offset + done)
+        except OSError as exc:
+            raise WeightValidationError(f"tensor {spec.name!r}: cannot read: {exc}") from None
         if got == 0:
             raise WeightValidationError(
                 f"tensor {spec.name!r}: the file ended after {done} of {spec.nbytes} bytes "
@@ -144,6 +151,28 @@ def read_tensor(fd: int, entry: SafetensorsEntry, out: torch.Tensor | None = Non
             )
         done += got
     return out
+
+
+def read_index(directory: Path) -> dict[str, str] | None:
+    """A sharded checkpoint's `weight_map` (tensor name -> file of `directory`); None if unsharded."""
+    path = directory / INDEX_FILE
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise WeightValidationError(f"{path}: not readable JSON: it nests too deeply") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
+        for f in weight_map.values()
+    ):
+        raise WeightValidationError(
+            f"{path}: weight_map must map tensor names to safetensors file names of this directory"
+        )
+    return weight_map
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:

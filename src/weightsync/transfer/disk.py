@@ -8,7 +8,6 @@ a memory map, since a mapped file that shrinks kills the reader (SIGBUS) where a
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -21,9 +20,11 @@ import torch
 
 from weightsync.errors import WeightTransferError, WeightValidationError
 from weightsync.transfer._safetensors import (
+    INDEX_FILE,
     SafetensorsEntry,
     open_regular,
     read_header,
+    read_index,
     read_tensor,
     write_safetensors,
 )
@@ -48,8 +49,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -118,14 +117,14 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                     )
                 if index is not None and index.get(name) != file:
                     raise WeightValidationError(
-                        f"{directory / _INDEX}: maps {name!r} to {index.get(name)!r}, but it is "
+                        f"{directory / INDEX_FILE}: maps {name!r} to {index.get(name)!r}, but it is "
                         f"in {file}"
                     )
                 found[name] = (file, entry)
         missing = sorted(index.keys() - found.keys()) if index is not None else []
         if missing:
             raise WeightValidationError(
-                f"{directory / _INDEX}: lists {len(missing)} tensors no file holds, e.g. "
+                f"{directory / INDEX_FILE}: lists {len(missing)} tensors no file holds, e.g. "
                 f"{missing[:3]}"
             )
         specs = [entry.spec for _, entry in found.values()]
@@ -146,30 +145,16 @@ class DiskWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 def _checkpoint_files(directory: Path) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files to read, and the index's name -> file map (None without an index)."""
-    path = directory / _INDEX
-    if not path.is_file():
-        files = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
-        if not files:
-            raise WeightValidationError(
-                f"{directory}: no *.safetensors file; write the weights in safetensors format "
-                "(save_weight_dir, or save_pretrained(safe_serialization=True))"
-            )
-        return files, None
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
-    except RecursionError:  # arrays or objects nested thousands deep
-        raise WeightValidationError(f"{path}: not readable JSON: it nests too deeply") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
-        for f in weight_map.values()
-    ):
+    index = read_index(directory)
+    if index is not None:
+        return sorted(set(index.values())), index
+    files = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
+    if not files:
         raise WeightValidationError(
-            f"{path}: weight_map must map tensor names to safetensors file names of this directory"
+            f"{directory}: no *.safetensors file; write the weights in safetensors format "
+            "(save_weight_dir, or save_pretrained(safe_serialization=True))"
         )
-    return sorted(set(weight_map.values())), weight_map
+    return files, None
 
 
 class DiskWeightTransferEngine(WeightTransferEngine):

@@ -308,6 +308,24 @@ def test_a_refused_adapter_s_tensor_data_is_never_read(tmp_path, base_model, mon
     assert read  # the hook sees the reads of an adapter that is taken
 
 
+def test_an_adapter_file_gone_after_its_header_was_read_is_refused_by_name(
+    tmp_path, base_model, monkeypatch
+):
+    path = write_adapter(tmp_path / "a", adapter_tensors(base_model), peft_config())
+    real_read_header = lora_module.read_header
+
+    def read_header_then_lose_the_file(file):
+        entries = real_read_header(file)
+        Path(file).unlink()  # another process replaced or removed the adapter meanwhile
+        return entries
+
+    monkeypatch.setattr(lora_module, "read_header", read_header_then_lose_the_file)
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterError, match=r"adapter_model\.safetensors: cannot read"):
+        engine.load_lora_adapter("a", str(path))
+    assert engine.list_lora_adapters() == []
+
+
 def test_a_path_that_is_no_directory_is_not_found(tmp_path):
     engine = lora_engine()
     with pytest.raises(LoRAAdapterNotFoundError, match="no adapter found there"):

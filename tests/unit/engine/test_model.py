@@ -113,3 +113,16 @@ def test_directory_errors_say_what_is_missing(tmp_path):
     )
     with pytest.raises(EngineConfigError, match="model_type 'gpt2' is not supported"):
         load_hf_directory(tmp_path)
+
+
+def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
+    outside = tmp_path / "elsewhere"
+    save_hf_directory(LlamaForCausalLM.from_preset("debug", seed=4), outside)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text((outside / "config.json").read_text())
+    names = LlamaForCausalLM.from_preset("debug").weight_specs()
+    weight_map = dict.fromkeys(names, "../elsewhere/model.safetensors")
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(EngineConfigError, match="file names of this directory"):
+        load_hf_directory(checkpoint)
