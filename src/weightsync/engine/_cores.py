@@ -83,8 +83,8 @@ def read_ticks(cores: Sequence[int]) -> Reading | None:
                     wanted.discard(name)
         if wanted:  # cores it does not list (a virtualized /proc): their work would go unseen
             return None
-        with open("/proc/self/stat", encoding="ascii") as own:
-            fields = own.read().rsplit(")", 1)[1].split()
+        with open("/proc/self/stat", "rb") as own:  # the process's name may be any bytes
+            fields = own.read().rsplit(b")", 1)[1].split()
         return busy, int(fields[11]) + int(fields[12])  # utime, stime: every thread of this one
     except (OSError, ValueError, IndexError):  # no /proc, or not in the form Linux writes
         return None

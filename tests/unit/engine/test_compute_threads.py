@@ -197,6 +197,20 @@ def test_a_core_that_proc_stat_does_not_list_reads_as_none(tmp_path, monkeypatch
     assert _cores.read_ticks([0, 4]) is None
 
 
+def test_a_process_name_that_is_not_ascii_is_read(tmp_path, monkeypatch):
+    # The name in /proc/self/stat is whatever the process was called (a prctl, a renamed binary):
+    # bytes, not ASCII. Reading it as ASCII failed the first reading, which meant "no /proc" for
+    # the server's whole life.
+    files = {"/proc/stat": tmp_path / "stat", "/proc/self/stat": tmp_path / "self"}
+    files["/proc/stat"].write_text("cpu0 9 0 9 90 0 0 0 0\n")
+    files["/proc/self/stat"].write_bytes("1 (trainer-ñ) S".encode() + b" 0" * 10 + b" 3 4\n")
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: real_open(files.get(path, path), *a, **k)
+    )
+    assert _cores.read_ticks([0]) == (18, 7)
+
+
 def test_without_proc_the_fallback_is_logged_once(caplog):
     # The server logged "every core other processes leave free" at start; a user must learn
     # that it cannot follow the load and computes on a fixed count instead.
