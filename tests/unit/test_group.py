@@ -309,3 +309,24 @@ def test_waiting_for_workers_and_the_rendezvous_share_one_timeout(record_propert
         group.close()
     assert elapsed < timeout_s * 1.25, elapsed  # was: half the limit, then the whole limit again
     record_property("seconds_to_error", round(elapsed, 2))
+
+
+def test_a_store_call_that_dies_of_a_base_exception_raises_it_and_leaves_the_store_usable():
+    class Dying(BaseException):  # not an Exception: what a store call's thread may die of
+        pass
+
+    class DyingStore:
+        def check(self, keys):
+            raise Dying("the store call's thread died")
+
+    group = _group(timeout_s=1.0)
+    real, group._store = group._store, DyingStore()
+    try:
+        with pytest.raises(Dying, match="thread died"):  # not a timeout naming a stuck trainer
+            group.lookup("wire")
+        group._store = real
+        group.set("wire", {"packed": True})
+        assert group.lookup("wire") == {"packed": True}  # the store was never marked stuck
+    finally:
+        group._store = real
+        group.close(release_store=True)

@@ -202,7 +202,7 @@ class BroadcastGroup:
                 "trainer) is stopped or stuck"
             )
         result: list[Any] = []
-        failure: list[WeightTransferError] = []
+        failure: list[BaseException] = []
         done = threading.Event()
 
         def run() -> None:
@@ -210,6 +210,8 @@ class BroadcastGroup:
                 result.append(fn())
             except Exception as exc:  # a fresh error: torch's frames would keep the group alive
                 failure.append(translate(what, exc, self.timeout_s))
+            except BaseException as exc:  # the caller's, at once: never a timeout that poisons
+                failure.append(exc.with_traceback(None))
             done.set()
 
         threading.Thread(target=run, name="weightsync-store", daemon=True).start()
