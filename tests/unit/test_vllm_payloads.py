@@ -39,6 +39,21 @@ def test_vllms_unique_id_rendezvous_and_conflicting_names_are_refused_by_name():
     assert engine.parse_init_info({**VLLM_INIT, "num_buffers": 3}).num_buffers == 3  # agreeing
 
 
+@pytest.mark.parametrize(
+    ("vllm_value", "value"), [(True, 1), (3.0, 3), (3, 3.0)], ids=["bool", "float", "float-ours"]
+)
+def test_both_names_of_a_wire_parameter_with_equal_values_of_other_types_are_refused(
+    vllm_value, value
+):
+    # Neither value may be dropped unseen: the kept one would decide the group's wire.
+    with pytest.raises(
+        WeightValidationError, match=r"packed_num_buffers .* and init_info.num_buffers"
+    ):
+        GlooWeightTransferEngine().parse_init_info(
+            {**VLLM_INIT, "packed_num_buffers": vllm_value, "num_buffers": value}
+        )
+
+
 def test_an_update_info_writes_no_null_field():
     bare = WeightTransferUpdateInfo.from_named_tensors([("w", torch.zeros(2))]).to_dict()
     assert "weight_version" not in bare and None not in bare.values()

@@ -894,7 +894,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
             for vllm_key, key in _VLLM_INIT_KEYS.items():
                 if vllm_key in data:
                     value = data.pop(vllm_key)
-                    if data.setdefault(key, value) != value:
+                    kept = data.setdefault(key, value)  # `True == 1`: one of them is mistyped
+                    if type(kept) is not type(value) or kept != value:
                         raise WeightValidationError(
                             f"init_info.{vllm_key} ({value!r}) and init_info.{key} "
                             f"({data[key]!r}) name the same wire parameter with different "
