@@ -184,6 +184,19 @@ def test_trainer_init_close_releases_the_port():
     assert _listening_addresses(port) == set()
 
 
+def test_an_ipv6_master_address_where_ipv6_cannot_take_ipv4_peers_gets_a_plain_listener(
+    monkeypatch,
+):
+    import socket
+
+    monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)  # a host without dual stack
+    group = _group(master_address="::1")
+    try:
+        assert _listening_addresses(group.port) == {"00000000000000000000000001000000"}  # ::1
+    finally:
+        group.close(release_store=True)
+
+
 def test_a_taken_port_is_a_weightsync_error_naming_it():
     import socket
 

@@ -114,7 +114,7 @@ def _listen(address: str, port: int) -> socket.socket:
             sockaddr,
             family=family,
             backlog=socket.SOMAXCONN,
-            dualstack_ipv6=family == socket.AF_INET6,
+            dualstack_ipv6=family == socket.AF_INET6 and socket.has_dualstack_ipv6(),
         )
     except (socket.gaierror, UnicodeError) as exc:
         raise WeightTransferError(
