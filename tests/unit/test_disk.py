@@ -251,3 +251,9 @@ def test_a_hand_built_update_info_is_read_from_its_directory(tmp_path):
     model = LlamaForCausalLM.from_preset("debug", seed=1)
     parsed = DiskWeightTransferEngine(expected_specs=model.weight_specs()).parse_update_info(listed)
     assert parsed.names == list(model.weight_specs())  # what the files hold, not what it listed
+
+
+def test_a_hand_built_update_info_without_a_path_is_refused_naming_the_path():
+    listed = DiskWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], path=None)
+    with pytest.raises(WeightValidationError, match="path must name a checkpoint directory"):
+        DiskWeightTransferEngine().parse_update_info(listed)

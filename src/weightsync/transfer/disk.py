@@ -198,7 +198,8 @@ class DiskWeightTransferEngine(WeightTransferEngine):
         if isinstance(update_info, DiskWeightTransferUpdateInfo):
             if update_info._entries:  # read by from_directory: the headers are known
                 return update_info
-            update_info = update_info.to_dict()  # built by hand: read the files, not its lists
+            # Built by hand: read the files, not its lists (a null path is named, not dropped).
+            update_info = WeightDir(update_info.path, update_info.weight_version)
         request = _parse_info(WeightDir, update_info, what="update_info")
         return DiskWeightTransferUpdateInfo.from_directory(
             request.path, weight_version=request.weight_version
