@@ -8,6 +8,7 @@ a model of its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -66,8 +67,16 @@ class RopeScaling:
             )
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise EngineConfigError(f"RopeScaling.{name} must be a number > 0, got {value!r}")
+            if not _is_positive_number(value):
+                raise EngineConfigError(
+                    f"RopeScaling.{name} must be a finite number > 0, got {value!r:.80}"
+                )
+        context = self.original_max_position_embeddings
+        if not _is_int(context) or not 1 <= context <= _MAXIMA["max_position_embeddings"]:
+            raise EngineConfigError(
+                "RopeScaling.original_max_position_embeddings must be an int from 1 to "
+                f"{_MAXIMA['max_position_embeddings']}, got {context!r:.80}"
+            )
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise EngineConfigError(
                 f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed "
@@ -143,6 +152,19 @@ class LlamaConfig:
                 f"LlamaConfig.head_dim must be an even int >= 2, got {self.head_dim!r}"
             )
         _check_maximum("head_dim", self.head_dim)
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_positive_number(value):
+                raise EngineConfigError(
+                    f"LlamaConfig.{name} must be a finite number > 0, got {value!r:.80}"
+                )
+            object.__setattr__(self, name, float(value))
+        for name in ("tie_word_embeddings", "attention_bias"):
+            # A JSON string "false" must not switch a flag on.
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(
+                    f"LlamaConfig.{name} must be true or false, got {getattr(self, name)!r:.80}"
+                )
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise EngineConfigError(
                 f"LlamaConfig.model_type must be one of {list(SUPPORTED_MODEL_TYPES)}, got "
@@ -225,6 +247,10 @@ class LlamaConfig:
                 f"dense, full-attention families {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         layer_types = data.get("layer_types") or []
+        if not isinstance(layer_types, list):
+            raise EngineConfigError(
+                f"{source}: layer_types must be a list of attention kinds, got {layer_types!r:.80}"
+            )
         if data.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise EngineConfigError(
                 f"{source}: sliding-window attention (use_sliding_window / layer_types) is not "
@@ -249,23 +275,24 @@ class LlamaConfig:
         if not isinstance(rope, dict):
             raise EngineConfigError(f"{source}: rope_scaling must be an object, got {rope!r}")
         heads = data["num_attention_heads"]
-        rope_scaling = _rope_scaling(rope, source)
+        kv_heads = data.get("num_key_value_heads")
         try:
+            rope_scaling = _rope_scaling(rope, source)
             return cls(
                 vocab_size=data["vocab_size"],
                 hidden_size=data["hidden_size"],
                 intermediate_size=data["intermediate_size"],
                 num_hidden_layers=data["num_hidden_layers"],
                 num_attention_heads=heads,
-                num_key_value_heads=data.get("num_key_value_heads") or heads,
+                num_key_value_heads=heads if kv_heads is None else kv_heads,
                 head_dim=data.get("head_dim"),
-                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta") or data.get("rope_theta") or 10000.0),
+                rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta") or data.get("rope_theta") or 10000.0,
                 max_position_embeddings=data.get("max_position_embeddings", 2048),
-                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+                tie_word_embeddings=data.get("tie_word_embeddings", False),
                 model_type=model_type,
                 # Qwen2's config has no switch: its biases are part of the architecture.
-                attention_bias=model_type != "qwen2" and bool(data.get("attention_bias", False)),
+                attention_bias=model_type != "qwen2" and data.get("attention_bias", False),
                 rope_scaling=rope_scaling,
             )
         except (EngineConfigError, TypeError, ValueError) as exc:
@@ -305,6 +332,16 @@ class LlamaConfig:
         if self.model_type != "qwen2":
             data["attention_bias"] = self.attention_bias
         return data
+
+
+def _is_positive_number(value: object) -> bool:
+    """Whether `value` is a finite int or float > 0 (not a bool: JSON's `true` is no number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:  # an int of hundreds of digits has no float
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
 def _check_maximum(name: str, value: int) -> None:

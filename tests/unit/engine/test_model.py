@@ -126,3 +126,56 @@ def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(EngineConfigError, match="file names of this directory"):
         load_hf_directory(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("layer_types", 5, "layer_types must be a list"),
+        ("rms_norm_eps", 10**400, "rms_norm_eps must be a finite number > 0"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite number > 0"),
+        ("rms_norm_eps", -1.0, "rms_norm_eps must be a finite number > 0"),
+        ("rms_norm_eps", "1e-6", "rms_norm_eps must be a finite number > 0"),
+        ("rope_theta", float("inf"), "rope_theta must be a finite number > 0"),
+        ("rope_theta", -5, "rope_theta must be a finite number > 0"),
+        ("rope_theta", 10**400, "rope_theta must be a finite number > 0"),
+        ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false"),
+        ("attention_bias", "false", "attention_bias must be true or false"),
+        ("num_key_value_heads", 0, "num_key_value_heads must be an int >= 1"),
+        ("rope_scaling", {"rope_type": "linear", "factor": "2"}, "factor must be a finite"),
+        ("rope_scaling", {"rope_type": "linear", "factor": float("inf")}, "factor must be a fin"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 10**400}, "factor must be a finite"),
+        (
+            "rope_scaling",
+            {
+                "rope_type": "llama3",
+                "factor": 8,
+                "low_freq_factor": 1,
+                "high_freq_factor": 4,
+                "original_max_position_embeddings": 0,
+            },
+            "original_max_position_embeddings must be an int from 1",
+        ),
+        (
+            "rope_scaling",
+            {
+                "rope_type": "llama3",
+                "factor": 8,
+                "low_freq_factor": 1,
+                "high_freq_factor": 4,
+                "original_max_position_embeddings": "8192",
+            },
+            "original_max_position_embeddings must be an int from 1",
+        ),
+    ],
+    ids=lambda value: str(value)[:24],
+)
+def test_a_config_value_of_the_wrong_type_or_range_is_refused_naming_the_file(
+    tmp_path, key, value, message
+):
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(EngineConfigError, match=message) as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "config.json"))
