@@ -119,6 +119,11 @@ class ChatTemplate:
             raise EngineConfigError(
                 f"{origin} is not a valid Jinja template: {exc.message} (line {exc.lineno})"
             ) from None
+        # Expressions or blocks nested hundreds deep overflow Jinja's parser or Python's compiler.
+        except (RecursionError, SyntaxError):
+            raise EngineConfigError(
+                f"{origin} is not a valid Jinja template: it nests too deeply"
+            ) from None
 
     @classmethod
     def default(cls) -> ChatTemplate:
@@ -156,7 +161,7 @@ class ChatTemplate:
             named = {
                 entry.get("name"): entry.get("template")
                 for entry in source
-                if isinstance(entry, dict)
+                if isinstance(entry, dict) and isinstance(entry.get("name"), str)
             }
             source, origin = named.get("default"), f"{origin} 'default'"
         if source is None:

@@ -138,6 +138,27 @@ def test_a_template_that_is_not_jinja_is_refused_at_load():
         ChatTemplate("ok\n{% if %}", origin="my.jinja")
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "{% if 1 %}" * 200 + "x" + "{% endif %}" * 200],
+    ids=["nested-expression", "nested-blocks"],
+)
+def test_a_template_nested_too_deeply_is_refused_at_load_naming_it(source):
+    with pytest.raises(
+        EngineConfigError, match=r"^my\.jinja is not a valid Jinja template: it nests"
+    ):
+        ChatTemplate(source, origin="my.jinja")
+
+
+def test_named_templates_whose_names_are_not_texts_are_skipped(tmp_path):
+    config = {"chat_template": [{"name": ["default"], "template": "{{ 1 }}"},
+                                {"name": {"a": 1}, "template": "{{ 2 }}"},
+                                {"name": "default", "template": "{{ 3 }}"}]}  # fmt: skip
+    template = ChatTemplate.from_directory(tmp_path, config, {})
+    assert template is not None
+    assert template.render([]) == "3"
+
+
 class _RecordingTokenizer(ByteTokenizer):
     """The byte tokenizer with a chat template of the test's, recording each text it encodes."""
 
