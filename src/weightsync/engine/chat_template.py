@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -47,6 +48,23 @@ the tokenizer adds its BOS token before them."""
 
 
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _present(path: Path) -> bool:
+    """Whether a model directory has the file `path`; anything else under its name is refused.
+
+    A directory, a FIFO, a device or a broken link where a tokenizer file belongs is a damaged
+    checkpoint, not an absent file: taking it for absent would serve the model with another
+    tokenizer, special tokens or template than its own.
+    """
+    if path.is_file():
+        return True
+    if not os.path.lexists(path):
+        return False
+    raise EngineConfigError(
+        f"{path} is not a regular file (a directory, a FIFO, a device or a broken link); a "
+        "model directory's files must be plain files"
+    )
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -146,7 +164,7 @@ class ChatTemplate:
                 `chat_template` entry of the wrong shape; the message names the file and key.
         """
         path = directory / "chat_template.jinja"
-        if path.is_file():
+        if _present(path):
             try:
                 text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:

@@ -23,7 +23,7 @@ from typing import Any
 
 import tokenizers
 
-from weightsync.engine.chat_template import ChatTemplate
+from weightsync.engine.chat_template import ChatTemplate, _present
 from weightsync.engine.tokenizer import ByteTokenizer, IncrementalDecoder, Tokenizer
 from weightsync.errors import EngineConfigError
 from weightsync.transfer.base import _is_int
@@ -165,7 +165,7 @@ class HFTokenizer:
         ids = {key: _token_id(tokenizer, token, directory, key) for key, token in tokens.items()}
         eos = {ids["eos_token"]} if "eos_token" in ids else set()
         generation = directory / "generation_config.json"
-        if generation.is_file():
+        if _present(generation):
             eos |= _ids_of(_read_json(generation), generation, "eos_token_id")
         else:  # transformers' generate then takes the model config's
             eos |= _ids_of(_read_json(directory / "config.json"), directory / "config.json",
@@ -227,7 +227,7 @@ def load_tokenizer(path: str | Path, *, vocab_size: int) -> Tokenizer:
             knows more ids than the model has.
     """
     directory = Path(path)
-    if not (directory / "tokenizer.json").is_file():
+    if not _present(directory / "tokenizer.json"):
         logger.warning(
             "%s has no tokenizer.json: text goes through the byte tokenizer (ids 0-258)", directory
         )
@@ -243,7 +243,7 @@ def load_tokenizer(path: str | Path, *, vocab_size: int) -> Tokenizer:
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file's content; an absent file is empty."""
-    if not path.is_file():
+    if not _present(path):
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

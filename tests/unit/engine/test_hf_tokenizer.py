@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
+import shutil
 
 import pytest
 from engine_helpers import small_config
@@ -109,3 +111,27 @@ def test_a_directory_without_tokenizer_json_uses_the_byte_tokenizer(family_dir, 
 
     assert isinstance(load_tokenizer(tmp_path, vocab_size=300), ByteTokenizer)
     assert isinstance(load_tokenizer(family_dir("qwen2"), vocab_size=10**6), HFTokenizer)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"],
+)
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device"])
+def test_a_tokenizer_file_that_is_not_a_regular_file_is_refused_not_taken_for_absent(
+    family_dir, tmp_path, name, kind
+):
+    from weightsync.engine.hf_tokenizer import load_tokenizer
+    from weightsync.errors import EngineConfigError
+
+    path = shutil.copytree(family_dir("llama3"), tmp_path / "llama3")
+    (path / name).unlink()
+    if kind == "directory":
+        (path / name).mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path / name)
+    else:
+        (path / name).symlink_to("/dev/zero")
+    with pytest.raises(EngineConfigError, match="is not a regular file") as refused:
+        load_tokenizer(path, vocab_size=10**6)
+    assert str(refused.value).startswith(str(path / name))
