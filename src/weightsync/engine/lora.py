@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -210,8 +211,8 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
             "(--max-lora-rank) or use an adapter of lower rank",
         )
     alpha = config.get("lora_alpha", 8)  # PEFT's default
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise _fail(where, f"'lora_alpha' must be a finite number, got {alpha!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not _fits_float(alpha):
+        raise _fail(where, f"'lora_alpha' must be a finite number, got {alpha!r:.80}")
     for flag in _FLAGS:  # a truthy string ("false") must not switch an option on or off
         if not isinstance(config.get(flag, False), bool):
             raise _fail(where, f"{flag!r} must be true or false, got {config[flag]!r:.80}")
@@ -252,6 +253,14 @@ def _check_config(config: Any, where: str, max_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+def _fits_float(value: int | float) -> bool:
+    """Whether `value` is finite as a float (an int of hundreds of digits has no float)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _parse_name(name: str, where: str, num_layers: int) -> tuple[int, str, str]:
     """`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")."""
     path = name.removeprefix(_PEFT_PREFIX).split(".")
@@ -266,13 +275,15 @@ def _parse_name(name: str, where: str, num_layers: int) -> tuple[int, str, str]:
         or path[3] != _MODULES[path[4]][1]
         or path[5] not in ("lora_A", "lora_B")
         or path[6] != "weight"
-        or not path[2].isdigit()
+        # ASCII digits only, no leading zero, as PEFT writes them: `int` also reads "٣" or "03"
+        # (another name for the same tensor) and fails on "²" or thousands of digits.
+        or not re.fullmatch(r"0|[1-9][0-9]{0,5}", path[2])
     ):
         raise _fail(f"{where}: tensor {name[:200]!r}", f"unexpected name; expected {expected}")
     layer = int(path[2])
     if layer >= num_layers:
         raise _fail(
-            f"{where}: tensor {name!r}",
+            f"{where}: tensor {name[:200]!r}",
             f"layer {layer} does not exist: the model has {num_layers} layers (0 to "
             f"{num_layers - 1}); the adapter was made for another model",
         )

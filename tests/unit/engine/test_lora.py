@@ -225,6 +225,14 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
         config, named = peft_config(4, target_modules=[["q_proj"]]), "target_modules"
     elif case == "rslora_string":  # truthy: it would silently scale by alpha / sqrt(r)
         config, named = peft_config(4, use_rslora="no"), "use_rslora"
+    elif case == "alpha_huge":  # an int with no float: lora_alpha / r cannot be computed
+        config, named = {**peft_config(4), "lora_alpha": 10**400}, "'lora_alpha' must be a finite"
+    elif case in ("layer_superscript", "layer_arabic", "layer_leading_zero", "layer_digits"):
+        # Digits that `int` fails on, or reads as layer 1 under a name PEFT never writes.
+        digit = {"layer_superscript": "\u00b2", "layer_arabic": "\u0661",
+                 "layer_leading_zero": "01", "layer_digits": "9" * 5000}[case]  # fmt: skip
+        tensors[name_a.replace("layers.1.", f"layers.{digit}.")] = tensors.pop(name_a)
+        named = "unexpected name"
     elif case == "duplicate":  # the same tensor with and without PEFT's prefix: which is meant?
         tensors[name_a.removeprefix("base_model.model.")] = torch.zeros(4, 64)
         named = "twice"
@@ -243,10 +251,11 @@ def bad_adapter(tmp_path: Path, base_model, case: str) -> tuple[Path, str]:
 
 CASES = ["shape", "rank", "module", "layer", "lm_head", "dora", "bias", "missing_b",
          "missing_file", "json", "safetensors", "targets_int", "targets_nested", "rslora_string",
-         "duplicate"]  # fmt: skip
+         "duplicate", "alpha_huge", "layer_superscript", "layer_arabic", "layer_leading_zero",
+         "layer_digits"]  # fmt: skip
 # The cases refused in the config; the others name the tensors' file.
 CONFIG_CASES = {"rank", "lm_head", "dora", "bias", "json", "targets_int", "targets_nested",
-                "rslora_string"}  # fmt: skip
+                "rslora_string", "alpha_huge"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
