@@ -112,9 +112,10 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
         raise WeightValidationError(
             f"{where} has dtype {dtype_tag!r:.40}; supported: {sorted(_DTYPES)}"
         )
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    # A dim past int64 holds no data when another dim is 0, yet no tensor can have it.
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 1 << 63 for d in shape):
         raise WeightValidationError(
-            f"{where}: shape must be a list of ints >= 0, got {shape!r:.80}"
+            f"{where}: shape must be a list of ints >= 0 (each below 2**63), got {shape!r:.80}"
         )
     nbytes = math.prod(shape) * dtype.itemsize
     if (

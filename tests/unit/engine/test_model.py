@@ -179,3 +179,15 @@ def test_a_config_value_of_the_wrong_type_or_range_is_refused_naming_the_file(
     with pytest.raises(EngineConfigError, match=message) as refused:
         load_hf_directory(tmp_path)
     assert str(refused.value).startswith(str(tmp_path / "config.json"))
+
+
+def test_a_tensor_with_a_dim_past_int64_is_refused_naming_the_file(tmp_path):
+    # No data to read (another dim is 0), so only the bound on each dim stops it.
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    header = json.dumps(
+        {"x": {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]}}
+    ).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(EngineConfigError, match=r"shape must be a list of ints >= 0") as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "model.safetensors"))
