@@ -45,6 +45,9 @@ HOSTILE = {
     "unknown dtype": lambda p: _raw_file(p, json.dumps(_entry(dtype="F128")).encode(), b"\0" * 8),
     "dtype not a string": lambda p: _raw_file(p, json.dumps(_entry(dtype=[])).encode(), b"\0" * 8),
     "negative dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(-2,))).encode(), b"\0" * 8),
+    "dim past int64": lambda p: _raw_file(  # no bytes (a dim 0), yet no tensor can have it
+        p, json.dumps(_entry(shape=(0, 1 << 64), offsets=(0, 0))).encode()
+    ),
     "bool dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(True,))).encode(), b"\0" * 8),
     "offsets past the data": lambda p: _raw_file(
         p, json.dumps(_entry(offsets=(0, 8))).encode(), b"\0" * 4
@@ -142,6 +145,18 @@ def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(WeightValidationError, match=r"index\.json: not readable JSON: .*deep"):
         DiskWeightTransferUpdateInfo.from_directory(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "file", ["a\x00.safetensors", "a\ud800.safetensors"], ids=["nul", "surrogate"]
+)
+def test_an_index_naming_a_file_no_path_can_hold_is_refused_naming_it(tmp_path, file):
+    model = LlamaForCausalLM.from_preset("debug", seed=2)
+    save_weight_dir(model.named_weights(), tmp_path)
+    index = {"weight_map": dict.fromkeys(model.weight_specs(), file)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightValidationError, match=r"index\.json: weight_map must map"):
+        DiskWeightTransferEngine().receive_weights({"path": str(tmp_path)}, model.load_weights)
 
 
 def _refused_without_blocking(fifo, call):

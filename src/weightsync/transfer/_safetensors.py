@@ -166,8 +166,10 @@ def read_index(directory: Path) -> dict[str, str] | None:
     except RecursionError:  # arrays or objects nested thousands deep
         raise WeightValidationError(f"{path}: not readable JSON: it nests too deeply") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    # A name with a NUL, a lone surrogate or another unprintable character names no file that
+    # can be opened (`open` raises ValueError on it): refused with the rest.
     if not isinstance(weight_map, dict) or not all(
-        isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
+        isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f and f.isprintable()
         for f in weight_map.values()
     ):
         raise WeightValidationError(

@@ -191,3 +191,16 @@ def test_a_tensor_with_a_dim_past_int64_is_refused_naming_the_file(tmp_path):
     with pytest.raises(EngineConfigError, match=r"shape must be a list of ints >= 0") as refused:
         load_hf_directory(tmp_path)
     assert str(refused.value).startswith(str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "file", ["a\x00.safetensors", "a\ud800.safetensors"], ids=["nul", "surrogate"]
+)
+def test_an_index_naming_a_file_no_path_can_hold_is_refused(tmp_path, file):
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    names = LlamaForCausalLM.from_preset("debug").weight_specs()
+    index = json.dumps({"weight_map": dict.fromkeys(names, file)})
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(EngineConfigError, match="file names of this directory") as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "model.safetensors.index.json"))
