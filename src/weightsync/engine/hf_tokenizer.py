@@ -238,6 +238,16 @@ def load_tokenizer(path: str | Path, *, vocab_size: int) -> Tokenizer:
             f"{directory / 'tokenizer.json'} knows {tokenizer.vocab_size} token ids but "
             f"config.json's vocab_size is {vocab_size}: the tokenizer does not belong to this model"
         )
+    # Ids need not be dense: a tokenizer.json may give a token an id far past how many it knows,
+    # which the model's embedding would be indexed with.
+    ids = tokenizer._tokenizer.get_vocab(with_added_tokens=True)
+    token, largest = max(ids.items(), key=lambda item: item[1], default=("", -1))
+    if largest >= vocab_size:
+        raise EngineConfigError(
+            f"{directory / 'tokenizer.json'} gives {token[:40]!r} the id {largest}, but "
+            f"config.json's vocab_size is {vocab_size}: the tokenizer does not belong to this "
+            "model, or its file is damaged"
+        )
     return tokenizer
 
 

@@ -130,6 +130,13 @@ def _copy_tokenizer_of(family: str):
     return copy
 
 
+def _token_id_past_the_model(path, family_dir):
+    """One token of tokenizer.json gets an id past config.json's vocab_size; the count is kept."""
+    data = json.loads((path / "tokenizer.json").read_text())
+    data["model"]["vocab"]["\u0120the"] = 10**6
+    (path / "tokenizer.json").write_text(json.dumps(data))
+
+
 BAD_DIRECTORIES = [
     ("architecture-moe", "qwen2", _edit_json("config.json", model_type="qwen2_moe"),
      r"config\.json: model_type 'qwen2_moe' is not supported; weightsync serves the dense, "
@@ -164,6 +171,8 @@ BAD_DIRECTORIES = [
     ("tokenizer-of-another-model", "qwen3", _copy_tokenizer_of("llama2"),
      r"tokenizer\.json knows \d+ token ids but config\.json's vocab_size is \d+: the tokenizer "
      r"does not belong to this model"),
+    ("tokenizer-id-past-the-model", "llama3", _token_id_past_the_model,
+     r"tokenizer\.json gives 'Ġthe' the id 1000000, but config\.json's vocab_size is \d+"),
 ]  # fmt: skip
 
 
