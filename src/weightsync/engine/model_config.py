@@ -30,6 +30,7 @@ _MAXIMA = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1
            "num_hidden_layers": 1 << 10, "num_attention_heads": 1 << 10,
            "num_key_value_heads": 1 << 10, "max_position_embeddings": 1 << 24,
            "head_dim": 1 << 12}  # fmt: skip
+_FLAGS = ("tie_word_embeddings", "attention_bias")
 # The keys of config.json without which the model's shape is unknown.
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")  # fmt: skip
@@ -159,7 +160,7 @@ class LlamaConfig:
                     f"LlamaConfig.{name} must be a finite number > 0, got {value!r:.80}"
                 )
             object.__setattr__(self, name, float(value))
-        for name in ("tie_word_embeddings", "attention_bias"):
+        for name in _FLAGS:
             # A JSON string "false" must not switch a flag on.
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(
@@ -276,6 +277,9 @@ class LlamaConfig:
             raise EngineConfigError(f"{source}: rope_scaling must be an object, got {rope!r}")
         heads = data["num_attention_heads"]
         kv_heads = data.get("num_key_value_heads")
+        # A flag written as null is unset, as transformers reads it; any other non-boolean is
+        # refused where the config is built.
+        flags = {key: data.get(key) is not None and data[key] for key in _FLAGS}
         try:
             rope_scaling = _rope_scaling(rope, source)
             return cls(
@@ -289,10 +293,10 @@ class LlamaConfig:
                 rms_norm_eps=data.get("rms_norm_eps", 1e-6),
                 rope_theta=rope.get("rope_theta") or data.get("rope_theta") or 10000.0,
                 max_position_embeddings=data.get("max_position_embeddings", 2048),
-                tie_word_embeddings=data.get("tie_word_embeddings", False),
+                tie_word_embeddings=flags["tie_word_embeddings"],
                 model_type=model_type,
                 # Qwen2's config has no switch: its biases are part of the architecture.
-                attention_bias=model_type != "qwen2" and data.get("attention_bias", False),
+                attention_bias=model_type != "qwen2" and flags["attention_bias"],
                 rope_scaling=rope_scaling,
             )
         except (EngineConfigError, TypeError, ValueError) as exc:

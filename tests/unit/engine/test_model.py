@@ -204,3 +204,8 @@ def test_an_index_naming_a_file_no_path_can_hold_is_refused(tmp_path, file):
     with pytest.raises(EngineConfigError, match="file names of this directory") as refused:
         load_hf_directory(tmp_path)
     assert str(refused.value).startswith(str(tmp_path / "model.safetensors.index.json"))
+
+
+def test_a_flag_written_as_null_is_unset():
+    config = {**LlamaConfig.preset("debug").to_hf_dict(), "tie_word_embeddings": None}
+    assert not LlamaConfig.from_hf_dict({**config, "attention_bias": None}).tie_word_embeddings
