@@ -448,9 +448,14 @@ def read_lora_directory(
 
     Raises:
         LoRAAdapterNotFoundError: `path` is not a directory.
-        LoRAAdapterError: A missing file, JSON that does not parse, or a damaged safetensors
-            file; the message names the file.
+        LoRAAdapterError: `path` is empty or not a path, a missing file, JSON that does not
+            parse, or a damaged safetensors file; the message names the file.
     """
+    # An empty path would be the server's working directory.
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise LoRAAdapterError(
+            f"lora_path must name a PEFT adapter directory on this machine, got {path!r:.80}"
+        )
     directory = Path(path)
     config_path = directory / ADAPTER_CONFIG_FILE
     weights_path = directory / ADAPTER_WEIGHTS_FILE

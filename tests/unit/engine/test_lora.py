@@ -342,6 +342,19 @@ def test_a_path_that_is_no_directory_is_not_found(tmp_path):
     assert engine.list_lora_adapters() == []
 
 
+@pytest.mark.parametrize("path", ["", None, 5], ids=["empty", "none", "int"])
+def test_a_lora_path_that_is_no_path_is_refused_not_read_as_the_working_directory(
+    tmp_path, base_model, monkeypatch, path
+):
+    # The working directory holds an adapter: an empty path must not load it.
+    write_adapter(tmp_path, adapter_tensors(base_model, rank=4, seed=11), peft_config(4))
+    monkeypatch.chdir(tmp_path)
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterError, match="lora_path must name a PEFT adapter directory"):
+        engine.load_lora_adapter("a", path)
+    assert engine.list_lora_adapters() == []
+
+
 def test_a_shape_refusal_says_expected_and_actual(tmp_path, base_model):
     path, _ = bad_adapter(tmp_path, base_model, "shape")
     with pytest.raises(LoRAAdapterError, match=r"expected .*\[4, 64\].* got float32 \[4, 63\]"):
