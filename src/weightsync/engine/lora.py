@@ -475,6 +475,8 @@ def read_lora_directory(
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise _fail(str(config_path), f"not valid JSON: {exc}") from None
+    except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)
+        raise _fail(str(config_path), f"cannot read: {exc}") from None
     try:
         entries = read_header(weights_path)
     except WeightValidationError as exc:

@@ -135,3 +135,18 @@ def test_a_tokenizer_file_that_is_not_a_regular_file_is_refused_not_taken_for_ab
     with pytest.raises(EngineConfigError, match="is not a regular file") as refused:
         load_tokenizer(path, vocab_size=10**6)
     assert str(refused.value).startswith(str(path / name))
+
+
+@pytest.mark.parametrize(
+    "name", ["tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
+)
+def test_a_tokenizer_file_that_cannot_be_read_is_refused_naming_it(family_dir, tmp_path, name):
+    from weightsync.engine.hf_tokenizer import load_tokenizer
+    from weightsync.errors import EngineConfigError
+
+    path = shutil.copytree(family_dir("llama3"), tmp_path / "llama3")
+    (path / name).unlink()
+    (path / name).symlink_to("/proc/self/mem")  # a regular file whose read fails (EIO)
+    with pytest.raises(EngineConfigError, match="cannot read") as refused:
+        load_tokenizer(path, vocab_size=10**6)
+    assert str(refused.value).startswith(str(path / name))

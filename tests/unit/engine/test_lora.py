@@ -355,6 +355,16 @@ def test_a_lora_path_that_is_no_path_is_refused_not_read_as_the_working_director
     assert engine.list_lora_adapters() == []
 
 
+def test_an_adapter_config_that_cannot_be_read_is_refused_naming_it(tmp_path, base_model):
+    path = write_adapter(tmp_path, adapter_tensors(base_model, rank=4, seed=11), peft_config(4))
+    (path / "adapter_config.json").unlink()
+    (path / "adapter_config.json").symlink_to("/proc/self/mem")  # a regular file; reading fails
+    engine = lora_engine()
+    with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json: cannot read"):
+        engine.load_lora_adapter("a", str(path))
+    assert engine.list_lora_adapters() == []
+
+
 def test_a_shape_refusal_says_expected_and_actual(tmp_path, base_model):
     path, _ = bad_adapter(tmp_path, base_model, "shape")
     with pytest.raises(LoRAAdapterError, match=r"expected .*\[4, 64\].* got float32 \[4, 63\]"):

@@ -209,3 +209,12 @@ def test_an_index_naming_a_file_no_path_can_hold_is_refused(tmp_path, file):
 def test_a_flag_written_as_null_is_unset():
     config = {**LlamaConfig.preset("debug").to_hf_dict(), "tie_word_embeddings": None}
     assert not LlamaConfig.from_hf_dict({**config, "attention_bias": None}).tie_word_embeddings
+
+
+def test_a_config_json_that_cannot_be_read_is_refused_naming_it(tmp_path):
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").symlink_to("/proc/self/mem")  # a regular file whose read fails
+    with pytest.raises(EngineConfigError, match="cannot read") as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "config.json"))
