@@ -30,7 +30,8 @@ from weightsync.engine._template_sandbox import (
     BoundedSandbox,
     TemplateBoundError,
 )
-from weightsync.errors import EngineConfigError, InvalidRequestError
+from weightsync.errors import EngineConfigError, InvalidRequestError, WeightValidationError
+from weightsync.transfer._safetensors import read_text
 
 __all__ = ["ChatTemplate"]
 
@@ -166,7 +167,9 @@ class ChatTemplate:
         path = directory / "chat_template.jinja"
         if _present(path):
             try:
-                text = path.read_text(encoding="utf-8")
+                text = read_text(path)
+            except WeightValidationError as exc:  # not a regular file, or too large
+                raise EngineConfigError(str(exc)) from None
             except UnicodeDecodeError as exc:
                 raise EngineConfigError(
                     f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}; save the "

@@ -25,7 +25,8 @@ import tokenizers
 
 from weightsync.engine.chat_template import ChatTemplate, _present
 from weightsync.engine.tokenizer import ByteTokenizer, IncrementalDecoder, Tokenizer
-from weightsync.errors import EngineConfigError
+from weightsync.errors import EngineConfigError, WeightValidationError
+from weightsync.transfer._safetensors import read_text
 from weightsync.transfer.base import _is_int
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
@@ -155,7 +156,9 @@ class HFTokenizer:
         directory = Path(path)
         tokenizer_path = directory / "tokenizer.json"
         try:
-            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+            tokenizer = tokenizers.Tokenizer.from_str(read_text(tokenizer_path))
+        except WeightValidationError as exc:  # not a regular file, or too large
+            raise EngineConfigError(str(exc)) from None
         except Exception as exc:  # the library raises a bare Exception for any parse error
             raise EngineConfigError(
                 f"{tokenizer_path} does not parse as a tokenizers pipeline: {exc}"
@@ -256,7 +259,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not _present(path):
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path))
+    except WeightValidationError as exc:  # not a regular file, or too large
+        raise EngineConfigError(str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep

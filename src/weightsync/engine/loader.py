@@ -29,6 +29,7 @@ from weightsync.transfer._safetensors import (
     read_header,
     read_index,
     read_tensor,
+    read_text,
     write_safetensors,
 )
 
@@ -64,7 +65,9 @@ def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> 
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path))
+    except WeightValidationError as exc:  # not a regular file, or too large
+        raise EngineConfigError(str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep

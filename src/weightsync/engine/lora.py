@@ -38,7 +38,7 @@ from weightsync.engine._finite import non_finite_names
 from weightsync.engine.model_config import LlamaConfig
 from weightsync.engine.outputs import WeightVersion
 from weightsync.errors import LoRAAdapterError, LoRAAdapterNotFoundError, WeightValidationError
-from weightsync.transfer._safetensors import open_regular, read_header, read_tensor
+from weightsync.transfer._safetensors import open_regular, read_header, read_tensor, read_text
 from weightsync.transfer.base import TensorSpec, _is_int
 
 __all__ = [
@@ -472,7 +472,9 @@ def read_lora_directory(
                 f"{ADAPTER_WEIGHTS_FILE} (save it with save_pretrained(safe_serialization=True))",
             )
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads(read_text(config_path))
+    except WeightValidationError as exc:  # not a regular file, or too large
+        raise LoRAAdapterError(f"LoRA adapter {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise _fail(str(config_path), f"not valid JSON: {exc}") from None
     except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)

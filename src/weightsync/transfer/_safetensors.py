@@ -32,6 +32,9 @@ _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Real headers are kilobytes to megabytes: a hostile length must not size the reader's allocation.
 _MAX_HEADER_BYTES = 100 << 20
 INDEX_FILE = "model.safetensors.index.json"
+# A checkpoint's JSON and template files are kilobytes to tens of megabytes (the largest known
+# tokenizer.json, about 35 MB): a larger one is damaged or hostile, and must not size a read.
+MAX_TEXT_FILE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,29 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         f"{path}: not a regular file (a FIFO, a device or a socket); a checkpoint's files must be "
         "plain files"
     )
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A checkpoint's JSON or template file as text, its newlines read as Python reads text.
+
+    Opened as `open_regular` opens (a FIFO never blocks), and refused past `MAX_TEXT_FILE_BYTES`
+    before it is read.
+
+    Raises:
+        WeightValidationError: Not a regular file, cannot be opened, or too large.
+        OSError: The read failed.
+        UnicodeDecodeError: Not UTF-8.
+    """
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        # The size may change after the stat: the read stops past the bound too.
+        raw = b"" if size > MAX_TEXT_FILE_BYTES else f.read(MAX_TEXT_FILE_BYTES + 1)
+    if size > MAX_TEXT_FILE_BYTES or len(raw) > MAX_TEXT_FILE_BYTES:
+        raise WeightValidationError(
+            f"{path}: more than {MAX_TEXT_FILE_BYTES} bytes, far past any checkpoint's JSON or "
+            "template file: the file is damaged, or not one of a checkpoint"
+        )
+    return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
@@ -160,7 +186,9 @@ def read_index(directory: Path) -> dict[str, str] | None:
     if not path.is_file():
         return None
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = json.loads(read_text(path))
+    except WeightValidationError:  # not a regular file, or too large: says so itself
+        raise
     except (OSError, ValueError) as exc:
         raise WeightValidationError(f"{path}: not readable JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep

@@ -150,3 +150,21 @@ def test_a_tokenizer_file_that_cannot_be_read_is_refused_naming_it(family_dir, t
     with pytest.raises(EngineConfigError, match="cannot read") as refused:
         load_tokenizer(path, vocab_size=10**6)
     assert str(refused.value).startswith(str(path / name))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_tokenizer_file_past_the_size_bound_is_refused_before_it_is_read(
+    family_dir, tmp_path, name
+):
+    from weightsync.engine.hf_tokenizer import load_tokenizer
+    from weightsync.errors import EngineConfigError
+    from weightsync.transfer._safetensors import MAX_TEXT_FILE_BYTES
+
+    path = shutil.copytree(family_dir("llama3"), tmp_path / "llama3")
+    with open(path / name, "wb") as f:  # sparse: no disk, and no memory unless it is read
+        f.truncate(MAX_TEXT_FILE_BYTES + 1)
+    with pytest.raises(
+        EngineConfigError, match=f"more than {MAX_TEXT_FILE_BYTES} bytes"
+    ) as refused:
+        load_tokenizer(path, vocab_size=10**6)
+    assert str(refused.value).startswith(str(path / name))

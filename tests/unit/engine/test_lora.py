@@ -365,6 +365,20 @@ def test_an_adapter_config_that_cannot_be_read_is_refused_naming_it(tmp_path, ba
     assert engine.list_lora_adapters() == []
 
 
+def test_an_adapter_config_past_the_size_bound_is_refused_before_it_is_read(tmp_path, base_model):
+    from weightsync.transfer._safetensors import MAX_TEXT_FILE_BYTES
+
+    path = write_adapter(tmp_path, adapter_tensors(base_model, rank=4, seed=11), peft_config(4))
+    with open(path / "adapter_config.json", "wb") as f:  # sparse: no disk, no memory unread
+        f.truncate(MAX_TEXT_FILE_BYTES + 1)
+    engine = lora_engine()
+    with pytest.raises(
+        LoRAAdapterError, match=f"adapter_config.json: more than {MAX_TEXT_FILE_BYTES}"
+    ):
+        engine.load_lora_adapter("a", str(path))
+    assert engine.list_lora_adapters() == []
+
+
 def test_a_shape_refusal_says_expected_and_actual(tmp_path, base_model):
     path, _ = bad_adapter(tmp_path, base_model, "shape")
     with pytest.raises(LoRAAdapterError, match=r"expected .*\[4, 64\].* got float32 \[4, 63\]"):

@@ -218,3 +218,17 @@ def test_a_config_json_that_cannot_be_read_is_refused_naming_it(tmp_path):
     with pytest.raises(EngineConfigError, match="cannot read") as refused:
         load_hf_directory(tmp_path)
     assert str(refused.value).startswith(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_json_file_past_the_size_bound_is_refused_before_it_is_read(tmp_path, name):
+    from weightsync.transfer._safetensors import MAX_TEXT_FILE_BYTES
+
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    with open(tmp_path / name, "wb") as f:  # sparse: no disk, and no memory unless it is read
+        f.truncate(MAX_TEXT_FILE_BYTES + 1)
+    with pytest.raises(
+        EngineConfigError, match=f"more than {MAX_TEXT_FILE_BYTES} bytes"
+    ) as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / name))
