@@ -129,9 +129,17 @@ def load_hf_directory(
             and not n.endswith("rotary_emb.inv_freq")
         )
         try:
-            loaded.update(model.load_weights(kept))
+            names = model.load_weights(kept)
         except WeightValidationError as exc:
             raise EngineConfigError(f"{directory / file} does not fit config.json: {exc}") from None
+        # A tensor in two files would load whichever file sorts last: which one is meant?
+        twice = sorted(loaded.intersection(names))
+        if twice:
+            raise EngineConfigError(
+                f"{directory / file}: tensor {twice[0]!r} is also in another file of the "
+                "checkpoint; each tensor must be in one file (the disk transfer backend's rule)"
+            )
+        loaded.update(names)
     missing = sorted(expected - loaded)
     if missing:
         raise EngineConfigError(

@@ -7,6 +7,7 @@ from weightsync.engine.errors import EngineConfigError
 from weightsync.engine.loader import _read_safetensors, load_hf_directory, save_hf_directory
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import LlamaConfig
+from weightsync.transfer._safetensors import write_safetensors
 from weightsync.transfer.base import WeightValidationError
 
 transformers = pytest.importorskip("transformers")
@@ -232,3 +233,16 @@ def test_a_json_file_past_the_size_bound_is_refused_before_it_is_read(tmp_path, 
     ) as refused:
         load_hf_directory(tmp_path)
     assert str(refused.value).startswith(str(tmp_path / name))
+
+
+def test_a_tensor_in_two_shards_is_refused_not_taken_from_the_last(tmp_path):
+    weights = dict(LlamaForCausalLM.from_preset("debug", seed=3).named_weights())
+    save_hf_directory(LlamaForCausalLM.from_preset("debug", seed=3), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    name = "model.norm.weight"
+    write_safetensors(weights, tmp_path / "a.safetensors")
+    write_safetensors({name: torch.zeros_like(weights[name])}, tmp_path / "b.safetensors")
+    index = {"weight_map": {**dict.fromkeys(weights, "a.safetensors"), name: "b.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EngineConfigError, match=f"tensor '{name}' is also in another file"):
+        load_hf_directory(tmp_path)
