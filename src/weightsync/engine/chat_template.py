@@ -48,6 +48,10 @@ message, then `<|assistant|>` and a newline where the reply begins. The markers 
 the tokenizer adds its BOS token before them."""
 
 
+_MAX_SOURCE_CHARS = 2**20
+"""The longest template source compiled, in characters. Real chat templates are a few to tens of
+kilobytes; compiling takes about 6 s per MB of expressions, so a larger one would hold the
+server's start for minutes."""
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
@@ -104,8 +108,8 @@ class ChatTemplate:
             without them); the default template leaves the BOS token to the tokenizer.
 
     Raises:
-        EngineConfigError: The source is not a valid Jinja template; the message names `origin`
-            and the line.
+        EngineConfigError: The source is not a valid Jinja template, or is longer than
+            `_MAX_SOURCE_CHARS` (2**20); the message names `origin` and the line.
 
     >>> template = ChatTemplate.default()
     >>> print(template.render([{"role": "user", "content": "hi"}]), end="")
@@ -126,6 +130,11 @@ class ChatTemplate:
         self.origin = origin
         self.variables = dict(variables or {})
         self.add_special_tokens = add_special_tokens
+        if len(source) > _MAX_SOURCE_CHARS:
+            raise EngineConfigError(
+                f"{origin} is {len(source)} characters, more than the {_MAX_SOURCE_CHARS} of any "
+                "chat template: the file is damaged, or holds something else"
+            )
         environment = BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )

@@ -150,6 +150,13 @@ def test_a_template_nested_too_deeply_is_refused_at_load_naming_it(source):
         ChatTemplate(source, origin="my.jinja")
 
 
+def test_a_template_longer_than_any_chat_template_is_refused_before_compiling():
+    # Compiling this would take about 40 s; refused from its length at once.
+    source = "{{ messages[0].content }}" * 2**18
+    with pytest.raises(EngineConfigError, match=r"^my\.jinja is \d+ characters, more than the"):
+        ChatTemplate(source, origin="my.jinja")
+
+
 def test_named_templates_whose_names_are_not_texts_are_skipped(tmp_path):
     config = {"chat_template": [{"name": ["default"], "template": "{{ 1 }}"},
                                 {"name": {"a": 1}, "template": "{{ 2 }}"},
