@@ -48,6 +48,9 @@ HOSTILE = {
     "dim past int64": lambda p: _raw_file(  # no bytes (a dim 0), yet no tensor can have it
         p, json.dumps(_entry(shape=(0, 1 << 64), offsets=(0, 0))).encode()
     ),
+    "thousands of dims": lambda p: _raw_file(  # their product would take minutes
+        p, json.dumps(_entry(shape=(3,) * 300_000, offsets=(0, 8))).encode(), b"\0" * 8
+    ),
     "bool dim": lambda p: _raw_file(p, json.dumps(_entry(shape=(True,))).encode(), b"\0" * 8),
     "offsets past the data": lambda p: _raw_file(
         p, json.dumps(_entry(offsets=(0, 8))).encode(), b"\0" * 4

@@ -246,3 +246,17 @@ def test_a_tensor_in_two_shards_is_refused_not_taken_from_the_last(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(EngineConfigError, match=f"tensor '{name}' is also in another file"):
         load_hf_directory(tmp_path)
+
+
+def test_a_tensor_with_thousands_of_dims_is_refused_naming_the_file(tmp_path):
+    save_hf_directory(LlamaForCausalLM.from_preset("debug"), tmp_path)
+    entry = {"dtype": "F32", "shape": [3] * 10_000, "data_offsets": [0, 4]}
+    header = json.dumps({"x": entry}).encode()
+    (tmp_path / "model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + bytes(8)
+    )
+    with pytest.raises(
+        EngineConfigError, match=r"shape has 10000 dims, more than the 64"
+    ) as refused:
+        load_hf_directory(tmp_path)
+    assert str(refused.value).startswith(str(tmp_path / "model.safetensors"))
