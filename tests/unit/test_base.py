@@ -57,6 +57,10 @@ def test_update_info_round_trips_through_json():
             {"names": ["a"], "dtype_names": ["int8"], "shapes": [[-1]]},
             "shape of 'a' must be a list of non-negative ints",
         ),
+        (
+            {"names": ["a"], "dtype_names": ["int8"], "shapes": [[1] * 65]},
+            "shape of 'a' has 65 dims, more than the 64 a tensor may have",
+        ),
         ({"names": "a", "dtype_names": ["int8"], "shapes": [[1]]}, "names must be a list"),
         (
             {"names": ["a"], "dtype_names": ["int8"], "shapes": [[1]], "weight_version": True},

@@ -140,6 +140,7 @@ CUDA_RECORD = {
         ({"dtype": "int32"}, r"describes int32\[4, 8\] but the update announces float32\[4, 8\]"),
         ({"nbytes": 64}, r"nbytes is 64 but shape \[4, 8\] of float32 holds 128 bytes"),
         ({"shape": [8, 4]}, r"describes float32\[8, 4\] but the update announces float32\[4, 8\]"),
+        ({"shape": [2] * 100_000}, r"shape has 100000 dims, more than the 64 a tensor may have"),
         ({"offset": 1 << 40}, r"offset 1099511627776 \+ nbytes 128 reaches past the end of"),
         ({"offset": 2}, r"offset 2 is not a multiple of the float32 size \(4 bytes\)"),
         ({"offset": -4}, r"offset must be an int >= 0, got -4"),

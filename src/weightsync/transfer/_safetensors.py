@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import torch
 
 from weightsync.errors import WeightValidationError
-from weightsync.transfer.base import TensorSpec, _is_int
+from weightsync.transfer.base import _MAX_DIMS, TensorSpec, _is_int
 from weightsync.transfer.checksums import _byte_view
 
 _DTYPES = {
@@ -32,7 +32,6 @@ _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Real headers are kilobytes to megabytes: a hostile length must not size the reader's allocation.
 _MAX_HEADER_BYTES = 100 << 20
 # NumPy's limit; a model's tensors have one to a few.
-_MAX_DIMS = 64
 INDEX_FILE = "model.safetensors.index.json"
 # A checkpoint's JSON and template files are kilobytes to tens of megabytes (the largest known
 # tokenizer.json, about 35 MB): a larger one is damaged or hostile, and must not size a read.
@@ -140,8 +139,6 @@ def _entry(path: object, name: str, value: Any, base: int, data_size: int) -> Sa
         raise WeightValidationError(
             f"{where} has dtype {dtype_tag!r:.40}; supported: {sorted(_DTYPES)}"
         )
-    # Their product is computed next: thousands of dims would take minutes (and print as an int
-    # too long to format).
     if isinstance(shape, list) and len(shape) > _MAX_DIMS:
         raise WeightValidationError(
             f"{where}: shape has {len(shape)} dims, more than the {_MAX_DIMS} a tensor may have"

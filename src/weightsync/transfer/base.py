@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 _InfoT = TypeVar("_InfoT")
+# No tensor has more dims; a shape of thousands, read from another process or a file, would make
+# its size a product taking seconds to minutes.
+_MAX_DIMS = 64
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -251,6 +254,11 @@ class WeightTransferUpdateInfo:
             if name in seen:
                 raise WeightValidationError(f"tensor name {name!r} appears twice in names")
             seen.add(name)
+            if isinstance(shape, list | tuple) and len(shape) > _MAX_DIMS:
+                raise WeightValidationError(
+                    f"shape of {name!r} has {len(shape)} dims, more than the {_MAX_DIMS} a tensor "
+                    "may have"
+                )
             if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
                 raise WeightValidationError(
                     f"shape of {name!r} must be a list of non-negative ints, got {shape!r}"

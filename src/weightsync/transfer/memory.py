@@ -35,7 +35,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
-from weightsync.transfer.base import TensorSpec, _is_int, dtype_from_name, dtype_name
+from weightsync.transfer.base import _MAX_DIMS, TensorSpec, _is_int, dtype_from_name, dtype_name
 
 __all__ = [
     "REF_COUNTER_SLOTS",
@@ -396,6 +396,10 @@ class IPCHandle:
         except WeightValidationError as exc:
             raise WeightValidationError(f"{where}: {exc}") from None
         offset, nbytes, shape = data["offset"], data["nbytes"], data["shape"]
+        if isinstance(shape, list | tuple) and len(shape) > _MAX_DIMS:
+            raise WeightValidationError(
+                f"{where}.shape has {len(shape)} dims, more than the {_MAX_DIMS} a tensor may have"
+            )
         if not isinstance(shape, list | tuple) or not all(_is_int(d) and d >= 0 for d in shape):
             raise WeightValidationError(f"{where}.shape must be a list of ints >= 0, got {shape!r}")
         if nbytes != math.prod(shape) * dtype.itemsize:
