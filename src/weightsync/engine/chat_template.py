@@ -184,8 +184,6 @@ class ChatTemplate:
                     f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}; save the "
                     "template as UTF-8"
                 ) from None
-            except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem)
-                raise EngineConfigError(f"{path}: cannot read: {exc}") from None
             return cls(text, origin=str(path), variables=variables)
         source = tokenizer_config.get("chat_template")
         origin = f"{directory / 'tokenizer_config.json'}: chat_template"

@@ -266,8 +266,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested thousands deep
         raise EngineConfigError(f"{path} is not valid JSON: it nests too deeply") from None
-    except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)
-        raise EngineConfigError(f"{path}: cannot read: {exc}") from None
     if not isinstance(data, dict):
         raise EngineConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

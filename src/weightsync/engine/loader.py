@@ -15,11 +15,10 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from weightsync.engine.hf_tokenizer import load_tokenizer
+from weightsync.engine.hf_tokenizer import _read_json, load_tokenizer
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.model_config import _PRESETS, LlamaConfig
 from weightsync.engine.tokenizer import ByteTokenizer, Tokenizer
@@ -29,7 +28,6 @@ from weightsync.transfer._safetensors import (
     read_header,
     read_index,
     read_tensor,
-    read_text,
     write_safetensors,
 )
 
@@ -61,19 +59,6 @@ def save_hf_directory(model: LlamaForCausalLM, path: str | os.PathLike[str]) -> 
     config = {**model.config.to_hf_dict(), "torch_dtype": str(model.dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_safetensors(dict(model.named_weights()), directory / "model.safetensors")
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(read_text(path))
-    except WeightValidationError as exc:  # not a regular file, or too large
-        raise EngineConfigError(str(exc)) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EngineConfigError(f"{path} is not valid JSON: {exc}") from None
-    except RecursionError:  # arrays or objects nested thousands deep
-        raise EngineConfigError(f"{path} is not valid JSON: it nests too deeply") from None
-    except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)
-        raise EngineConfigError(f"{path}: cannot read: {exc}") from None
 
 
 def load_hf_directory(

@@ -477,8 +477,6 @@ def read_lora_directory(
         raise LoRAAdapterError(f"LoRA adapter {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise _fail(str(config_path), f"not valid JSON: {exc}") from None
-    except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)
-        raise _fail(str(config_path), f"cannot read: {exc}") from None
     try:
         entries = read_header(weights_path)
     except WeightValidationError as exc:

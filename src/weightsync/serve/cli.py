@@ -40,8 +40,7 @@ from weightsync import (
     parse_weight_transfer_config,
 )
 from weightsync.engine._cores import ComputeThreads, cpu_limit, usable_cores
-from weightsync.engine.hf_tokenizer import load_tokenizer
-from weightsync.engine.loader import _read_json
+from weightsync.engine.hf_tokenizer import _read_json, load_tokenizer
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.serve._parser import ADMIN_API_KEY_ENV
 from weightsync.serve._parser import build_parser as _build_parser

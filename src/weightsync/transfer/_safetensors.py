@@ -69,14 +69,16 @@ def read_text(path: str | os.PathLike[str]) -> str:
     before it is read.
 
     Raises:
-        WeightValidationError: Not a regular file, cannot be opened, or too large.
-        OSError: The read failed.
+        WeightValidationError: Not a regular file, cannot be opened or read, or too large.
         UnicodeDecodeError: Not UTF-8.
     """
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         # The size may change after the stat: the read stops past the bound too.
-        raw = b"" if size > MAX_TEXT_FILE_BYTES else f.read(MAX_TEXT_FILE_BYTES + 1)
+        try:
+            raw = b"" if size > MAX_TEXT_FILE_BYTES else f.read(MAX_TEXT_FILE_BYTES + 1)
+        except OSError as exc:  # a link to a file that cannot be read (/proc/self/mem, say)
+            raise WeightValidationError(f"{path}: cannot read: {exc}") from None
     if size > MAX_TEXT_FILE_BYTES or len(raw) > MAX_TEXT_FILE_BYTES:
         raise WeightValidationError(
             f"{path}: more than {MAX_TEXT_FILE_BYTES} bytes, far past any checkpoint's JSON or "
