@@ -6,7 +6,7 @@
 
 (the second command is one line).
 
-Each round runs, in an order that alternates between rounds:
+Each round runs, in each of their orders in turn (`bench_vs_vllm.round_order`):
 
 - `inprocess`: the requests added to an `LLMEngine` in this process and stepped back to back,
   with no event loop and no HTTP: the ceiling of what a server of this engine can stream.
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from bench_serve import _stream_one, process_cpu_s  # beside this script
+from bench_vs_vllm import round_order
 from machine import describe_machine
 from weightsync import EngineConfig, LLMEngine, SamplingParams
 
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="preset or directory (default: small)")
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=12, help="each order of the three twice")
     parser.add_argument("--inprocess-threads", type=int, default=1)
     for side in ("a", "b"):
         parser.add_argument(f"--{side}-src", type=Path, default=SRC)
@@ -131,8 +132,7 @@ def main() -> None:
             loads: list[float] = []
             for round_index in range(-1, args.rounds):  # -1: the warm-up
                 requests = bodies(round_index + 1000 * streams, streams, args.max_tokens)
-                order = ["inprocess", "a", "b"]
-                order = order if round_index % 2 else order[::-1]
+                order = round_order(round_index, ["inprocess", "a", "b"])
                 for name in order:
                     if name == "inprocess":
                         cpu_before = process_cpu_s()

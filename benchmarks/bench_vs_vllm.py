@@ -15,16 +15,22 @@ there if it holds no `config.json`, reused otherwise).
 
 The workload, at each of `--streams` (default 1, 8 and 64 concurrent streams): that many streamed
 greedy `/v1/completions` of `--prompt-tokens` token ids (32) and `--max-tokens` (64) each, with
-`ignore_eos`. Each round sends every stream count to each side in turn, the first side
-alternating between rounds, so that drift in the machine's load falls on all of them; every
-round's prompts are new token ids (no prefix cache helps) and every side gets the same ones. A
-third side, `inprocess`, runs the same requests through the engine's own API
-(`AsyncEngine.generate`) in a child process with no HTTP, with `--inprocess-threads` compute
-threads (default: as `weightsync serve` computes, on every core other processes leave free).
-Round 0 warms everything up; the figures are medians over `--rounds` rounds after it. Each burst
-starts once the machine's busy cores stay under 0.25 for 0.2 s (`--settle-limit-s`, 5 s, at
-most; `settle_s` per round): a server goes on working for a moment after its burst (vLLM for a
-second or two), and the next side would otherwise run beside it.
+`ignore_eos`. Each round sends every stream count to each side in turn, in the next of the
+sides' orders (`round_order`), so that drift in the machine's load falls on all of them and no
+side always runs first, last or between the others; every round's prompts are new token ids (no
+prefix cache helps) and every side gets the same ones. A third side, `inprocess`, runs the same
+requests through the engine's own API (`AsyncEngine.generate`) in a child process with no HTTP,
+with `--inprocess-threads` compute threads (default: as `weightsync serve` computes, on every
+core other processes leave free). Round 0 warms everything up; the figures are medians over
+`--rounds` rounds after it (12 by default: each of the six orders twice). Each burst starts once
+the machine's busy cores stay under 0.25 for 0.2 s (`--settle-limit-s`, 5 s, at most; `settle_s`
+per round): a server goes on working for a moment after its burst (vLLM for a second or two),
+and the next side would otherwise run beside it.
+
+How far a ratio moves when nothing differs: `weightsync serve` against an identical server came
+out 1.03 to 1.06 at 1, 8 and 64 streams, and 1.00 at 8 and 64 with the two started in the other
+order. While only the first side alternated (the second always ran between the others) it came
+out 1.00 to 1.10 in seven runs of a stream count.
 
 Figures, per stream count (`by_streams`):
 
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -73,10 +80,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -90,6 +97,7 @@ STOP_TIMEOUT_S = 30.0
 SETTLE_CORES, SETTLE_WINDOW_S = 0.25, 0.2
 GIB = 1024**3
 INPROCESS = "inprocess"
+_Side = TypeVar("_Side")
 
 VLLM_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 {vllm_python} -m "
@@ -145,6 +153,17 @@ def busy_and_total_ticks(proc_stat: str) -> tuple[int, int]:
     values = [int(v) for v in line.split()[1:9]]  # user nice system idle iowait irq softirq steal
     idle = values[3] + values[4]
     return sum(values) - idle, sum(values)
+
+
+def round_order(round_index: int, sides: Sequence[_Side]) -> list[_Side]:
+    """The order the sides run in, round `round_index`: each of their orders in turn.
+
+    Over every `len(sides)!` rounds, each side runs as often in each position, and right after
+    each other side: what a position gains (the machine quieter or warmer after some side) falls
+    on all of them alike.
+    """
+    orders = list(itertools.permutations(sides))
+    return list(orders[round_index % len(orders)])
 
 
 def paired_ratios(numerators: list[float], denominators: list[float]) -> list[float]:
@@ -695,7 +714,7 @@ async def bench(a: Side, b: Side, inprocess: InProcess, args: argparse.Namespace
     rounds = []
     for round_index in range(args.rounds + 1):  # round 0 warms everything up
         keep = round_index > 0
-        order = sides if round_index % 2 == 0 else sides[::-1]
+        order = round_order(round_index - 1, sides)  # the warm-up runs the last order
         load_start = os.getloadavg()[0]
         busy_before, total_before = machine_ticks()
         own_before, began = own_cpu_s(), time.perf_counter()
@@ -843,7 +862,12 @@ def main() -> None:
                             help="shell command that starts it (default: %(default)s)")  # fmt: skip
     parser.add_argument("--streams", type=_stream_counts, default=[1, 8, 64],
                         help="concurrent streams, comma-separated (default 1,8,64)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (after a warm-up)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=12,
+        help="timed rounds after a warm-up (12: each order of the sides twice)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--max-token-id", type=int, default=255, help="largest prompt token id")

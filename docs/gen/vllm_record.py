@@ -71,6 +71,13 @@ def _range(values: list[float], digits: int = 1) -> str:
     return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
 
 
+def _orders(rounds: list[dict[str, Any]]) -> str:
+    """How the sides took turns, from the order each round recorded."""
+    if len({tuple(r["order"]) for r in rounds}) > 2:
+        return "each order of the sides in turn"
+    return "the first side alternating"
+
+
 def side_by_side(bench: dict[str, Any]) -> str:
     """The benchmark's figures: one row per stream count, then each side's costs."""
     servers, figures = bench["servers"], bench["by_streams"]
@@ -88,7 +95,7 @@ def side_by_side(bench: dict[str, Any]) -> str:
         f"{model['parameters'] / 1e6:.1f}M-parameter {model['config']['model_type']} directory "
         f"(hidden size {model['config']['hidden_size']}, {model['config']['num_hidden_layers']} "
         f"layers, {model['dtype']}), and `{b}`'s engine in process (`inprocess`, no HTTP), on "
-        f"{_machine(bench)}: {bench['rounds']} rounds after a warm-up, the first side alternating, "
+        f"{_machine(bench)}: {bench['rounds']} rounds after a warm-up, {_orders(rounds)}, "
         f"each of {bench['prompt_tokens']}-token prompts and {bench['max_tokens']} streamed greedy "
         f"tokens per request. Load average {_range(loads)} during the rounds; cores busy with "
         f"other work {_range([r['other_cores'] for r in rounds], 2)}. One-thread roofline rates "

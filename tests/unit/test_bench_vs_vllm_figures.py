@@ -7,8 +7,10 @@ tests/integration/test_bench_vs_vllm_run.py.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,19 @@ def test_paired_ratios_and_their_median():
     assert ratios == [1.2, 0.9, 1.5]
     assert bench.summary(ratios)["median"] == 1.2
     assert statistics.median(b) / statistics.median(a) == 0.9
+
+
+@pytest.mark.parametrize("rounds", [6, 12])
+def test_every_side_runs_as_often_in_each_position_and_after_each_other_side(rounds):
+    """No side always runs in the middle: a side there came out ahead of its twin."""
+    sides = ["vllm", "weightsync", "inprocess"]
+    orders = [bench.round_order(index, sides) for index in range(rounds)]
+    assert all(sorted(order) == sorted(sides) for order in orders)
+    positions = Counter((side, order.index(side)) for order in orders for side in sides)
+    assert set(positions.values()) == {rounds // 3}
+    assert len(positions) == 9
+    after = Counter(pair for order in orders for pair in itertools.pairwise(order))
+    assert set(after.values()) == {rounds // 3} and len(after) == 6
 
 
 def test_unpaired_rounds_are_refused():
