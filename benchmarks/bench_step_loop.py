@@ -14,7 +14,8 @@ Each round runs, in each of their orders in turn (`bench_vs_vllm.round_order`):
   streamed `/v1/completions` to two `weightsync serve` children. Each server's code comes from
   `--a-src` / `--b-src` (default: this checkout's), with `--a-threads` / `--b-threads` torch
   threads (`default`: the server picks). So one run compares two versions of the server, or
-  two thread counts, against the same in-process figure, on the same load.
+  two thread counts, against the same in-process figure, on the same load. `b` starts first:
+  a server started second came out ahead of an identical one (see `bench_vs_vllm.py`).
 
 Prompts differ in every round (no prefix cache helps). Figures per stream count: tokens per
 second, medians over `--rounds` rounds after one warm-up round; `ratio_<x>` is the median over
@@ -118,11 +119,11 @@ def main() -> None:
     torch.set_num_threads(args.inprocess_threads)
     most = max(args.streams)
     engine = LLMEngine(args.model, engine_config=EngineConfig(max_num_seqs=most))
-    servers = {
+    servers = {  # b first: the server started second gains (bench_vs_vllm's docstring)
         side: start_server(
             args.model, getattr(args, f"{side}_src"), getattr(args, f"{side}_threads"), most
         )
-        for side in ("a", "b")
+        for side in ("b", "a")
     }
     results: dict[str, Any] = {}
     try:
