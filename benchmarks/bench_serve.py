@@ -48,6 +48,7 @@ import torch
 
 from machine import describe_machine  # benchmarks/machine.py, beside this script
 from weightsync import AsyncEngine, EngineConfig, SamplingParams
+from weightsync.serve.cli import _large_tensors_on_huge_pages
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MODEL = "tiny"
@@ -188,6 +189,7 @@ def p99(values: list[int]) -> int:
 
 
 def main() -> None:
+    _large_tensors_on_huge_pages()  # the engine in process as `weightsync serve` runs it
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

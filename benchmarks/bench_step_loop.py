@@ -46,6 +46,7 @@ from bench_serve import _stream_one, process_cpu_s  # beside this script
 from bench_vs_vllm import round_order
 from machine import describe_machine
 from weightsync import EngineConfig, LLMEngine, SamplingParams
+from weightsync.serve.cli import _large_tensors_on_huge_pages
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -102,6 +103,7 @@ def inprocess_run(engine: LLMEngine, requests: list[dict[str, Any]]) -> tuple[in
 
 
 def main() -> None:
+    _large_tensors_on_huge_pages()  # the engine in process as `weightsync serve` runs it
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

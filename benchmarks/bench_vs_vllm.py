@@ -619,7 +619,9 @@ def worker(model_dir: str, threads: int) -> None:
 
     from weightsync import AsyncEngine, LLMEngine, SamplingParams
     from weightsync.engine._cores import ComputeThreads, usable_cores
+    from weightsync.serve.cli import _large_tensors_on_huge_pages
 
+    _large_tensors_on_huge_pages()  # as `weightsync serve`: before the first tensor
     # As `weightsync serve` computes: on a fixed count, or (0) on every core others leave free.
     torch.set_num_threads(threads or max(1, len(usable_cores()) - 1))
     compute_threads = None if threads else ComputeThreads()
