@@ -144,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from weightsync.serve._server import bind, serve_forever
     from weightsync.serve.app import create_app
 
-    _large_tensors_on_huge_pages()
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -157,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = engine_config.resolve_device()  # a CUDA device this machine lacks: refused
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # nccl receives on the process's current device
+        _large_tensors_on_huge_pages()
         model = (
             _zero_model(args.model, _DTYPES[args.dtype])
             if args.load_format == "dummy"
