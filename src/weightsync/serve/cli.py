@@ -54,6 +54,9 @@ logger = logging.getLogger("weightsync.serve")
 _REPLICA_START_TIMEOUT_S = 120.0
 # torch's switch for transparent huge pages under its CPU tensors (read at the first tensor).
 _HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+_HUGE_PAGES_SETTING = Path(
+    "/sys/kernel/mm/transparent_hugepage/enabled"
+)  # "always [madvise] never"
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -188,7 +191,12 @@ def _large_tensors_on_huge_pages() -> None:
     """Puts torch's tensors of 2 MiB or more on huge pages, unless the environment says not to."""
     # A decode step reads every weight once: on 4 KiB pages, an address translation every 4 KiB.
     # torch reads the variable at the process's first tensor, so this runs before the model loads.
-    os.environ.setdefault(_HUGE_PAGES_ENV, "1")
+    try:
+        offered = "[never]" not in _HUGE_PAGES_SETTING.read_text(encoding="ascii")
+    except OSError:  # not Linux, or a kernel built without them: torch's request would fail
+        return
+    if offered:
+        os.environ.setdefault(_HUGE_PAGES_ENV, "1")
 
 
 def _compute_threads(num_threads: int | None) -> ComputeThreads | None:

@@ -1,6 +1,9 @@
+import os
+
 import pytest
 
 from weightsync import WeightValidationError
+from weightsync.serve import cli
 from weightsync.serve._parser import build_parser
 from weightsync.serve.cli import _parse_serve_args, main
 
@@ -136,3 +139,29 @@ def test_lora_settings_that_cannot_serve_stop_the_server_at_start(capsys, argv, 
     assert main(["serve", "debug", "--port", "0", "--num-kv-blocks", "64", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "preset", "expected"),
+    [
+        ("always [madvise] never\n", None, "1"),
+        ("[always] madvise never\n", None, "1"),
+        ("always madvise [never]\n", None, None),  # the kernel offers none: nothing to ask for
+        (None, None, None),  # no such file: a kernel without them, or not Linux
+        ("always [madvise] never\n", "0", "0"),  # the user's choice stands
+    ],
+    ids=["madvise", "always", "never", "missing", "set-to-0"],
+)
+def test_huge_pages_are_asked_for_where_the_kernel_offers_them(
+    tmp_path, monkeypatch, setting, preset, expected
+):
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting, encoding="ascii")
+    monkeypatch.setattr(cli, "_HUGE_PAGES_SETTING", path)
+    if preset is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset)
+    cli._large_tensors_on_huge_pages()
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == expected
