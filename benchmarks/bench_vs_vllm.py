@@ -33,7 +33,8 @@ started first, and 0.91 to 1.00 in three runs with B started first, at the strea
 run measured (1, 8, 64 or 8, 64). So side B, the one measured against the baseline, starts
 first: what starting second gains goes to the baseline. While only the first side alternated (B
 always ran between the others, and started second) B came out 1.00 to 1.10 in seven runs of a
-stream count.
+stream count. Those runs were on 4 KiB pages; since `weightsync serve` puts its tensors on huge
+pages, two runs with B started first gave 1.07, 1.01, 1.04 and 1.00, 1.02, 1.03.
 
 Figures, per stream count (`by_streams`):
 
