@@ -52,11 +52,10 @@ logger = logging.getLogger("weightsync.serve")
 
 # How long the replicas of a data-parallel server may take to start (import torch, build models).
 _REPLICA_START_TIMEOUT_S = 120.0
-# torch's switch for transparent huge pages under its CPU tensors (read at the first tensor).
+# torch's switch for transparent huge pages under its CPU tensors (read at the first tensor), and
+# what the kernel offers, the choice in brackets: "always [madvise] never".
 _HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
-_HUGE_PAGES_SETTING = Path(
-    "/sys/kernel/mm/transparent_hugepage/enabled"
-)  # "always [madvise] never"
+_HUGE_PAGES_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
