@@ -35,7 +35,8 @@ run measured (1, 8, 64 or 8, 64). So side B, the one measured against the baseli
 first: what starting second gains goes to the baseline. While only the first side alternated (B
 always ran between the others, and started second) B came out 1.00 to 1.10 in seven runs of a
 stream count. Those runs were on 4 KiB pages; since `weightsync serve` puts its tensors on huge
-pages, two runs with B started first gave 1.07, 1.01, 1.04 and 1.00, 1.02, 1.03.
+pages, two runs with B started first gave 1.07, 1.01, 1.04 and 1.00, 1.02, 1.03, and one with
+the aiohttp client (below) 1.03, 1.00, 1.02.
 
 Figures, per stream count (`by_streams`):
 
@@ -48,8 +49,10 @@ Figures, per stream count (`by_streams`):
   side's whole process tree, from `/proc`) used during the burst; over the burst's wall time;
   tokens per CPU second.
 - `client_cores`: this script's own CPU time during each side's burst over its wall time: the
-  HTTP client parsing every streamed chunk, on the same cores as the server (for `inprocess`,
-  the child runs its own requests and this script only waits).
+  HTTP client (aiohttp, as in vLLM's own serving benchmark) parsing every streamed chunk, on the
+  same cores as the server (for `inprocess`, the child runs its own requests and this script
+  only waits). Per chunk aiohttp takes about a third of the CPU httpx took, which the client
+  would otherwise take from the cores a server computes on.
 - `roofline_tokens_per_s` and `fraction_of_roofline`: the workload's ceiling on one thread (see
   below) and each side's median tokens/s over it.
 
@@ -90,6 +93,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 
 from machine import describe_machine  # benchmarks/machine.py, beside this script
@@ -482,13 +486,10 @@ def prompts_for(seed: int, count: int, length: int, max_token_id: int) -> list[l
     return [[rng.randint(1, max_token_id) for _ in range(length)] for _ in range(count)]
 
 
-async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The lines of an event stream, split at newlines only.
-
-    A completion's text may hold U+2028 and kin, at which `aiter_lines` would split a line.
-    """
+async def sse_lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The lines of an event stream, split at newlines only (a text may hold U+2028 and kin)."""
     pending = b""
-    async for data in response.aiter_bytes():
+    async for data in response.content.iter_any():
         *lines, pending = (pending + data).split(b"\n")
         for line in lines:
             yield line
@@ -497,13 +498,13 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, side: Side, prompt: list[int], max_tokens: int
+    session: aiohttp.ClientSession, side: Side, prompt: list[int], max_tokens: int
 ) -> tuple[int, float, float]:
     """One streamed greedy completion; returns (tokens, seconds to first token, to the last)."""
     body = {"model": side.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     began, first, last, tokens = time.perf_counter(), None, 0.0, 0
-    async with client.stream("POST", f"{side.url}/v1/completions", json=body) as response:
+    async with session.post(f"{side.url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in sse_lines(response):
             if not line.startswith(b"data: {"):
@@ -536,12 +537,14 @@ def burst_figures(
 
 
 async def http_burst(side: Side, prompts: list[list[int]], max_tokens: int) -> Burst:
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    # aiohttp, not httpx: the lighter client on the server's cores (see `client_cores` above).
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     assert side.pid is not None
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         cpu_before, client_before = tree_cpu_s(side.pid), own_cpu_s()
         began = time.perf_counter()
-        results = await asyncio.gather(*(stream_one(client, side, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(stream_one(session, side, p, max_tokens) for p in prompts))
         seconds = time.perf_counter() - began
         cpu_s = tree_cpu_s(side.pid) - cpu_before
     return burst_figures(results, seconds, cpu_s, own_cpu_s() - client_before)
