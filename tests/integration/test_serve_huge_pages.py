@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from replica_support import replica_pids
 from serve_support import Server
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -21,10 +22,13 @@ def advised_huge_kib(pid: int) -> int:
     return total
 
 
-@pytest.mark.skipif(
+needs_huge_pages = pytest.mark.skipif(
     not THP.exists() or "[never]" in THP.read_text(encoding="ascii"),
     reason="this kernel offers no transparent huge pages",
 )
+
+
+@needs_huge_pages
 @pytest.mark.parametrize(
     ("setting", "advised"), [(None, True), ("0", False)], ids=["default", "off"]
 )
@@ -39,5 +43,18 @@ def test_large_tensors_are_advised_onto_huge_pages_unless_the_environment_says_n
         kib = advised_huge_kib(server.proc.pid)
         # The tiny preset's KV cache alone is tens of MiB.
         assert (kib >= 4096) == advised, f"{kib} KiB advised onto huge pages"
+    finally:
+        assert server.stop() == 0
+
+
+@needs_huge_pages
+def test_each_replica_of_a_data_parallel_server_advises_its_tensors_onto_huge_pages(monkeypatch):
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    server = Server("tiny", "--port", "0", "--data-parallel-size", "2")
+    try:
+        pids = replica_pids(server.base_url)
+        assert len(pids) == 2
+        kib = [advised_huge_kib(pid) for pid in pids]
+        assert all(k >= 4096 for k in kib), f"KiB advised onto huge pages, per replica: {kib}"
     finally:
         assert server.stop() == 0
