@@ -51,8 +51,8 @@ Figures, per stream count (`by_streams`):
 - `client_cores`: this script's own CPU time during each side's burst over its wall time: the
   HTTP client (aiohttp, as in vLLM's own serving benchmark) parsing every streamed chunk, on the
   same cores as the server (for `inprocess`, the child runs its own requests and this script
-  only waits). Per chunk aiohttp takes about a third of the CPU httpx took, which the client
-  would otherwise take from the cores a server computes on.
+  only waits). aiohttp takes a third to a half of the CPU httpx took for the same chunks (0.03
+  to 0.05 of a core against 0.06 to 0.16), CPU a client takes from the cores a server computes on.
 - `roofline_tokens_per_s` and `fraction_of_roofline`: the workload's ceiling on one thread (see
   below) and each side's median tokens/s over it.
 
