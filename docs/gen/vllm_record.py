@@ -82,6 +82,7 @@ def side_by_side(bench: dict[str, Any]) -> str:
     """The benchmark's figures: one row per stream count, then each side's costs."""
     servers, figures = bench["servers"], bench["by_streams"]
     a, b = list(servers)
+    first, second = bench["start_order"]  # the server started second gains (the script's doc)
     rounds = bench["round_machine"]
     loads = [r["load_average_1min_start"] for r in rounds] + [
         r["load_average_1min_end"] for r in rounds
@@ -91,7 +92,8 @@ def side_by_side(bench: dict[str, Any]) -> str:
     lines = [
         "## Side by side",
         "",
-        f"`benchmarks/bench_vs_vllm.py` ran `{a}` and `{b}` on their defaults on the same "
+        f"`benchmarks/bench_vs_vllm.py` started `{first}`, then `{second}`, and ran both on their "
+        f"defaults on the same "
         f"{model['parameters'] / 1e6:.1f}M-parameter {model['config']['model_type']} directory "
         f"(hidden size {model['config']['hidden_size']}, {model['config']['num_hidden_layers']} "
         f"layers, {model['dtype']}), and `{b}`'s engine in process (`inprocess`, no HTTP), on "

@@ -42,6 +42,7 @@ def test_bench_vs_vllm_runs_with_two_weightsync_servers(tmp_path):
         assert all(figures["client_cores"][side]["median"] > 0 for side in SIDES[:2]), count
         ceiling = figures["roofline_tokens_per_s"]
         assert ceiling["overlapped_tokens_per_s"] >= ceiling["serial_tokens_per_s"] > 0
+    assert result["start_order"] == ["weightsync", "weightsync-a"]  # B first, as documented
     for label in SIDES[:2]:
         server = result["servers"][label]
         assert server["startup_s"] > 0 and server["version"], server
