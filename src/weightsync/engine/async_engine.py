@@ -493,10 +493,13 @@ class AsyncEngine:
             await self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
                 return mode
-        armed, landed = self.engine.armed_pause, self._armed_landed
+        armed = self.engine.armed_pause
         if armed is not None and self.engine.has_unfinished_requests():
-            if not self.engine.is_paused():
-                await landed.wait()  # set by the step that starts it, or by a pause before it
+            # Each armed pause's event is set by the step that starts it, by a pause before it,
+            # or by arming again: then the new armed pause is the one to wait for.
+            while not self.engine.is_paused() and self.engine.armed_pause is not None:
+                armed = self.engine.armed_pause
+                await self._armed_landed.wait()
             mode, clear_cache = armed.mode, armed.clear_cache
         async with self._at_step_boundary():
             self.engine.start_pause(mode=mode, clear_cache=clear_cache)

@@ -485,7 +485,9 @@ class LLMEngine:
             InvalidRequestError: A negative `after_tokens` or an unknown `mode`.
         """
         armed = ArmedPause(after_tokens, mode, clear_cache, on_pause)
-        self.scheduler.armed_pause = armed  # read by the next step: one assignment
+        replaced, self.scheduler.armed_pause = self.scheduler.armed_pause, armed  # one assignment
+        if replaced is not None and replaced.on_pause is not None:
+            replaced.on_pause()  # whoever waits for the replaced pause learns it will not land
 
     @property
     def armed_pause(self) -> ArmedPause | None:

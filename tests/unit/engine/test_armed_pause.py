@@ -1,4 +1,7 @@
+import asyncio
+
 import pytest
+from engine_helpers import make_async_engine, start_streams
 
 from weightsync import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from weightsync.engine._armed_pause import ArmedPause
@@ -48,3 +51,30 @@ def test_an_armed_pause_waits_while_paused_and_lands_at_once_on_an_idle_engine()
 def test_a_bad_armed_pause_is_refused(after_tokens, mode):
     with pytest.raises(InvalidRequestError):
         ArmedPause(after_tokens, mode=mode)
+
+
+def test_arming_again_tells_whoever_waits_for_the_replaced_pause():
+    engine = make_engine()
+    fired = []
+    engine.arm_pause(5, on_pause=lambda: fired.append("first"))
+    engine.arm_pause(0, mode="abort", on_pause=lambda: fired.append("second"))
+    assert fired == ["first"]  # replaced: it will never land
+    assert engine.armed_pause.mode == "abort"
+
+
+def test_a_pause_waiting_for_an_armed_pause_lands_with_the_one_armed_after_it():
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, 2, 200)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            await engine.arm_pause(190, mode="keep")
+            pause = asyncio.create_task(engine.pause_generation(mode="keep"))
+            await asyncio.sleep(0)  # the task runs up to its wait for the armed pause
+            assert not pause.done()
+            await engine.arm_pause(0, mode="abort")  # lands at the next step
+            assert await asyncio.wait_for(pause, timeout=60) == "abort"
+            assert await engine.is_paused()
+            finals = [await s.final() for s in streams]
+            assert {f.outputs[0].finish_reason for f in finals} == {"abort"}
+
+    asyncio.run(main())
