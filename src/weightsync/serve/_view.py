@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from weightsync.engine.async_engine import AsyncEngine
 from weightsync.engine.pause import PauseMode
+from weightsync.errors import EngineStateError
 from weightsync.serve import _info, _metrics
 from weightsync.serve.config import ServerConfig
 
@@ -122,6 +123,12 @@ class EngineView:
         # Read on the event loop before anything waits: a step in flight now counts once it ends.
         requested_at_step = self.engine.num_steps
         mode = await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        if not await self.engine.is_paused():  # a /resume came first (a `wait` pause drains)
+            raise EngineStateError(
+                f"the {mode} pause did not hold: a /resume came before it answered (a wait pause "
+                "waits for the running requests to finish), and generation is running; pause "
+                "again before updating weights"
+            )
         # Paused now, so no step runs between the return above and this read.
         self.last_pause = PauseRecord(mode, requested_at_step, self.engine.num_steps)
         return {"status": "paused"}

@@ -13,6 +13,9 @@ from engine_helpers import (
 )
 
 from weightsync.engine.pause import PauseState
+from weightsync.errors import EngineStateError
+from weightsync.serve import ServerConfig
+from weightsync.serve._view import EngineView
 
 N = 16
 MAX_TOKENS = 24
@@ -138,8 +141,9 @@ def test_abort_after_keep_aborts_the_frozen_requests():
     asyncio.run(main())
 
 
-async def start_draining(engine):
-    """Starts `pause_generation(mode="wait")` in a task; returns it once the pause has begun.
+async def start_draining(engine, pause=None):
+    """Starts `pause_generation(mode="wait")` (or the coroutine `pause`) in a task; returns it
+    once the pause has begun.
 
     The pause begins after the step in flight, when it takes the engine's lock: observed here by
     wrapping `LLMEngine.start_pause`, which it calls (on the event loop) at that moment.
@@ -152,7 +156,7 @@ async def start_draining(engine):
         begun.set()
 
     engine.engine.start_pause = observed
-    pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+    pause = asyncio.create_task(pause or engine.pause_generation(mode="wait"))
     await asyncio.wait_for(begun.wait(), timeout=30)
     engine.engine.start_pause = start_pause
     assert engine.engine.pause_state is PauseState.DRAINING
@@ -171,6 +175,23 @@ def test_resume_cancels_a_draining_wait_pause():
             assert [len((await s.final()).outputs[0].token_ids) for s in streams] == [
                 MAX_TOKENS
             ] * 4
+
+    asyncio.run(main())
+
+
+def test_the_pause_route_refuses_a_wait_pause_that_a_resume_called_off():
+    async def main():
+        async with make_async_engine() as engine:
+            view = EngineView(engine, ServerConfig(model_name="debug"))
+            streams = start_streams(engine, 2, 200)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            pause = await start_draining(engine, view.pause("wait", True, None))
+            await engine.resume_generation()
+            with pytest.raises(EngineStateError, match="generation is running"):
+                await asyncio.wait_for(pause, timeout=60)  # not {"status": "paused"}
+            assert view.last_pause is None and not await engine.is_paused()
+            assert await view.pause("keep", True, None) == {"status": "paused"}
+            assert view.last_pause is not None and view.last_pause.mode == "keep"
 
     asyncio.run(main())
 
