@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from weightsync.engine._armed_pause import ArmedPause
 from weightsync.engine._cores import ComputeThreads
 from weightsync.engine._stats import ServingStats
 from weightsync.engine.llm_engine import LLMEngine
@@ -168,7 +169,8 @@ class AsyncEngine:
         self._update_calls = asyncio.Lock()
         self._step_done = asyncio.Event()  # set, then replaced, each time outputs are handed over
         self._idle_waiters: list[tuple[int, asyncio.Future[None]]] = []  # see wait_until_idle
-        self._armed_landed = asyncio.Event()  # set when the armed pause starts (see arm_pause)
+        # The pause armed last, and the event set when it starts or is replaced (see arm_pause).
+        self._armed: tuple[ArmedPause | None, asyncio.Event] = (None, asyncio.Event())
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._error: BaseException | None = None
         self._closed = False
@@ -493,14 +495,14 @@ class AsyncEngine:
             await self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
                 return mode
-        armed = self.engine.armed_pause
-        if armed is not None and self.engine.has_unfinished_requests():
+        if self.engine.armed_pause is not None and self.engine.has_unfinished_requests():
             # Each armed pause's event is set by the step that starts it, by a pause before it,
-            # or by arming again: then the new armed pause is the one to wait for.
+            # or by arming again: then the pause armed last is the one to wait for.
             while not self.engine.is_paused() and self.engine.armed_pause is not None:
-                armed = self.engine.armed_pause
-                await self._armed_landed.wait()
-            mode, clear_cache = armed.mode, armed.clear_cache
+                await self._armed[1].wait()
+            armed = self._armed[0]  # it landed (or a pause started before it): its mode holds
+            if armed is not None:
+                mode, clear_cache = armed.mode, armed.clear_cache
         async with self._at_step_boundary():
             self.engine.start_pause(mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
@@ -538,7 +540,7 @@ class AsyncEngine:
             self.engine.arm_pause(
                 after_tokens, mode=mode, clear_cache=clear_cache, on_pause=on_pause
             )
-            self._armed_landed = landed
+            self._armed = (self.engine.armed_pause, landed)
         self._notify()
 
     async def resume_generation(self) -> None:

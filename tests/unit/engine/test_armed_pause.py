@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 from engine_helpers import make_async_engine, start_streams
@@ -72,6 +73,10 @@ def test_a_pause_waiting_for_an_armed_pause_lands_with_the_one_armed_after_it():
             await asyncio.sleep(0)  # the task runs up to its wait for the armed pause
             assert not pause.done()
             await engine.arm_pause(0, mode="abort")  # lands at the next step
+            # Holding the event loop, so that the waiting pause wakes only after it landed.
+            deadline = time.monotonic() + 30
+            while not engine.engine.is_paused() and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert await asyncio.wait_for(pause, timeout=60) == "abort"
             assert await engine.is_paused()
             finals = [await s.final() for s in streams]
