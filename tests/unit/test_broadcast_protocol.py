@@ -22,11 +22,11 @@ class ScriptedGroup:
     """One rank of a group whose peers are scripted through what the store holds."""
 
     def __init__(self, rank, world_size=3, store=None):
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.timeout_s = rank, world_size, 5.0
         self.store = dict(store or {})
         self.closed = False
 
-    def set(self, key, value):
+    def set(self, key, value, limit_s=None):
         self.store[key] = value
 
     def get(self, key):
@@ -61,7 +61,7 @@ def test_transfer_failed_publishes_closes_and_keeps_the_error_class():
 
 def test_abort_closes_even_when_the_store_is_gone():
     class StorelessGroup(ScriptedGroup):
-        def set(self, key, value):
+        def set(self, key, value, limit_s=None):
             raise WeightTransferError("the store is gone")
 
     group = StorelessGroup(rank=2)

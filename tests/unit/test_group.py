@@ -343,3 +343,36 @@ def test_a_store_call_that_dies_of_a_base_exception_raises_it_and_leaves_the_sto
     finally:
         group._store = real
         group.close(release_store=True)
+
+
+def test_a_rank_that_gives_up_does_not_wait_out_a_stopped_store_again():
+    """A bucket timed out because the trainer stopped (SIGSTOP): the note of why this rank gives
+    up is best effort, so the error comes about a second after the timeout, not a second
+    timeout later (past the trainer's HTTP client's own bound)."""
+    import threading
+    import time
+
+    from weightsync.transfer import nccl
+
+    release = threading.Event()
+
+    class StoppedStore:  # the trainer's store under SIGSTOP: its socket open, nothing answers
+        def set(self, key, value):
+            release.wait(60)
+
+        check = get = wait = compare_set = set
+
+    group = _group(timeout_s=30.0)
+    real, group._store = group._store, StoppedStore()
+    try:
+        start = time.monotonic()
+        error = nccl._transfer_failed(
+            group, WeightTransferTimeout("receiving bucket 2 timed out"), partially_applied=True
+        )
+        assert time.monotonic() - start < group.timeout_s  # the note's own short limit
+        assert isinstance(error, WeightTransferTimeout) and error.partially_applied
+        assert "receiving bucket 2 timed out" in str(error) and "the group is closed" in str(error)
+    finally:
+        release.set()
+        group._store = real
+        group.close(release_store=True)

@@ -242,10 +242,10 @@ class BroadcastGroup:
             "keep its port reachable by the group's ranks only"
         )
 
-    def set(self, key: str, value: Any) -> None:
-        """Publishes a JSON-safe value under `key`."""
+    def set(self, key: str, value: Any, limit_s: float | None = None) -> None:
+        """Publishes a JSON-safe value under `key`, within `limit_s` (default: the group's)."""
         text = json.dumps(value)
-        self._bounded(f"writing {key!r} to", lambda: self._store.set(key, text))
+        self._bounded(f"writing {key!r} to", lambda: self._store.set(key, text), limit_s)
 
     def _read(self, key: str, limit_s: float, *, wait: bool = False) -> Any:
         """The bytes under `key`: None when there are none, unless `wait`ing `limit_s` for them."""

@@ -217,6 +217,7 @@ _EARLY_KEPT = 8
 # The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 _PEER_REASON_CHARS = 1000  # of a peer's abort note, in an error message
+_ABORT_NOTE_S = 1.0  # a live store takes a note at once; a stopped one is not waited out again
 
 # Test hook, called on a worker with `n` once it answered update `n` ready, before it waits for
 # the decision (fault tests stop the trainer there).
@@ -571,8 +572,9 @@ def _land(
 
 def _abort(group: BroadcastGroup, reason: BaseException) -> None:
     """Publishes why this rank gives up on the group, then closes it."""
-    with contextlib.suppress(Exception):  # the store may be gone with the trainer
-        group.set(f"abort/{group.rank}", f"{type(reason).__name__}: {reason}")
+    with contextlib.suppress(Exception):  # the store may be gone or stopped with the trainer
+        note = f"{type(reason).__name__}: {reason}"
+        group.set(f"abort/{group.rank}", note, limit_s=min(group.timeout_s, _ABORT_NOTE_S))
     group.close()
 
 
