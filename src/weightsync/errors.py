@@ -8,6 +8,7 @@ A leaf module: it imports nothing from weightsync, so every layer can raise thes
 from __future__ import annotations
 
 __all__ = [
+    "DuplicateMessageError",
     "EngineBusyError",
     "EngineConfigError",
     "EngineStateError",
@@ -40,6 +41,14 @@ class WeightSyncError(Exception):
 
 class WeightValidationError(WeightSyncError, ValueError):
     """Metadata, a payload or a tensor does not match what was expected; nothing was moved."""
+
+
+class DuplicateMessageError(WeightValidationError):
+    """A message the worker had received already (a client's retry, say): nothing moved.
+
+    It belongs to an update that landed before, not to the update in progress, which it leaves
+    as it was: a finish after it still applies that update.
+    """
 
 
 class LoRAAdapterError(WeightValidationError):

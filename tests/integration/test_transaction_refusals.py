@@ -11,7 +11,12 @@ from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.sampling import SamplingParams
-from weightsync.errors import EngineBusyError, WeightValidationError
+from weightsync.errors import (
+    DuplicateMessageError,
+    EngineBusyError,
+    WeightTransferTimeout,
+    WeightValidationError,
+)
 from weightsync.trainer.engine_process import EngineProcess
 from weightsync.trainer.senders import IPCWeightSender, sync_weights
 from weightsync.transfer.base import WeightTransferUpdateInfo
@@ -139,3 +144,47 @@ def test_a_mangled_copy_refused_before_the_trainer_sends_does_not_refuse_that_se
     assert engine.weight_version == 0 and not engine.weights.holds_generation
     accepted_send(engine, args, policy, update_info)
     assert engine.weight_version == 1
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_a_repeat_of_a_message_that_landed_leaves_the_update_and_the_group_whole(policy, staging):
+    """A client's retry of an `update_weights` that had landed (it timed out on its own side):
+    refused once the trainer announced nothing, as a repeat; the update in progress still
+    finishes, applied, and the group takes the next update. A message no update came for
+    leaves the group usable too."""
+    engine = LLMEngine(
+        "debug",
+        engine_config=EngineConfig(num_kv_blocks=64, weight_update_staging=staging),
+        weight_transfer_config=WeightTransferConfig(backend="gloo"),
+    )
+    group = trainer_init(world_size=2, backend="gloo", timeout_s=1.0)  # the repeat waits it out
+    try:
+        joining = threading.Thread(
+            target=engine.init_weight_transfer_engine, args=({"init_info": group.init_info},)
+        )
+        joining.start()
+        group.connect()
+        joining.join(TIMEOUT_S)
+        first = WeightTransferUpdateInfo.from_named_tensors(policy.named_weights()).to_dict()
+        engine.start_weight_update()
+        accepted_send(engine, NCCLTrainerSendWeightsArgs(group, first), policy, first)
+        with pytest.raises(DuplicateMessageError, match=r"repeat of update #1's"):
+            engine.update_weights({"update_info": first})
+        assert engine.weight_update.complete
+        assert engine.finish_weight_update(weight_version=1) is True  # applied
+        assert engine.weight_version == 1 and not engine.weights.holds_generation
+        second = WeightTransferUpdateInfo.from_named_tensors(
+            policy.named_weights(), weight_version=2
+        ).to_dict()  # over the same group: it stayed usable
+        accepted_send(engine, NCCLTrainerSendWeightsArgs(group, second), policy, second)
+        assert engine.weight_version == 2
+        # A message the trainer never sends (another send): a timeout, with nothing on the wire.
+        stray = WeightTransferUpdateInfo.from_named_tensors(policy.named_weights()).to_dict()
+        with pytest.raises(WeightTransferTimeout, match="no update of the trainer's arrived"):
+            engine.update_weights({"update_info": stray})
+        third = {**stray, "weight_version": 3}
+        accepted_send(engine, NCCLTrainerSendWeightsArgs(group, third), policy, third)
+        assert engine.weight_version == 3
+    finally:
+        group.close()
+        engine.shutdown()

@@ -14,7 +14,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from weightsync.errors import WeightTransferError, WeightTransferTimeout, WeightValidationError
+from weightsync.errors import (
+    DuplicateMessageError,
+    WeightTransferError,
+    WeightTransferTimeout,
+    WeightValidationError,
+)
 from weightsync.transfer.base import TensorSpec, WeightTransferUpdateInfo
 from weightsync.transfer.nccl import _LATEST as LATEST
 from weightsync.transfer.nccl import _metadata_digest as metadata_digest
@@ -351,3 +356,27 @@ def test_metadata_digest_is_stable_and_sees_every_field():
     renamed = [TensorSpec("z", torch.float32, (3,)), *SPECS[1:]]
     retyped = [TensorSpec("a", torch.float64, (3,)), *SPECS[1:]]
     assert len({digest, *map(metadata_digest, (changed, renamed, retyped))}) == 4
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_repeat_of_the_message_received_last_is_refused_once_the_trainer_stays_silent():
+    """A message of the send_id the worker received last, and no update after it: a repeat (a
+    client's retry), refused as one. By content, the same message may be the next update's
+    (every step of a vLLM client looks alike): a timeout, as before. The next update of that
+    send_id still goes (a client may keep one)."""
+    _, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    sending = trainer_side(trainer, 1, A)
+    assert Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome() is None
+    assert sending.outcome() is None
+    worker.timeout_s = 0.2  # what the trainer's silence takes to tell
+    with pytest.raises(DuplicateMessageError, match=r"repeat of update #1's"):
+        handshake.join(A, SPECS, by_id=True)
+    with pytest.raises(WeightTransferTimeout, match="no update of the trainer's arrived"):
+        handshake.join(A, SPECS)
+    with pytest.raises(WeightTransferTimeout, match="no update of the trainer's arrived"):
+        handshake.join(B, SPECS, by_id=True)  # another send: never a repeat
+    worker.timeout_s = TIMEOUT_S
+    sending = trainer_side(trainer, 2, A)
+    assert Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome() is None
+    assert sending.outcome() is None

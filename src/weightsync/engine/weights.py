@@ -54,6 +54,7 @@ from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import WeightVersion
 from weightsync.engine.pause import PauseState
 from weightsync.errors import (
+    DuplicateMessageError,
     EngineBusyError,
     EngineStateError,
     IncompleteWeightUpdateError,
@@ -754,8 +755,8 @@ class LiveWeights:
         except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
                 self._close()  # an implicit transaction that never began
-            elif info.opens_update:
-                self._note_refusal(exc)
+            elif info.opens_update and not isinstance(exc, DuplicateMessageError):
+                self._note_refusal(exc)  # a repeat of a message received already is not one
             raise
         except WeightTransferError as exc:
             if exc.partially_applied:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from weightsync.errors import (
+    DuplicateMessageError,
     WeightSyncError,
     WeightTransferError,
     WeightTransferTimeout,
@@ -224,6 +225,10 @@ _ABORT_NOTE_S = 1.0  # a live store takes a note at once; a stopped one is not w
 _answered_hook: Callable[[int], None] | None = None
 
 
+class _NotAnnounced(WeightTransferTimeout):
+    """No update was announced for a worker's message: nothing is on the wire, the group is usable."""
+
+
 class _Phase(enum.Enum):
     AWAITED = "not announced yet"
     OPEN = "announced, undecided"
@@ -364,6 +369,7 @@ class _WorkerHandshake:
         self._group = group
         self._early: deque[dict[str, Any]] = deque(maxlen=_EARLY_KEPT)
         self._went = 0  # the last update this worker received: nothing more to read about it
+        self._went_send: str | None = None  # that update's send
 
     def _latest(self) -> int:
         n = self._group.lookup(_LATEST)
@@ -403,8 +409,11 @@ class _WorkerHandshake:
             return False
         return True
 
-    def join(self, send: str, specs: Sequence[TensorSpec]) -> None:
-        """Answers the newest undecided update (or the next) for an accepted message; returns on go."""
+    def join(self, send: str, specs: Sequence[TensorSpec], *, by_id: bool = False) -> None:
+        """Answers the newest undecided update (or the next) for an accepted message; returns on go.
+
+        `by_id`: `send` comes from the message's `send_id`, which no other send shares.
+        """
         group = self._group
         deadline = time.monotonic() + group.timeout_s
         kept = [entry for entry in self._early if entry["send"] != send]
@@ -420,7 +429,7 @@ class _WorkerHandshake:
             raise group.malformed(_LATEST, f"{n}, but update {n} was never announced")
         while True:
             if phase is _Phase.AWAITED:
-                value = self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
+                value = self._announcement(n, send, deadline, by_id=by_id)
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
@@ -465,11 +474,27 @@ class _WorkerHandshake:
         value = self._wait(_decision_key(n), deadline, "the trainer decided nothing")
         decision = _checked(group, _decision_key(n), value)
         if decision.get("go") is True:
-            self._went = n
+            self._went, self._went_send = n, announced["send"]
             return
         if isinstance(decision.get("refused"), str):
             raise _rejected(_cut(decision["refused"]))
         raise WeightTransferTimeout(_cut(decision["timeout"]))
+
+    def _announcement(self, n: int, send: str, deadline: float, *, by_id: bool) -> Any:
+        """Update `n`'s announcement, by `deadline`; a timeout says whether the message repeats."""
+        # A message of the send_id of the update received last may still be the next update's
+        # (a client may keep one send_id): only the trainer's silence tells.
+        try:
+            return self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
+        except WeightTransferTimeout as exc:
+            if by_id and n == self._went + 1 and send == self._went_send:
+                raise DuplicateMessageError(
+                    f"this message is a repeat of update #{self._went}'s, which this worker "
+                    f"received already, and the trainer announced no update in "
+                    f"{self._group.timeout_s:g} s (timeout_s): nothing moved, and the update in "
+                    "progress stays as it was (a client's retry after its own timeout, say)"
+                ) from None
+            raise _NotAnnounced(str(exc)) from None
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
         """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake."""
@@ -996,14 +1021,15 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                 )
             start = time.perf_counter()
             try:
-                specs = self.check_update(self.parse_update_info(update_info))
+                info = self.parse_update_info(update_info)
+                specs = self.check_update(info)
             except WeightValidationError as exc:
                 self._refuse(update_info, str(exc))
                 raise
             window: _Window[_InFlight] | None = None
             touched = False  # whether any byte of the model may have been overwritten
             try:
-                handshake.join(_send_identity(update_info), specs)
+                handshake.join(_send_identity(update_info), specs, by_id=info.send_id is not None)
                 buckets = _plan(specs, self._wire)
                 names = [s.name for s in specs]
                 nbytes = sum(s.nbytes for s in specs)
@@ -1020,6 +1046,8 @@ class _BroadcastWeightTransferEngine(WeightTransferEngine):
                     touched |= item.region is not None  # received straight into the model
                 touched |= len(window) > 0
                 window.drain()
+            except _NotAnnounced as exc:  # nothing went on the wire: the group stays usable
+                raise WeightTransferTimeout(str(exc)) from None
             except Exception as exc:
                 if window is None and isinstance(exc, WeightValidationError):
                     raise  # refused in the handshake: nothing moved, the group stays usable
