@@ -32,7 +32,7 @@ class ScriptedGroup:
     def get(self, key):
         return self.store[key]
 
-    def try_get(self, key):
+    def try_get(self, key, limit_s=None):
         return self.store.get(key)
 
     def close(self):

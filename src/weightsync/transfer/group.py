@@ -264,15 +264,18 @@ class BroadcastGroup:
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         return self._value(key, self._read(key, limit_s, wait=True))
 
-    def lookup(self, key: str) -> Any:
-        """The value under `key`, or None when there is none yet; never waits for one."""
-        raw = self._read(key, self.timeout_s)
+    def lookup(self, key: str, limit_s: float | None = None) -> Any:
+        """The value under `key`, or None when there is none yet; never waits for one.
+
+        `limit_s` bounds the store's answer (default: the group's timeout).
+        """
+        raw = self._read(key, self.timeout_s if limit_s is None else limit_s)
         return None if raw is None else self._value(key, raw)
 
-    def try_get(self, key: str) -> Any:
+    def try_get(self, key: str, limit_s: float | None = None) -> Any:
         """`lookup`, or None when the store is gone or stopped (the trainer took it along)."""
         try:
-            return self.lookup(key)
+            return self.lookup(key, limit_s)
         except Exception:
             return None
 

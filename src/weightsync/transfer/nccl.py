@@ -218,7 +218,7 @@ _EARLY_KEPT = 8
 # The trainer polls its own store: every 0.5 ms while answers usually come, then backing off.
 _EAGER_PAUSE_S, _EAGER_FOR_S, _LONGEST_PAUSE_S = 0.0005, 0.05, 0.05
 _PEER_REASON_CHARS = 1000  # of a peer's abort note, in an error message
-_ABORT_NOTE_S = 1.0  # a live store takes a note at once; a stopped one is not waited out again
+_ABORT_NOTE_S = 1.0  # a live store answers for notes at once; a stopped one is not waited out
 
 # Test hook, called on a worker with `n` once it answered update `n` ready, before it waits for
 # the decision (fault tests stop the trainer there).
@@ -491,7 +491,7 @@ class _WorkerHandshake:
                 raise DuplicateMessageError(
                     f"this message is a repeat of update #{self._went}'s, which this worker "
                     f"received already, and the trainer announced no update in "
-                    f"{self._group.timeout_s:g} s (timeout_s): nothing moved, and the update in "
+                    f"{self._group.timeout_s:g} s (timeout_s): nothing moved, and an update in "
                     "progress stays as it was (a client's retry after its own timeout, say)"
                 ) from None
             raise _NotAnnounced(str(exc)) from None
@@ -606,8 +606,9 @@ def _abort(group: BroadcastGroup, reason: BaseException) -> None:
 def _peer_reasons(group: BroadcastGroup) -> str:
     """The reasons peers published when aborting, for an error message."""
     found = []
+    limit_s = min(group.timeout_s, _ABORT_NOTE_S)  # after one read past it, none is tried
     for rank in range(group.world_size):
-        if rank != group.rank and (reason := group.try_get(f"abort/{rank}")) is not None:
+        if rank != group.rank and (reason := group.try_get(f"abort/{rank}", limit_s)) is not None:
             found.append(f"rank {rank} aborted: {str(reason)[:_PEER_REASON_CHARS]}")
     return "; ".join(found)
 
