@@ -410,10 +410,8 @@ class _WorkerHandshake:
         return True
 
     def join(self, send: str, specs: Sequence[TensorSpec], *, by_id: bool = False) -> None:
-        """Answers the newest undecided update (or the next) for an accepted message; returns on go.
-
-        `by_id`: `send` comes from the message's `send_id`, which no other send shares.
-        """
+        """Answers the newest undecided update (or the next) for an accepted message; returns on go."""
+        # by_id: `send` comes from the message's send_id (one per send, unless a client keeps one).
         group = self._group
         deadline = time.monotonic() + group.timeout_s
         kept = [entry for entry in self._early if entry["send"] != send]
