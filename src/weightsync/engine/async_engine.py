@@ -479,9 +479,9 @@ class AsyncEngine:
         this returns with the engine running.
 
         A pause armed earlier (`arm_pause`, or `after_tokens` here) lands where it was armed
-        to: while requests run, this call waits for it and takes its mode. On an idle or paused
-        engine there is nothing to wait for, and the pause starts now (with `after_tokens` on a
-        paused engine: it is armed, and lands once generation resumes).
+        to: while requests run, this call waits for it and takes its mode. On an idle, draining
+        or paused engine there is nothing to wait for, and the pause starts now (on a paused
+        engine the armed pause stays armed, and lands once generation resumes).
 
         Returns:
             The mode of the pause that landed (an armed pause's own).
@@ -495,10 +495,10 @@ class AsyncEngine:
             await self.arm_pause(after_tokens, mode=mode, clear_cache=clear_cache)
             if self.engine.is_paused():
                 return mode
-        if self.engine.armed_pause is not None and self.engine.has_unfinished_requests():
+        if self._waits_for_armed_pause():
             # Each armed pause's event is set by the step that starts it, by a pause before it,
             # or by arming again: then the pause armed last is the one to wait for.
-            while not self.engine.is_paused() and self.engine.armed_pause is not None:
+            while self._waits_for_armed_pause():
                 await self._armed[1].wait()
             armed = self._armed[0]  # it landed (or a pause started before it): its mode holds
             if armed is not None:
@@ -518,6 +518,12 @@ class AsyncEngine:
         if self.engine.is_paused():  # not a `wait` pause that a resume called off
             self.stats.record_pause(mode)
         return mode
+
+    def _waits_for_armed_pause(self) -> bool:
+        """Whether a pause must wait for the armed one: it lands only while requests run."""
+        engine = self.engine
+        running = engine.pause_state is PauseState.UNPAUSED and engine.has_unfinished_requests()
+        return running and engine.armed_pause is not None
 
     async def arm_pause(
         self, after_tokens: int, *, mode: PauseMode = "keep", clear_cache: bool = True

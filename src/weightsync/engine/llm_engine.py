@@ -432,7 +432,9 @@ class LLMEngine:
         self.check_pause_mode(mode)
         self._drain_inbox()
         self.weights.caller_paused()  # the caller owns this pause now, not an update
-        armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
+        armed = None
+        if self.scheduler.state is not PauseState.PAUSED:  # on a paused engine it stays armed
+            armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
         aborted = self.scheduler.pause(mode)
         if armed is not None and armed.on_pause is not None:
             armed.on_pause()  # it landed now, or this pause took its place
@@ -471,8 +473,8 @@ class LLMEngine:
         A weightsync extension. The pause starts at the first step boundary, while generation
         runs, where every unfinished request has at least `after_tokens` output tokens (or has
         finished), however late the caller is. To land it exactly there, queue the requests
-        while paused, arm, then resume. Any pause that starts before it takes its place; arming
-        again replaces it.
+        while paused, arm, then resume. Any pause that starts before it takes its place (a pause
+        of an engine paused already starts none, and leaves it armed); arming again replaces it.
 
         Args:
             after_tokens: Output tokens each unfinished request must have.

@@ -17,6 +17,7 @@ from weightsync.engine.config import EngineConfig
 from weightsync.engine.llm_engine import LLMEngine
 from weightsync.engine.model import LlamaForCausalLM
 from weightsync.engine.outputs import RequestOutput
+from weightsync.engine.pause import PauseState
 from weightsync.engine.sampling import SamplingParams
 from weightsync.errors import WeightTransferError
 from weightsync.transfer.base import (
@@ -220,3 +221,25 @@ async def catch_up(engine: AsyncEngine, streams: list[Stream]) -> list[int]:
     for stream in streams:
         await stream.wait_tokens(counts.get(stream.request_id, 0))
     return [len(s.token_ids) for s in streams]
+
+
+async def start_draining(engine, pause=None):
+    """Starts `pause_generation(mode="wait")` (or the coroutine `pause`) in a task; returns it
+    once the pause has begun.
+
+    The pause begins after the step in flight, when it takes the engine's lock: observed here by
+    wrapping `LLMEngine.start_pause`, which it calls (on the event loop) at that moment.
+    """
+    begun = asyncio.Event()
+    start_pause = engine.engine.start_pause
+
+    def observed(**kwargs):
+        start_pause(**kwargs)
+        begun.set()
+
+    engine.engine.start_pause = observed
+    pause = asyncio.create_task(pause or engine.pause_generation(mode="wait"))
+    await asyncio.wait_for(begun.wait(), timeout=30)
+    engine.engine.start_pause = start_pause
+    assert engine.engine.pause_state is PauseState.DRAINING
+    return pause

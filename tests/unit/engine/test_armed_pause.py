@@ -2,7 +2,7 @@ import asyncio
 import time
 
 import pytest
-from engine_helpers import make_async_engine, start_streams
+from engine_helpers import make_async_engine, start_draining, start_streams
 
 from weightsync import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from weightsync.engine._armed_pause import ArmedPause
@@ -81,5 +81,45 @@ def test_a_pause_waiting_for_an_armed_pause_lands_with_the_one_armed_after_it():
             assert await engine.is_paused()
             finals = [await s.final() for s in streams]
             assert {f.outputs[0].finish_reason for f in finals} == {"abort"}
+
+    asyncio.run(main())
+
+
+def test_a_pause_of_a_paused_engine_leaves_the_armed_pause_and_its_mode_alone():
+    """Queue while paused, arm, then resume: a plain pause in between neither takes the armed
+    pause's mode (an armed abort would end the queued requests) nor uses it up."""
+
+    async def main():
+        async with make_async_engine() as engine:
+            await engine.pause_generation(mode="keep")
+            streams = start_streams(engine, 2, 40)
+            await engine.arm_pause(5, mode="abort")
+            assert await asyncio.wait_for(engine.pause_generation(mode="keep"), 30) == "keep"
+            assert engine.engine.scheduler.num_unfinished == 2  # queued, not aborted
+            assert (
+                engine.engine.armed_pause is not None and engine.engine.armed_pause.mode == "abort"
+            )
+            await engine.resume_generation()
+            finals = [await asyncio.wait_for(s.final(), 60) for s in streams]
+            assert [f.outputs[0].finish_reason for f in finals] == ["abort"] * 2
+            assert [len(f.outputs[0].token_ids) for f in finals] == [5, 5]  # where it was armed
+
+    asyncio.run(main())
+
+
+def test_a_pause_during_a_drain_does_not_wait_for_a_pause_armed_then():
+    """An armed pause lands only while generation runs: a `keep` pause that comes while a
+    `wait` pause drains freezes the drain at once instead of waiting for it."""
+
+    async def main():
+        async with make_async_engine() as engine:
+            streams = start_streams(engine, 2, 200)
+            await asyncio.gather(*(s.wait_tokens(1) for s in streams))
+            draining = await start_draining(engine)
+            await engine.arm_pause(0, mode="keep")
+            assert await asyncio.wait_for(engine.pause_generation(mode="keep"), 30) == "keep"
+            assert await engine.is_paused()
+            await asyncio.wait_for(draining, 30)
+            assert engine.engine.scheduler.num_unfinished == 2  # frozen mid-drain, kept
 
     asyncio.run(main())

@@ -9,10 +9,10 @@ from engine_helpers import (
     make_async_engine,
     make_engine,
     reference_greedy,
+    start_draining,
     start_streams,
 )
 
-from weightsync.engine.pause import PauseState
 from weightsync.errors import EngineStateError
 from weightsync.serve import ServerConfig
 from weightsync.serve._view import EngineView
@@ -139,28 +139,6 @@ def test_abort_after_keep_aborts_the_frozen_requests():
             assert {f.outputs[0].finish_reason for f in finals} == {"abort"}
 
     asyncio.run(main())
-
-
-async def start_draining(engine, pause=None):
-    """Starts `pause_generation(mode="wait")` (or the coroutine `pause`) in a task; returns it
-    once the pause has begun.
-
-    The pause begins after the step in flight, when it takes the engine's lock: observed here by
-    wrapping `LLMEngine.start_pause`, which it calls (on the event loop) at that moment.
-    """
-    begun = asyncio.Event()
-    start_pause = engine.engine.start_pause
-
-    def observed(**kwargs):
-        start_pause(**kwargs)
-        begun.set()
-
-    engine.engine.start_pause = observed
-    pause = asyncio.create_task(pause or engine.pause_generation(mode="wait"))
-    await asyncio.wait_for(begun.wait(), timeout=30)
-    engine.engine.start_pause = start_pause
-    assert engine.engine.pause_state is PauseState.DRAINING
-    return pause
 
 
 def test_resume_cancels_a_draining_wait_pause():
