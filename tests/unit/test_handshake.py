@@ -380,3 +380,22 @@ def test_a_repeat_of_the_message_received_last_is_refused_once_the_trainer_stays
     sending = trainer_side(trainer, 2, A)
     assert Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome() is None
     assert sending.outcome() is None
+
+
+@pytest.mark.reliability("bad-input")
+def test_a_repeat_of_the_message_received_last_never_answers_the_next_update():
+    """The trainer is on the line with the next update (another send_id) when a client's retry
+    of the last message comes: refused at once as a repeat, without answering that update,
+    whose own message then goes."""
+    _, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    sending = trainer_side(trainer, 1, A)
+    assert Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome() is None
+    assert sending.outcome() is None
+    sending = trainer_side(trainer, 2, B)
+    announced(trainer.store, 2)
+    repeat = Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome()
+    assert isinstance(repeat, DuplicateMessageError), repeat
+    assert "the trainer sends another one now (update #2)" in str(repeat)
+    assert Side(lambda: handshake.join(B, SPECS, by_id=True)).outcome() is None
+    assert sending.outcome() is None

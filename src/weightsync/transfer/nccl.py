@@ -431,6 +431,8 @@ class _WorkerHandshake:
                 phase, announced, decided = self._phase(n, value)
                 continue
             if phase is _Phase.OPEN:
+                if by_id and send == self._went_send != announced["send"]:
+                    raise self._repeat(f"the trainer sends another one now (update #{n})")
                 return self._answer(n, announced, specs, deadline)
             if announced["send"] == send:  # DECIDED: a message late for its update is refused
                 key = _answer_key(n, group.rank)
@@ -486,13 +488,17 @@ class _WorkerHandshake:
             return self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
         except WeightTransferTimeout as exc:
             if by_id and n == self._went + 1 and send == self._went_send:
-                raise DuplicateMessageError(
-                    f"this message is a repeat of update #{self._went}'s, which this worker "
-                    f"received already, and the trainer announced no update in "
-                    f"{self._group.timeout_s:g} s (timeout_s): nothing moved, and an update in "
-                    "progress stays as it was (a client's retry after its own timeout, say)"
-                ) from None
+                silent = f"the trainer announced no update in {self._group.timeout_s:g} s"
+                raise self._repeat(f"{silent} (timeout_s)") from None
             raise _NotAnnounced(str(exc)) from None
+
+    def _repeat(self, why: str) -> DuplicateMessageError:
+        """The refusal of a message of the update received last; `why` it is no later one's."""
+        return DuplicateMessageError(
+            f"this message is a repeat of update #{self._went}'s, which this worker received "
+            f"already, and {why}: nothing moved, and an update in progress stays as it was (a "
+            "client's retry after its own timeout, say)"
+        )
 
     def _wait(self, key: str, deadline: float, what: str) -> Any:
         """The value the trainer writes under `key`, by `deadline`; a timeout names the handshake."""
