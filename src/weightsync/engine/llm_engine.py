@@ -433,7 +433,7 @@ class LLMEngine:
         self._drain_inbox()
         self.weights.caller_paused()  # the caller owns this pause now, not an update
         armed = None
-        if self.scheduler.state is not PauseState.PAUSED:  # on a paused engine it stays armed
+        if self.scheduler.state is PauseState.UNPAUSED:  # paused or draining: it stays armed
             armed, self.scheduler.armed_pause = self.scheduler.armed_pause, None
         aborted = self.scheduler.pause(mode)
         if armed is not None and armed.on_pause is not None:
@@ -474,7 +474,7 @@ class LLMEngine:
         runs, where every unfinished request has at least `after_tokens` output tokens (or has
         finished), however late the caller is. To land it exactly there, queue the requests
         while paused, arm, then resume. Any pause that starts before it takes its place (a pause
-        of an engine paused already starts none, and leaves it armed); arming again replaces it.
+        of an engine paused or draining already leaves it armed); arming again replaces it.
 
         Args:
             after_tokens: Output tokens each unfinished request must have.

@@ -109,7 +109,8 @@ def test_a_pause_of_a_paused_engine_leaves_the_armed_pause_and_its_mode_alone():
 
 def test_a_pause_during_a_drain_does_not_wait_for_a_pause_armed_then():
     """An armed pause lands only while generation runs: a `keep` pause that comes while a
-    `wait` pause drains freezes the drain at once instead of waiting for it."""
+    `wait` pause drains freezes the drain at once instead of waiting for it, and leaves the
+    armed pause for after the resume."""
 
     async def main():
         async with make_async_engine() as engine:
@@ -121,5 +122,9 @@ def test_a_pause_during_a_drain_does_not_wait_for_a_pause_armed_then():
             assert await engine.is_paused()
             await asyncio.wait_for(draining, 30)
             assert engine.engine.scheduler.num_unfinished == 2  # frozen mid-drain, kept
+            assert engine.engine.armed_pause is not None  # still armed: it lands after resume
+            await engine.resume_generation()
+            assert await asyncio.wait_for(engine.pause_generation(mode="abort"), 30) == "keep"
+            assert engine.engine.scheduler.num_unfinished == 2  # its mode, not the caller's
 
     asyncio.run(main())
