@@ -173,6 +173,13 @@ def test_a_repeat_of_a_message_that_landed_leaves_the_update_and_the_group_whole
         assert engine.weight_update.complete
         assert engine.finish_weight_update(weight_version=1) is True  # applied
         assert engine.weight_version == 1 and not engine.weights.holds_generation
+        # The same send_id in the next update (a client that keeps one), the trainer silent:
+        # refused as a repeat too, and then the update's message that never came.
+        engine.start_weight_update()
+        with pytest.raises(DuplicateMessageError):
+            engine.update_weights({"update_info": first})
+        assert engine.finish_weight_update(weight_version=9) is False  # ended unapplied
+        assert engine.weight_version == 1
         second = WeightTransferUpdateInfo.from_named_tensors(
             policy.named_weights(), weight_version=2
         ).to_dict()  # over the same group: it stayed usable

@@ -399,3 +399,18 @@ def test_a_repeat_of_the_message_received_last_never_answers_the_next_update():
     assert "the trainer sends another one now (update #2)" in str(repeat)
     assert Side(lambda: handshake.join(B, SPECS, by_id=True)).outcome() is None
     assert sending.outcome() is None
+
+
+def test_a_repeat_is_told_apart_after_updates_that_went_without_the_worker():
+    """Update 1 went; the trainer then refused its own update 2 (another send): a repeat of
+    update 1's message, with no update after, is still a repeat."""
+    _, trainer, (worker,) = groups()
+    handshake = WorkerHandshake(worker)
+    sending = trainer_side(trainer, 1, A)
+    assert Side(lambda: handshake.join(A, SPECS, by_id=True)).outcome() is None
+    assert sending.outcome() is None
+    refused = trainer_side(trainer, 2, B, problem=WeightValidationError("the trainer's own"))
+    assert isinstance(refused.outcome(), WeightValidationError)
+    worker.timeout_s = 0.2
+    with pytest.raises(DuplicateMessageError, match=r"repeat of update #1's"):
+        handshake.join(A, SPECS, by_id=True)

@@ -200,6 +200,13 @@ _MAX_LABEL_CHARS = 256
 _MAX_LABEL_INT = 2**63  # an int label fits in a signed 64-bit integer, as a count of updates does
 
 
+def _repeats_landed(exc: WeightSyncError, txn: _Transaction, names: list[str]) -> bool:
+    """Whether `exc` refused a repeat of a message whose weights `txn` landed already."""
+    # A repeat of an earlier update's message (a client that keeps one send_id) is refused too,
+    # and is then the open update's message that did not come: the finish must not apply it.
+    return isinstance(exc, DuplicateMessageError) and set(names) <= txn.landed
+
+
 def _check_label(value: object, *, param: str) -> None:
     """Refuses a version label that is not a short string or a 64-bit int."""
     if isinstance(value, str) and len(value) <= _MAX_LABEL_CHARS:
@@ -755,8 +762,8 @@ class LiveWeights:
         except WeightValidationError as exc:
             if not txn.explicit and not txn.announced:
                 self._close()  # an implicit transaction that never began
-            elif info.opens_update and not isinstance(exc, DuplicateMessageError):
-                self._note_refusal(exc)  # a repeat of a message received already is not one
+            elif info.opens_update and not _repeats_landed(exc, txn, names):
+                self._note_refusal(exc)
             raise
         except WeightTransferError as exc:
             if exc.partially_applied:

@@ -487,8 +487,8 @@ class _WorkerHandshake:
         try:
             return self._wait(_update_key(n), deadline, "no update of the trainer's arrived")
         except WeightTransferTimeout as exc:
-            if by_id and n == self._went + 1 and send == self._went_send:
-                silent = f"the trainer announced no update in {self._group.timeout_s:g} s"
+            if by_id and send == self._went_send:  # later updates, if any, went without it
+                silent = f"no update of the trainer's came for it in {self._group.timeout_s:g} s"
                 raise self._repeat(f"{silent} (timeout_s)") from None
             raise _NotAnnounced(str(exc)) from None
 
