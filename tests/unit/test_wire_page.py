@@ -127,9 +127,9 @@ class _NoteTakingGroup:
     """A rank's end of a group that only notes what it is told to write."""
 
     def __init__(self, rank: int) -> None:
-        self.rank, self.written, self.closed = rank, {}, False
+        self.rank, self.written, self.closed, self.timeout_s = rank, {}, False, 5.0
 
-    def set(self, key: str, value: Any) -> None:
+    def set(self, key: str, value: Any, limit_s: float | None = None) -> None:
         self.written[key] = value
 
     def close(self) -> None:
